@@ -1,0 +1,1 @@
+"""Data: Megatron-compatible indexed datasets, sample/blending indices, packing."""

@@ -1,0 +1,334 @@
+"""Every collective and point-to-point transfer Tessel makes, with a per-rank byte ledger.
+
+All communication goes through this module so that it is visible and countable. A :class:`Group`
+wraps one torch process group together with the name of the mesh axis it spans (``"tp"``,
+``"dp"``, ...) and the :class:`Ledger` of the process. Each call appends a :class:`CommRecord`.
+
+Cost model (per rank, bytes; ``p`` = group size, ``N`` = bytes of the tensor passed in):
+
+=================  ===========================  =====================================
+op                 sent                         received
+=================  ===========================  =====================================
+all_reduce         2 (p-1) N / p                2 (p-1) N / p        (ring: RS + AG)
+all_gather         (p-1) N      (N = shard)     (p-1) N
+reduce_scatter     (p-1) N / p  (N = full)      (p-1) N / p
+all_to_all         N - own chunk                output bytes - own chunk
+broadcast          N unless last in the ring    N unless the source
+send / recv        N / 0                        0 / N
+=================  ===========================  =====================================
+
+These are the bandwidth terms of the ring algorithms (Patarasuk & Yuan; NCCL's "bus bandwidth").
+Groups of size 1 never communicate and record nothing. ``payload_bytes`` is always ``N``.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    op: str
+    axis: str
+    group_size: int
+    payload_bytes: int
+    sent_bytes: float
+    recv_bytes: float
+    dtype: str
+
+
+@dataclass
+class Ledger:
+    """Append-only log of this rank's communication. Owned by the mesh; one per process."""
+
+    records: list[CommRecord] = field(default_factory=list)
+    enabled: bool = True
+
+    def add(self, rec: CommRecord) -> None:
+        if self.enabled:
+            self.records.append(rec)
+
+    def reset(self) -> None:
+        self.records.clear()
+
+    def select(self, *, op: str | None = None, axis: str | None = None) -> list[CommRecord]:
+        return [r for r in self.records
+                if (op is None or r.op == op) and (axis is None or r.axis == axis)]
+
+    def total(self, what: str = "sent_bytes", *, op: str | None = None, axis: str | None = None) -> float:
+        """Sum of ``what`` ("sent_bytes", "recv_bytes" or "payload_bytes") over matching records."""
+        if what not in ("sent_bytes", "recv_bytes", "payload_bytes"):
+            raise ValueError(f"what={what!r}: use 'sent_bytes', 'recv_bytes' or 'payload_bytes'")
+        return sum(getattr(r, what) for r in self.select(op=op, axis=axis))
+
+    def count(self, *, op: str | None = None, axis: str | None = None) -> int:
+        return len(self.select(op=op, axis=axis))
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Yield a fresh Ledger that receives this ledger's records made inside the block."""
+        start = len(self.records)
+        view = Ledger()
+        try:
+            yield view
+        finally:
+            view.records.extend(self.records[start:])
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """{"op@axis": {"calls", "payload_bytes", "sent_bytes", "recv_bytes"}} for logging."""
+        out: dict[str, dict[str, float]] = {}
+        for r in self.records:
+            d = out.setdefault(f"{r.op}@{r.axis}", {"calls": 0, "payload_bytes": 0, "sent_bytes": 0.0,
+                                                     "recv_bytes": 0.0})
+            d["calls"] += 1
+            d["payload_bytes"] += r.payload_bytes
+            d["sent_bytes"] += r.sent_bytes
+            d["recv_bytes"] += r.recv_bytes
+        return out
+
+
+class Group:
+    """A process group over one mesh axis (or a combination such as ``"dp_cp"``).
+
+    ``ranks`` are the global ranks in group order; ``rank`` is this process's index in it.
+    A group of size 1 needs no torch process group (``pg=None``) and never communicates, so
+    single-process code runs without ``torch.distributed`` being initialised.
+    """
+
+    def __init__(self, *, axis: str, ranks: Sequence[int], rank: int, pg, ledger: Ledger):
+        if rank not in range(len(ranks)):
+            raise ValueError(f"group {axis}: rank {rank} not in 0..{len(ranks) - 1}")
+        if len(ranks) > 1 and pg is None:
+            raise ValueError(f"group {axis} of size {len(ranks)} needs a torch process group")
+        self.axis = axis
+        self.ranks = tuple(int(r) for r in ranks)
+        self.rank = rank
+        self.size = len(self.ranks)
+        self.pg = pg
+        self.ledger = ledger
+
+    @classmethod
+    def trivial(cls, axis: str, *, ledger: Ledger | None = None, global_rank: int = 0) -> "Group":
+        """A size-1 group: every collective is the identity."""
+        return cls(axis=axis, ranks=(global_rank,), rank=0, pg=None, ledger=ledger or Ledger())
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
+
+    def __repr__(self) -> str:
+        return f"Group({self.axis}, rank {self.rank}/{self.size}, ranks={list(self.ranks)})"
+
+
+# torch >= 2.13 renamed the flat-tensor collectives; the GPU image (torch 2.11) has only the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _record(group: Group, op: str, payload: int, sent: float, recv: float, dtype) -> None:
+    group.ledger.add(CommRecord(op=op, axis=group.axis, group_size=group.size, payload_bytes=payload,
+                                sent_bytes=float(sent), recv_bytes=float(recv), dtype=str(dtype)))
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+               "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT}
+
+
+def _reduce_op(op: str):
+    try:
+        return _REDUCE_OPS[op]
+    except KeyError:
+        raise ValueError(f"reduce op {op!r} unknown; use one of {sorted(_REDUCE_OPS)}") from None
+
+
+class _Done:
+    """Completed work handle for size-1 groups, so callers can always ``.wait()``."""
+
+    def wait(self):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def all_reduce(t: torch.Tensor, group: Group, *, op: str = "sum", async_op: bool = False):
+    """In-place all-reduce of ``t`` over ``group``. Returns a work handle if ``async_op``."""
+    if group.size == 1:
+        return _Done() if async_op else None
+    rop = _reduce_op(op)
+    if op == "avg" and dist.get_backend(group.pg) == "gloo":
+        # gloo has no AVG: sum then divide (same bytes on the wire).
+        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group.pg, async_op=async_op)
+        if async_op:
+            work.wait()
+        t.div_(group.size)
+        work = _Done() if async_op else None
+    else:
+        work = dist.all_reduce(t, op=rop, group=group.pg, async_op=async_op)
+    n = _nbytes(t)
+    p = group.size
+    _record(group, "all_reduce", n, 2 * (p - 1) * n / p, 2 * (p - 1) * n / p, t.dtype)
+    return work
+
+
+def all_gather(t: torch.Tensor, group: Group, *, dim: int = 0, async_op: bool = False):
+    """Concatenate every rank's ``t`` along ``dim`` (rank order). Returns the gathered tensor.
+
+    With ``async_op`` returns ``(tensor, work)``; the tensor is valid after ``work.wait()``
+    (only ``dim=0`` supports async).
+    """
+    if group.size == 1:
+        return (t, _Done()) if async_op else t
+    p = group.size
+    t = t.contiguous()
+    n = _nbytes(t)
+    dim = dim % t.dim()
+    out_shape = list(t.shape)
+    out_shape[0] *= p
+    if dim == 0:
+        out = torch.empty(out_shape, dtype=t.dtype, device=t.device)
+        work = _all_gather_flat(out, t, group=group.pg, async_op=async_op)
+        _record(group, "all_gather", n, (p - 1) * n, (p - 1) * n, t.dtype)
+        return (out, work) if async_op else out
+    if async_op:
+        raise ValueError("all_gather(async_op=True) supports dim=0 only; gather dim 0 and move the dim after wait()")
+    # Gather along dim 0 (contiguous, one call), then move rank chunks to `dim`.
+    flat = torch.empty(out_shape, dtype=t.dtype, device=t.device)  # (p*d0, ...)
+    _all_gather_flat(flat, t, group=group.pg)
+    _record(group, "all_gather", n, (p - 1) * n, (p - 1) * n, t.dtype)
+    return torch.cat(flat.chunk(p, dim=0), dim=dim)
+
+
+def reduce_scatter(t: torch.Tensor, group: Group, *, dim: int = 0, op: str = "sum", async_op: bool = False):
+    """Reduce ``t`` over ``group`` and return this rank's 1/p slice along ``dim``.
+
+    ``t.shape[dim]`` must be divisible by the group size. With ``async_op`` returns ``(tensor, work)``
+    (``dim=0`` only).
+    """
+    if group.size == 1:
+        return (t, _Done()) if async_op else t
+    p = group.size
+    dim = dim % t.dim()
+    if t.shape[dim] % p:
+        raise ValueError(f"reduce_scatter over {group.axis}: dim {dim} of size {t.shape[dim]} "
+                         f"is not divisible by the group size {p}")
+    if dim != 0:
+        if async_op:
+            raise ValueError("reduce_scatter(async_op=True) supports dim=0 only")
+        # Stack the p chunks along dim 0: (p*d0, ..., D/p, ...); rank r's result is then block r,
+        # which already has the per-rank shape (d0, ..., D/p, ...).
+        t = torch.cat(t.chunk(p, dim=dim), dim=0)
+    t = t.contiguous()
+    n = _nbytes(t)
+    out_shape = list(t.shape)
+    out_shape[0] //= p
+    out = torch.empty(out_shape, dtype=t.dtype, device=t.device)
+    work = _reduce_scatter_flat(out, t, op=_reduce_op(op), group=group.pg, async_op=async_op)
+    _record(group, "reduce_scatter", n, (p - 1) * n / p, (p - 1) * n / p, t.dtype)
+    return (out, work) if async_op else out
+
+
+def all_to_all(t: torch.Tensor, group: Group, *, output_split_sizes: list[int] | None = None,
+               input_split_sizes: list[int] | None = None, async_op: bool = False):
+    """All-to-all along dim 0. Equal splits by default (dim 0 divisible by p). Returns the output."""
+    if group.size == 1:
+        return (t, _Done()) if async_op else t
+    p = group.size
+    t = t.contiguous()
+    if input_split_sizes is None:
+        if t.shape[0] % p:
+            raise ValueError(f"all_to_all over {group.axis}: dim 0 of size {t.shape[0]} not divisible by {p}; "
+                             "pass input_split_sizes/output_split_sizes")
+        in_splits = [t.shape[0] // p] * p
+    else:
+        in_splits = list(input_split_sizes)
+    out_splits = list(output_split_sizes) if output_split_sizes is not None else list(in_splits)
+    if len(in_splits) != p or len(out_splits) != p:
+        raise ValueError(f"all_to_all over {group.axis}: split sizes need {p} entries")
+    out = torch.empty([sum(out_splits), *t.shape[1:]], dtype=t.dtype, device=t.device)
+    work = dist.all_to_all_single(out, t, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                                  group=group.pg, async_op=async_op)
+    inner = t.element_size() * math.prod(t.shape[1:])  # bytes per dim-0 row
+    me = group.rank
+    sent = (sum(in_splits) - in_splits[me]) * inner
+    recv = (sum(out_splits) - out_splits[me]) * inner
+    _record(group, "all_to_all", _nbytes(t), sent, recv, t.dtype)
+    return (out, work) if async_op else out
+
+
+def broadcast(t: torch.Tensor, group: Group, *, src: int = 0, async_op: bool = False):
+    """In-place broadcast from group rank ``src``."""
+    if group.size == 1:
+        return _Done() if async_op else None
+    if src not in range(group.size):
+        raise ValueError(f"broadcast over {group.axis}: src={src} not in 0..{group.size - 1}")
+    work = dist.broadcast(t, src=group.global_rank(src), group=group.pg, async_op=async_op)
+    n = _nbytes(t)
+    p = group.size
+    pos = (group.rank - src) % p  # position in the ring starting at src
+    _record(group, "broadcast", n, n if pos != p - 1 else 0, n if pos != 0 else 0, t.dtype)
+    return work
+
+
+def send(t: torch.Tensor, group: Group, *, dst: int) -> None:
+    """Blocking send to group rank ``dst``."""
+    _check_peer(group, dst, "dst")
+    dist.send(t.contiguous(), dst=group.global_rank(dst), group=group.pg)
+    _record(group, "send", _nbytes(t), _nbytes(t), 0, t.dtype)
+
+
+def recv(t: torch.Tensor, group: Group, *, src: int) -> torch.Tensor:
+    """Blocking receive into ``t`` from group rank ``src``; returns ``t``."""
+    _check_peer(group, src, "src")
+    dist.recv(t, src=group.global_rank(src), group=group.pg)
+    _record(group, "recv", _nbytes(t), 0, _nbytes(t), t.dtype)
+    return t
+
+
+@dataclass(frozen=True)
+class P2P:
+    """One point-to-point operation for :func:`batch_p2p`: ``kind`` is "send" or "recv"."""
+
+    kind: str
+    tensor: torch.Tensor
+    peer: int  # group rank
+
+
+def batch_p2p(ops: Iterable[P2P], group: Group) -> list:
+    """Launch sends/receives together (``batch_isend_irecv``); returns the work handles to wait on."""
+    ops = list(ops)
+    if not ops:
+        return []
+    p2p = []
+    for o in ops:
+        _check_peer(group, o.peer, "peer")
+        if o.kind == "send":
+            p2p.append(dist.P2POp(dist.isend, o.tensor, group.global_rank(o.peer), group=group.pg))
+            _record(group, "send", _nbytes(o.tensor), _nbytes(o.tensor), 0, o.tensor.dtype)
+        elif o.kind == "recv":
+            p2p.append(dist.P2POp(dist.irecv, o.tensor, group.global_rank(o.peer), group=group.pg))
+            _record(group, "recv", _nbytes(o.tensor), 0, _nbytes(o.tensor), o.tensor.dtype)
+        else:
+            raise ValueError(f"P2P kind {o.kind!r}: use 'send' or 'recv'")
+    return dist.batch_isend_irecv(p2p)
+
+
+def _check_peer(group: Group, peer: int, name: str) -> None:
+    if group.size == 1:
+        raise ValueError(f"point-to-point over {group.axis}: the group has one rank, there is no peer")
+    if peer not in range(group.size) or peer == group.rank:
+        raise ValueError(f"point-to-point over {group.axis}: {name}={peer} must be another rank in "
+                         f"0..{group.size - 1} (this rank is {group.rank})")
+
+
+def barrier(group: Group) -> None:
+    if group.size > 1:
+        dist.barrier(group=group.pg)

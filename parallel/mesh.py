@@ -1,0 +1,260 @@
+"""The process mesh: parallel degrees, each rank's coordinates, and the process group of every axis.
+
+One :class:`Mesh` is built at start-up from :class:`ParallelDims` and passed explicitly to
+everything that communicates. Global ranks are laid out by ``order`` (outermost axis first;
+the default ``"dp-pp-cp-tp"`` puts tp innermost, so a TP group is consecutive ranks — one node's
+NVLink domain on a GPU cluster).
+
+Groups provided (all :class:`parallel.comm.Group`, sharing the mesh's :class:`Ledger`):
+
+* ``tp``, ``pp``, ``dp``, ``cp``: ranks that differ only along that axis.
+* ``dp_cp``: ranks that differ along dp and cp — the gradient-reduction group once CP lands.
+* ``tp_cp``: ranks that differ along tp and cp (sequence is sharded over both).
+* ``embedding``: first and last pipeline stage of this rank's pipeline (tied embedding /
+  lm-head gradients are all-reduced over it); just this rank when pp == 1.
+* ``ep`` and ``edp``: expert parallelism carves ``ep`` out of dp: the dp ranks are split into
+  blocks of ``ep`` consecutive dp indices (``ep`` group), and ``edp`` links the ranks with the same
+  position in every block (expert-data-parallel gradient reduction).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from parallel.comm import Group, Ledger
+
+AXES = ("dp", "pp", "cp", "tp")
+DEFAULT_ORDER = "dp-pp-cp-tp"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """Parallel degrees. ``ep`` divides ``dp`` (experts are sharded inside the data-parallel ranks)."""
+
+    dp: int = 1
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    def __post_init__(self):
+        for name in ("dp", "pp", "cp", "tp", "ep"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"parallel.{name}={v!r}: parallel degrees must be integers >= 1")
+        if self.dp % self.ep:
+            raise ValueError(f"parallel.ep={self.ep} must divide parallel.dp={self.dp} "
+                             "(expert parallelism shards experts across data-parallel ranks)")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.cp * self.tp
+
+    @classmethod
+    def for_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                  dp: int = -1) -> "ParallelDims":
+        """Degrees for ``world_size`` ranks, inferring dp when ``dp == -1``; clear error on mismatch."""
+        for name, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"parallel.{name}={v!r}: parallel degrees must be integers >= 1")
+        model = tp * pp * cp
+        if dp == -1:
+            if world_size % model:
+                raise ValueError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {model}; "
+                                 f"launch a multiple of {model} processes or change the degrees")
+            dp = world_size // model
+        dims = cls(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep)
+        if dims.world_size != world_size:
+            raise ValueError(f"dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp} = {dims.world_size} does not equal the world "
+                             f"size {world_size}; launch {dims.world_size} processes (torchrun --nproc-per-node) "
+                             "or change the degrees (set parallel.dp=-1 to infer dp)")
+        return dims
+
+
+def _parse_order(order: str) -> tuple[str, ...]:
+    axes = tuple(a.strip() for a in order.split("-"))
+    if sorted(axes) != sorted(AXES):
+        raise ValueError(f"parallel.order={order!r} must be a permutation of {'-'.join(AXES)} "
+                         f"(outermost first), e.g. {DEFAULT_ORDER!r}")
+    return axes
+
+
+class Mesh:
+    """Coordinates and groups of this rank. Build with :meth:`build` (collective) or :meth:`single`."""
+
+    def __init__(self, dims: ParallelDims, *, rank: int, order: str = DEFAULT_ORDER,
+                 groups: dict[str, Group], ledger: Ledger):
+        self.dims = dims
+        self.rank = rank
+        self.order = _parse_order(order)
+        self.ledger = ledger
+        self._groups = groups
+        self.coords = coords_of(rank, dims, order)
+
+    # -- construction --------------------------------------------------------------------------
+    @classmethod
+    def single(cls) -> "Mesh":
+        """The 1-rank mesh: every group trivial; torch.distributed need not be initialised."""
+        dims = ParallelDims()
+        ledger = Ledger()
+        groups = {name: Group.trivial(name, ledger=ledger) for name in _GROUP_AXES}
+        return cls(dims, rank=0, groups=groups, ledger=ledger)
+
+    @classmethod
+    def build(cls, dims: ParallelDims, *, order: str = DEFAULT_ORDER) -> "Mesh":
+        """Create every group (a collective call: all ranks must call it with the same arguments)."""
+        if not dist.is_initialized():
+            if dims.world_size == 1:
+                return cls.single()
+            raise ValueError(f"torch.distributed is not initialised but the mesh needs {dims.world_size} ranks; "
+                             "launch with torchrun or call parallel.mesh.init_distributed() first")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if dims.world_size != world:
+            raise ValueError(f"dp*pp*cp*tp = {dims.dp}*{dims.pp}*{dims.cp}*{dims.tp} = {dims.world_size} does not "
+                             f"equal the world size {world}; launch {dims.world_size} processes or change the degrees")
+        _parse_order(order)
+        ledger = Ledger()
+        groups: dict[str, Group] = {}
+        made: dict[tuple[int, ...], object] = {}  # identical rank lists share one process group
+        for name in _GROUP_AXES:
+            for ranks in group_rank_lists(name, dims, order):
+                # new_group is collective over the whole world: every rank creates every group,
+                # in the same order.
+                key = tuple(ranks)
+                if len(ranks) > 1 and key not in made:
+                    made[key] = dist.new_group(ranks)
+                pg = made.get(key)
+                if rank in ranks:
+                    groups[name] = Group(axis=name, ranks=ranks, rank=ranks.index(rank), pg=pg, ledger=ledger)
+        return cls(dims, rank=rank, order=order, groups=groups, ledger=ledger)
+
+    # -- access ----------------------------------------------------------------------------------
+    def group(self, name: str) -> Group:
+        try:
+            return self._groups[name]
+        except KeyError:
+            raise ValueError(f"no group {name!r}; the mesh has {sorted(self._groups)}") from None
+
+    def __getattr__(self, name: str) -> Group:
+        groups = self.__dict__.get("_groups")
+        if groups is not None and name in groups:
+            return groups[name]
+        raise AttributeError(name)
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords["pp"] == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords["pp"] == self.dims.pp - 1
+
+    def __repr__(self) -> str:
+        c = ", ".join(f"{a}={self.coords[a]}/{getattr(self.dims, a)}" for a in self.order)
+        return f"Mesh(rank {self.rank}: {c})"
+
+
+_GROUP_AXES = ("tp", "pp", "dp", "cp", "dp_cp", "tp_cp", "embedding", "ep", "edp")
+
+
+def _strides(dims: ParallelDims, order: str) -> dict[str, int]:
+    axes = _parse_order(order)
+    strides, s = {}, 1
+    for a in reversed(axes):
+        strides[a] = s
+        s *= getattr(dims, a)
+    return strides
+
+
+def coords_of(rank: int, dims: ParallelDims, order: str = DEFAULT_ORDER) -> dict[str, int]:
+    """Mesh coordinates of a global rank (plus derived ``ep``/``edp`` indices)."""
+    if rank not in range(dims.world_size):
+        raise ValueError(f"rank {rank} outside the world of {dims.world_size}")
+    st = _strides(dims, order)
+    c = {a: (rank // st[a]) % getattr(dims, a) for a in AXES}
+    c["ep"] = c["dp"] % dims.ep
+    c["edp"] = c["dp"] // dims.ep
+    return c
+
+
+def rank_of(coords: dict[str, int], dims: ParallelDims, order: str = DEFAULT_ORDER) -> int:
+    st = _strides(dims, order)
+    return sum(coords[a] * st[a] for a in AXES)
+
+
+def group_rank_lists(name: str, dims: ParallelDims, order: str = DEFAULT_ORDER) -> list[list[int]]:
+    """Every group of kind ``name`` as a list of global ranks (each list in group-rank order)."""
+    if name in AXES:
+        varying = (name,)
+    elif name == "dp_cp":
+        varying = ("dp", "cp")
+    elif name == "tp_cp":
+        varying = ("cp", "tp")
+    elif name in ("embedding", "ep", "edp"):
+        varying = ()
+    else:
+        raise ValueError(f"unknown group kind {name!r}; known: {_GROUP_AXES}")
+    fixed = [a for a in AXES if a not in varying]
+    out: list[list[int]] = []
+    if name == "embedding":
+        for combo in itertools.product(*(range(getattr(dims, a)) for a in ("dp", "cp", "tp"))):
+            c = dict(zip(("dp", "cp", "tp"), combo))
+            stages = sorted({0, dims.pp - 1})
+            out.append([rank_of({**c, "pp": s}, dims, order) for s in stages])
+        return out
+    if name in ("ep", "edp"):
+        for combo in itertools.product(*(range(getattr(dims, a)) for a in ("pp", "cp", "tp"))):
+            c = dict(zip(("pp", "cp", "tp"), combo))
+            n_blocks = dims.dp // dims.ep
+            if name == "ep":
+                for blk in range(n_blocks):
+                    out.append([rank_of({**c, "dp": blk * dims.ep + i}, dims, order) for i in range(dims.ep)])
+            else:
+                for i in range(dims.ep):
+                    out.append([rank_of({**c, "dp": blk * dims.ep + i}, dims, order) for blk in range(n_blocks)])
+        return out
+    for combo in itertools.product(*(range(getattr(dims, a)) for a in fixed)):
+        c = dict(zip(fixed, combo))
+        ranks = []
+        # Outer varying axis first, so group rank = dp_index * cp + cp_index for dp_cp.
+        for vcombo in itertools.product(*(range(getattr(dims, a)) for a in varying)):
+            ranks.append(rank_of({**c, **dict(zip(varying, vcombo))}, dims, order))
+        out.append(ranks)
+    return out
+
+
+def init_distributed(*, backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int]:
+    """Initialise torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
+
+    Picks nccl when CUDA is available and gloo otherwise, and binds each rank to its local GPU.
+    Returns (rank, world_size). A single process without torchrun's variables stays uninitialised.
+    """
+    import datetime
+
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return 0, 1
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def num_groups(name: str, dims: ParallelDims) -> int:
+    """How many groups of kind ``name`` exist (for tests and sanity checks)."""
+    return len(group_rank_lists(name, dims))
+
+
+__all__ = ["AXES", "DEFAULT_ORDER", "ParallelDims", "Mesh", "coords_of", "rank_of", "group_rank_lists",
+           "init_distributed", "num_groups"]

@@ -1,0 +1,114 @@
+"""Run a function on N ranks in spawned processes: the harness every distributed test uses.
+
+``run_distributed(fn, world_size, *args, **kwargs)`` spawns ``world_size`` processes, initialises
+``torch.distributed`` in each (gloo by default, ``file://`` rendezvous in a fresh temporary file),
+calls ``fn(*args, **kwargs)`` and returns the per-rank results as a list indexed by rank.
+
+* A child's exception is re-raised in the parent as :class:`DistributedError`, carrying the
+  failing rank and its full traceback text; the other ranks are killed at once.
+* After ``timeout`` seconds everything still alive is killed and :class:`DistributedTimeout`
+  names the ranks that had not finished, so no test can hang CI.
+* ``fn`` must be picklable by reference (a module-level function) and so must its arguments
+  and return value.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+class DistributedError(RuntimeError):
+    """A rank raised. ``rank`` and ``remote_traceback`` describe the first failure seen."""
+
+    def __init__(self, rank: int, remote_traceback: str):
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        super().__init__(f"rank {rank} failed:\n{remote_traceback}")
+
+
+class DistributedTimeout(TimeoutError):
+    def __init__(self, timeout: float, pending: list[int]):
+        self.pending = pending
+        super().__init__(f"distributed run exceeded {timeout:.0f} s; ranks {pending} had not finished "
+                         "and were killed")
+
+
+def _child(rank: int, world_size: int, init_file: str, backend: str, threads: int, fn, args, kwargs, results):
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(threads)
+        dist.init_process_group(backend=backend, init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=300))
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            # Best effort: ranks finish at different times; destroy is local.
+            dist.destroy_process_group()
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, "err", traceback.format_exc()))
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout: float = 120.0,
+                    backend: str = "gloo", threads_per_rank: int = 1, **kwargs) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the results by rank."""
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    fd, init_file = tempfile.mkstemp(prefix="tessel_rdzv_")
+    os.close(fd)
+    os.unlink(init_file)  # the file store creates it; a stale file would confuse the rendezvous
+    procs = []
+    try:
+        for rank in range(world_size):
+            p = ctx.Process(target=_child, args=(rank, world_size, init_file, backend, threads_per_rank,
+                                                 fn, args, kwargs, results), daemon=True)
+            p.start()
+            procs.append(p)
+        done: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(done) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DistributedTimeout(timeout, sorted(set(range(world_size)) - set(done)))
+            try:
+                rank, status, payload = results.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
+                        and r not in done]
+                if dead:
+                    # A rank died without reporting (segfault, os._exit, SIGKILL): drain once more.
+                    try:
+                        rank, status, payload = results.get(timeout=1.0)
+                    except queue.Empty:
+                        r = dead[0]
+                        raise DistributedError(r, f"process exited with code {procs[r].exitcode} "
+                                                  "without reporting a result") from None
+                else:
+                    continue
+            if status == "err":
+                raise DistributedError(rank, payload)
+            done[rank] = payload
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+        return [done[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+        results.close()
+        if os.path.exists(init_file):
+            os.unlink(init_file)

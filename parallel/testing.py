@@ -49,14 +49,28 @@ def _child(rank: int, world_size: int, init_file: str, backend: str, threads: in
         torch.set_num_threads(threads)
         dist.init_process_group(backend=backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=300))
-        try:
-            out = fn(*args, **kwargs)
-        finally:
-            # Best effort: ranks finish at different times; destroy is local.
-            dist.destroy_process_group()
-        results.put((rank, "ok", out))
+        out = fn(*args, **kwargs)
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        # Report before tearing the group down: peers notice the teardown and fail too, and the
+        # parent should see the root cause first.
         results.put((rank, "err", traceback.format_exc()))
+        return
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    results.put((rank, "ok", out))
+
+
+# Errors that are usually a consequence of another rank failing, not a root cause.
+_SECONDARY = ("Connection closed by peer", "remote worker", "Connection reset by peer", "DistBackendError",
+              "Broken pipe")
+
+
+def _pick_root_cause(errors: list[tuple[int, str]]) -> tuple[int, str]:
+    for rank, tb in errors:
+        if not any(marker in tb for marker in _SECONDARY):
+            return rank, tb
+    return errors[0]
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout: float = 120.0,
@@ -98,7 +112,16 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout: flo
                 else:
                     continue
             if status == "err":
-                raise DistributedError(rank, payload)
+                errors = [(rank, payload)]
+                grace = time.monotonic() + 2.0  # collect near-simultaneous failures, report the root one
+                while time.monotonic() < grace:
+                    try:
+                        r2, s2, p2 = results.get(timeout=0.2)
+                    except queue.Empty:
+                        continue
+                    if s2 == "err":
+                        errors.append((r2, p2))
+                raise DistributedError(*_pick_root_cause(errors))
             done[rank] = payload
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))

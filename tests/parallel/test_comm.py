@@ -1,0 +1,157 @@
+"""Ledger assertions for every collective at 2 and 4 ranks, checked against the ring cost model,
+plus the values the collectives compute (so the ledger cannot drift from what actually moved)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel import comm
+from parallel.comm import Group, Ledger
+from parallel.testing import run_distributed
+
+
+def _world_group(ledger):
+    p, r = dist.get_world_size(), dist.get_rank()
+    return Group(axis="world", ranks=list(range(p)), rank=r, pg=dist.group.WORLD, ledger=ledger)
+
+
+def _exercise_all():
+    """Run each op once on fp32 tensors of known size; return values and the ledger records."""
+    ledger = Ledger()
+    g = _world_group(ledger)
+    p, r = g.size, g.rank
+    out = {}
+
+    t = torch.full((12,), float(r + 1))
+    comm.all_reduce(t, g)
+    out["all_reduce"] = t.tolist()
+
+    gathered = comm.all_gather(torch.full((3, 2), float(r)), g, dim=0)
+    out["all_gather"] = gathered[:, 0].tolist()
+    gathered1 = comm.all_gather(torch.full((2, 3), float(r)), g, dim=1)
+    out["all_gather_dim1"] = gathered1[0].tolist()
+
+    rs = comm.reduce_scatter(torch.arange(4 * p * 2, dtype=torch.float32).reshape(4 * p, 2), g, dim=0)
+    out["reduce_scatter"] = rs.flatten().tolist()
+    rs1 = comm.reduce_scatter(torch.arange(2 * 4 * p, dtype=torch.float32).reshape(2, 4 * p), g, dim=1)
+    out["reduce_scatter_dim1"] = rs1.tolist()
+
+    a2a = comm.all_to_all(torch.arange(2 * p, dtype=torch.float32) + 100 * r, g)
+    out["all_to_all"] = a2a.tolist()
+
+    b = torch.full((5,), float(r))
+    comm.broadcast(b, g, src=1)
+    out["broadcast"] = b.tolist()
+
+    # ring of blocking send/recv: even ranks send first to avoid deadlock
+    x = torch.full((7,), float(r))
+    y = torch.empty(7)
+    nxt, prv = (r + 1) % p, (r - 1) % p
+    if r % 2 == 0:
+        comm.send(x, g, dst=nxt)
+        comm.recv(y, g, src=prv)
+    else:
+        comm.recv(y, g, src=prv)
+        comm.send(x, g, dst=nxt)
+    out["sendrecv"] = y.tolist()
+
+    z = torch.empty(6, dtype=torch.float64)
+    works = comm.batch_p2p([comm.P2P("send", torch.full((6,), float(r), dtype=torch.float64), nxt),
+                            comm.P2P("recv", z, prv)], g)
+    for w in works:
+        w.wait()
+    out["batch_p2p"] = z.tolist()
+
+    out["records"] = [(rec.op, rec.axis, rec.group_size, rec.payload_bytes, rec.sent_bytes, rec.recv_bytes)
+                      for rec in ledger.records]
+    return out
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_ledger_and_values(p):
+    results = run_distributed(_exercise_all, p)
+    for r, out in enumerate(results):
+        assert out["all_reduce"] == [float(sum(range(1, p + 1)))] * 12
+        assert out["all_gather"] == [float(i) for i in range(p) for _ in range(3)]
+        assert out["all_gather_dim1"] == [float(i) for i in range(p) for _ in range(3)]
+        full = torch.arange(4 * p * 2, dtype=torch.float32).reshape(4 * p, 2) * p
+        assert out["reduce_scatter"] == full[4 * r:4 * (r + 1)].flatten().tolist()
+        full1 = torch.arange(2 * 4 * p, dtype=torch.float32).reshape(2, 4 * p) * p
+        assert out["reduce_scatter_dim1"] == full1[:, 4 * r:4 * (r + 1)].tolist()
+        assert out["all_to_all"] == [float(100 * s + 2 * r + k) for s in range(p) for k in range(2)]
+        assert out["broadcast"] == [1.0] * 5
+        assert out["sendrecv"] == [float((r - 1) % p)] * 7
+        assert out["batch_p2p"] == [float((r - 1) % p)] * 6
+
+        f32, f64 = 4, 8
+        ring = (p - 1) / p
+        bcast_pos = (r - 1) % p
+        expected = [
+            ("all_reduce", "world", p, 12 * f32, 2 * ring * 12 * f32, 2 * ring * 12 * f32),
+            ("all_gather", "world", p, 6 * f32, (p - 1) * 6 * f32, (p - 1) * 6 * f32),
+            ("all_gather", "world", p, 6 * f32, (p - 1) * 6 * f32, (p - 1) * 6 * f32),
+            ("reduce_scatter", "world", p, 8 * p * f32, ring * 8 * p * f32, ring * 8 * p * f32),
+            ("reduce_scatter", "world", p, 8 * p * f32, ring * 8 * p * f32, ring * 8 * p * f32),
+            ("all_to_all", "world", p, 2 * p * f32, 2 * (p - 1) * f32, 2 * (p - 1) * f32),
+            ("broadcast", "world", p, 5 * f32, 0.0 if bcast_pos == p - 1 else 5.0 * f32,
+             0.0 if bcast_pos == 0 else 5.0 * f32),
+        ]
+        if r % 2 == 0:
+            expected += [("send", "world", p, 7 * f32, 7 * f32, 0.0), ("recv", "world", p, 7 * f32, 0.0, 7 * f32)]
+        else:
+            expected += [("recv", "world", p, 7 * f32, 0.0, 7 * f32), ("send", "world", p, 7 * f32, 7 * f32, 0.0)]
+        expected += [("send", "world", p, 6 * f64, 6 * f64, 0.0), ("recv", "world", p, 6 * f64, 0.0, 6 * f64)]
+        assert out["records"] == expected, f"rank {r}"
+
+
+def test_trivial_group_is_identity_and_silent():
+    ledger = Ledger()
+    g = Group.trivial("tp", ledger=ledger)
+    t = torch.arange(6.0)
+    comm.all_reduce(t, g)
+    assert torch.equal(comm.all_gather(t, g), t)
+    assert torch.equal(comm.reduce_scatter(t, g), t)
+    assert torch.equal(comm.all_to_all(t, g), t)
+    comm.broadcast(t, g)
+    assert ledger.records == []
+    with pytest.raises(ValueError, match="one rank, there is no peer"):
+        comm.send(t, g, dst=0)
+
+
+def test_ledger_queries_and_errors():
+    ledger = Ledger()
+    ledger.add(comm.CommRecord("all_reduce", "tp", 2, 100, 100.0, 100.0, "torch.float32"))
+    ledger.add(comm.CommRecord("all_gather", "dp", 2, 10, 10.0, 10.0, "torch.float32"))
+    assert ledger.total(axis="tp") == 100.0
+    assert ledger.total("payload_bytes") == 110
+    assert ledger.count(op="all_gather") == 1
+    with ledger.capture() as cap:
+        ledger.add(comm.CommRecord("send", "pp", 2, 4, 4.0, 0.0, "torch.float32"))
+    assert [r.op for r in cap.records] == ["send"]
+    assert ledger.summary()["all_reduce@tp"]["calls"] == 1
+    with pytest.raises(ValueError, match="use 'sent_bytes'"):
+        ledger.total("bytes")
+    with pytest.raises(ValueError, match="reduce op 'mean' unknown"):
+        comm._reduce_op("mean")
+
+
+def _bad_calls():
+    g = _world_group(Ledger())
+    errors = []
+    for call in (lambda: comm.reduce_scatter(torch.ones(3), g),
+                 lambda: comm.all_to_all(torch.ones(3), g),
+                 lambda: comm.broadcast(torch.ones(3), g, src=5),
+                 lambda: comm.send(torch.ones(3), g, dst=g.rank)):
+        try:
+            call()
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_bad_collective_arguments_are_clear_errors():
+    errs = run_distributed(_bad_calls, 2)[0]
+    assert "not divisible by the group size 2" in errs[0]
+    assert "not divisible by 2" in errs[1]
+    assert "src=5 not in 0..1" in errs[2]
+    assert "must be another rank" in errs[3]

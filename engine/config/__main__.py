@@ -1,0 +1,3 @@
+from engine.config.loader import main
+
+raise SystemExit(main())

@@ -1,0 +1,246 @@
+"""The root config ``TesselConfig``: sections, cross-section checks, world-size resolution, JSON.
+
+A ``TesselConfig`` is valid on construction: every section validates itself, then the root checks
+what spans sections (tp divides the heads, warmup fits in the steps, the sequence splits over cp
+and tp, ...). Checks that need the world size live in ``validate_world``; checks that need an
+architecture only known after models/ reads ``model.hf_config`` or ``model.preset`` can be rerun
+with ``check_architecture``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config._fields import coerce, unknown_key_error
+from engine.config.sections import (CheckpointConfig, DataConfig, LoggingConfig, ModelConfig,
+                                    OptimConfig, ParallelConfig, TrainConfig)
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "optim": OptimConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+# Provenance fields of the root: written to JSON, not settable from TOML or --set.
+METADATA = ("source", "overrides")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+@dataclass(kw_only=True, frozen=True)
+class TesselConfig:
+    """Everything one training run needs, validated. ``source`` is the TOML file it was loaded
+    from and ``overrides`` the ``--set`` strings applied on top (both recorded in the JSON).
+
+    Frozen, like its sections: the config a run uses is the one validated and written to JSON.
+    Derive variants with ``dataclasses.replace`` or ``with_world_size`` (both validate again).
+    """
+
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    source: str | None = None
+    overrides: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(f"TesselConfig.{name} must be a {cls.__name__}, got "
+                                 f"{type(getattr(self, name)).__name__}; build nested dicts with "
+                                 "TesselConfig.from_dict")
+        object.__setattr__(self, "source", coerce(self.source, str | None, name="source"))
+        object.__setattr__(self, "overrides", coerce(self.overrides, list[str], name="overrides"))
+        m = self.model
+        self.check_architecture(num_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+                                num_key_value_heads=m.num_key_value_heads,
+                                ffn_hidden_size=m.ffn_hidden_size,
+                                max_position_embeddings=m.max_position_embeddings)
+        self._check_schedule()
+        self._check_sequence_split()
+        self._check_batch()
+
+    # ----------------------------------------------------------------------------------------
+    # cross-section checks
+
+    def check_architecture(self, *, num_layers: int | None, num_attention_heads: int | None,
+                           num_key_value_heads: int | None, ffn_hidden_size: int | None,
+                           max_position_embeddings: int | None) -> None:
+        """Check that the parallel layout fits these sizes; ``None`` skips that check.
+
+        Run on construction with the explicit ``model`` fields; models/ calls it again with the
+        sizes it resolved from ``model.hf_config``/``model.preset``.
+        """
+        tp, pp, vp = self.parallel.tp, self.parallel.pp, self.parallel.vp
+        for key, value in (("num_attention_heads", num_attention_heads),
+                           ("num_key_value_heads", num_key_value_heads),
+                           ("ffn_hidden_size", ffn_hidden_size)):
+            if value is not None and value % tp:
+                raise ValueError(f"model.{key}={value} is not divisible by parallel.tp={tp} "
+                                 "(tensor parallelism splits it evenly); choose parallel.tp "
+                                 "among the common divisors of the model's heads, kv heads and "
+                                 f"ffn size, e.g. one of {_divisors(value)}")
+        layout = self.parallel.pipeline_layout
+        if num_layers is not None and layout is not None and sum(layout) != num_layers:
+            raise ValueError(f"parallel.pipeline_layout={layout} places {sum(layout)} layers but "
+                             f"model.num_layers={num_layers}; make the counts sum to {num_layers}")
+        if num_layers is not None and layout is None and num_layers % (pp * vp):
+            raise ValueError(f"model.num_layers={num_layers} is not divisible by parallel.pp*vp = "
+                             f"{pp}*{vp} = {pp * vp} stages; choose pp*vp among the divisors of "
+                             f"{num_layers} ({_divisors(num_layers)}) or give "
+                             "parallel.pipeline_layout explicitly")
+        seq = self.train.seq_length
+        if max_position_embeddings is not None and seq > max_position_embeddings:
+            raise ValueError(f"train.seq_length={seq} exceeds "
+                             f"model.max_position_embeddings={max_position_embeddings}; lower "
+                             "train.seq_length or raise model.max_position_embeddings")
+
+    def _check_schedule(self) -> None:
+        steps, optim = self.train.steps, self.optim
+        if optim.warmup_steps > steps:
+            raise ValueError(f"optim.warmup_steps={optim.warmup_steps} exceeds "
+                             f"train.steps={steps}; set optim.warmup_steps <= {steps}")
+        if optim.decay_style == "wsd":
+            decay = math.ceil(optim.wsd_decay_fraction * steps)
+            if optim.warmup_steps > steps - decay:
+                raise ValueError(f"optim.warmup_steps={optim.warmup_steps} runs into the WSD "
+                                 f"decay phase (the last {decay} of train.steps={steps}); set "
+                                 f"optim.warmup_steps <= {steps - decay} or lower "
+                                 "optim.wsd_decay_fraction")
+        if self.train.eval_interval > 0 and self.data.split_fractions()[1] == 0:
+            raise ValueError(f"train.eval_interval={self.train.eval_interval} but "
+                             f"data.split={self.data.split!r} has no validation part; give it one "
+                             "(e.g. '969,30,1') or set train.eval_interval=0")
+
+    def _check_sequence_split(self) -> None:
+        seq, cp, tp = self.train.seq_length, self.parallel.cp, self.parallel.tp
+        if cp > 1 and seq % (2 * cp):
+            raise ValueError(f"train.seq_length={seq} is not divisible by 2*parallel.cp = "
+                             f"{2 * cp} (context parallelism splits each sequence into 2*cp "
+                             f"chunks to balance causal attention); choose a multiple of {2 * cp}")
+        if self.parallel.sequence_parallel_active and (seq // cp) % tp:
+            raise ValueError(f"train.seq_length/parallel.cp = {seq // cp} tokens per rank is not "
+                             f"divisible by parallel.tp={tp} (sequence parallelism shards them "
+                             f"over tp); choose train.seq_length a multiple of {cp * tp} or set "
+                             "parallel.sequence_parallel=false")
+
+    def _check_batch(self) -> None:
+        train = self.train
+        per_step = train.global_batch_size * train.seq_length
+        if train.max_tokens is not None and train.max_tokens < per_step:
+            raise ValueError(f"train.max_tokens={train.max_tokens} is less than one step "
+                             f"(train.global_batch_size*seq_length = {per_step} tokens); raise it "
+                             "or remove train.max_tokens")
+        if self.parallel.dp != -1:
+            self._check_dp(self.parallel.dp)
+
+    def _check_dp(self, dp: int) -> None:
+        gbs, mbs, cp, ep = (self.train.global_batch_size, self.train.micro_batch_size,
+                            self.parallel.cp, self.parallel.ep)
+        if gbs % (dp * mbs):
+            raise ValueError(f"train.global_batch_size={gbs} is not divisible by dp * "
+                             f"train.micro_batch_size = {dp}*{mbs} = {dp * mbs}; choose a "
+                             f"multiple of {dp * mbs}, or change train.micro_batch_size")
+        if (dp * cp) % ep:
+            raise ValueError(f"parallel.ep={ep} does not divide dp*cp = {dp}*{cp} = {dp * cp} "
+                             "(expert parallelism is carved out of the data- and "
+                             f"context-parallel ranks); choose ep among {_divisors(dp * cp)}")
+
+    # ----------------------------------------------------------------------------------------
+    # world size
+
+    def validate_world(self, world_size: int) -> int:
+        """Check the degrees against ``world_size`` processes; return the data-parallel size
+        (inferring it when ``parallel.dp == -1``). Raises ValueError naming the product."""
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ValueError(f"world_size={world_size!r} must be a positive integer")
+        p = self.parallel
+        mp = p.model_parallel_size
+        if p.dp == -1:
+            if world_size % mp:
+                raise ValueError(f"world size {world_size} is not divisible by parallel.tp*pp*cp "
+                                 f"= {p.tp}*{p.pp}*{p.cp} = {mp}; launch a multiple of {mp} "
+                                 "processes or change the degrees")
+            dp = world_size // mp
+        else:
+            dp = p.dp
+            if mp * dp != world_size:
+                raise ValueError(f"parallel.tp*pp*cp*dp = {p.tp}*{p.pp}*{p.cp}*{dp} = {mp * dp} "
+                                 f"does not equal the world size {world_size}; set parallel.dp=-1 "
+                                 f"to infer it, or launch {mp * dp} processes")
+        self._check_dp(dp)
+        return dp
+
+    def with_world_size(self, world_size: int) -> TesselConfig:
+        """A copy with ``parallel.dp`` resolved for ``world_size`` (see ``validate_world``)."""
+        data = self.to_dict()
+        data["parallel"]["dp"] = self.validate_world(world_size)
+        return TesselConfig.from_dict(data)
+
+    def num_microbatches(self, dp: int) -> int:
+        """Micro-batches per step on each data-parallel rank."""
+        self._check_dp(dp)
+        return self.train.global_batch_size // (dp * self.train.micro_batch_size)
+
+    def checkpoint_dir(self) -> str:
+        """``checkpoint.dir``, or ``<train.run_dir>/checkpoints`` when it is unset."""
+        return self.checkpoint.dir or os.path.join(self.train.run_dir, "checkpoints")
+
+    # ----------------------------------------------------------------------------------------
+    # plain data and JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        """Nested plain dict: one table per section plus ``source`` and ``overrides``."""
+        out: dict[str, Any] = {name: getattr(self, name).to_dict() for name in SECTIONS}
+        out["source"] = self.source
+        out["overrides"] = list(self.overrides)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TesselConfig:
+        """Inverse of ``to_dict``; missing sections take their defaults, unknown keys are errors."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a config must be a table of sections, got {type(data).__name__}")
+        valid = [*SECTIONS, *METADATA]
+        for key in data:
+            if key not in valid:
+                raise unknown_key_error(key, valid=valid, where="the top level of the config",
+                                        what="section")
+        sections = {name: sec.from_dict(data.get(name, {})) for name, sec in SECTIONS.items()}
+        meta = {k: data[k] for k in METADATA if k in data and data[k] is not None}
+        return cls(**sections, **meta)
+
+    def to_json(self, path: str) -> None:
+        """Write the resolved config as sorted, indented JSON (atomically: tmp file + rename)."""
+        parent = os.path.dirname(os.path.abspath(path))
+        os.makedirs(parent, exist_ok=True)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, sort_keys=True, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_json(cls, path: str) -> TesselConfig:
+        """Read a config written by ``to_json``."""
+        if not os.path.isfile(path):
+            raise ValueError(f"config JSON {path!r} does not exist (resolved to "
+                             f"{os.path.abspath(path)}); pass the config.json of a run or "
+                             "checkpoint")
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"config JSON {path!r} is not valid JSON: {err}") from None
+        return cls.from_dict(data)

@@ -1,0 +1,414 @@
+"""The per-component config sections: model, parallel, train, optim, data, checkpoint, logging.
+
+Each section is a frozen ``@dataclass(kw_only=True)`` validated in ``__post_init__`` on its own; checks
+that need two sections (tp divides the heads, warmup fits in the steps, ...) live in the root
+``TesselConfig`` (engine/config/schema.py). All errors are ``ValueError``s naming the dotted field
+and the fix.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from engine.config._fields import Section
+
+FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral")
+# Families with learned absolute positions and plain multi-head attention (no RoPE, no GQA).
+LEARNED_POSITION_FAMILIES = ("gpt2",)
+DTYPES = ("bf16", "fp32")
+MESH_AXES = ("dp", "pp", "cp", "tp")
+SCHEDULES = ("1f1b", "interleaved", "gpipe")
+RECOMPUTE = ("none", "selective", "full")
+DECAY_STYLES = ("cosine", "linear", "constant", "wsd")
+NO_DECAY_GROUPS = ("norms", "biases", "embeddings")
+NONFINITE = ("skip", "stop")
+PROGRESS_BAR = ("auto", "on", "off")
+
+
+def _finite(value: float) -> bool:
+    # math.isfinite would overflow on huge Python ints, which are finite anyway.
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+def check_min(section: Section, key: str, minimum: float, *, why: str = "") -> None:
+    """Raise unless ``section.key`` is None or a finite number >= ``minimum``."""
+    value = getattr(section, key)
+    if value is None:
+        return
+    if not (value >= minimum and _finite(value)):
+        reason = f" ({why})" if why else ""
+        raise ValueError(f"{section.SECTION}.{key}={value} must be >= {minimum}{reason}; set "
+                         f"{section.SECTION}.{key} to a value >= {minimum}")
+
+
+def check_positive(section: Section, key: str) -> None:
+    """Raise unless ``section.key`` is None or a finite number > 0."""
+    value = getattr(section, key)
+    if value is not None and not (value > 0 and _finite(value)):
+        raise ValueError(f"{section.SECTION}.{key}={value} must be > 0; set a positive value")
+
+
+def check_choice(section: Section, key: str, choices: tuple[str, ...]) -> None:
+    value = getattr(section, key)
+    if value not in choices:
+        raise ValueError(f"{section.SECTION}.{key}={value!r} is not valid; choose one of: "
+                         f"{', '.join(choices)}")
+
+
+def check_nonempty(section: Section, key: str) -> None:
+    value = getattr(section, key)
+    if value is not None and not value.strip():
+        raise ValueError(f"{section.SECTION}.{key} is an empty string; give a value or remove the "
+                         "key")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelConfig(Section):
+    """The architecture, as plain data (the engine never imports models/).
+
+    The architecture comes from, in increasing priority: ``preset`` (a size name that models/
+    understands, e.g. "tiny", "llama3-8b"), ``hf_config`` (path to a Hugging Face config.json),
+    and the explicit fields below; a field left ``None`` is taken from the lower-priority
+    source (or the family's default, e.g. ``num_key_value_heads = num_attention_heads``).
+    Without a preset or hf_config, hidden_size, num_layers and num_attention_heads are required.
+    ``vocab_size=None`` with no other source means "the tokenizer's vocabulary size".
+    ``head_dim=None`` means ``hidden_size // num_attention_heads``.
+    """
+
+    SECTION = "model"
+
+    family: str = "llama"
+    preset: str | None = None
+    hf_config: str | None = None
+    hidden_size: int | None = None
+    num_layers: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    ffn_hidden_size: int | None = None
+    vocab_size: int | None = None
+    max_position_embeddings: int | None = None
+    rope_theta: float | None = None
+    tie_word_embeddings: bool | None = None
+    norm_eps: float | None = None
+    make_vocab_size_divisible_by: int = 128
+    dtype: str = "bf16"
+
+    def _validate(self) -> None:
+        check_choice(self, "family", FAMILIES)
+        check_choice(self, "dtype", DTYPES)
+        check_nonempty(self, "preset")
+        check_nonempty(self, "hf_config")
+        for key in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
+                    "head_dim", "ffn_hidden_size", "vocab_size", "max_position_embeddings",
+                    "make_vocab_size_divisible_by"):
+            check_min(self, key, 1)
+        check_positive(self, "rope_theta")
+        check_positive(self, "norm_eps")
+        if self.preset is None and self.hf_config is None:
+            missing = [k for k in ("hidden_size", "num_layers", "num_attention_heads")
+                       if getattr(self, k) is None]
+            if missing:
+                raise ValueError(
+                    "model has no architecture: set model.preset (a size name), model.hf_config "
+                    "(a Hugging Face config.json), or the explicit sizes (missing: "
+                    + ", ".join(f"model.{k}" for k in missing) + ")")
+        heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
+        if heads is not None and kv_heads is not None and heads % kv_heads:
+            raise ValueError(f"model.num_attention_heads={heads} is not divisible by "
+                             f"model.num_key_value_heads={kv_heads}; grouped-query attention "
+                             "needs each kv head to serve the same number of query heads")
+        if self.head_dim is None and heads is not None and self.hidden_size is not None \
+                and self.hidden_size % heads:
+            raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by "
+                             f"model.num_attention_heads={heads}; change one of them or set "
+                             "model.head_dim explicitly")
+        if self.family in LEARNED_POSITION_FAMILIES:
+            if self.rope_theta is not None:
+                raise ValueError(f"model.rope_theta is set but family '{self.family}' uses "
+                                 "learned position embeddings, not RoPE; remove model.rope_theta")
+            if kv_heads is not None and heads is not None and kv_heads != heads:
+                raise ValueError(f"model.num_key_value_heads={kv_heads} differs from "
+                                 f"model.num_attention_heads={heads} but family '{self.family}' "
+                                 "has no grouped-query attention; remove "
+                                 "model.num_key_value_heads")
+
+    def padded_vocab_size(self, vocab_size: int, *, tp: int) -> int:
+        """``vocab_size`` rounded up to a multiple of ``make_vocab_size_divisible_by * tp``.
+
+        Every TP rank then holds an equal, aligned slice of the embedding and output layer.
+        """
+        if vocab_size < 1 or tp < 1:
+            raise ValueError("padded_vocab_size needs vocab_size >= 1 and tp >= 1, got "
+                             f"vocab_size={vocab_size}, tp={tp}")
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelConfig(Section):
+    """Parallel degrees and layout.
+
+    ``dp=-1`` infers the data-parallel size from the world size (see
+    ``TesselConfig.validate_world``). ``ep`` (expert parallel) is carved out of the dp x cp ranks,
+    so it is not a factor of the world size. ``order`` lists the mesh axes outermost first: in
+    the default "dp-pp-cp-tp", tp is innermost (consecutive ranks form a TP group).
+    ``pipeline_layout`` gives the number of transformer layers of each of the ``pp * vp``
+    (virtual) stages, in stage order; ``None`` splits the layers evenly.
+    ``sequence_parallel`` at ``tp=1`` is accepted and has no effect (there is nothing to shard),
+    so one preset can scale from tp=1 upwards; ``sequence_parallel_active`` says whether it acts.
+    ``vp > 1`` and ``schedule="interleaved"`` go together.
+    """
+
+    SECTION = "parallel"
+
+    tp: int = 1
+    pp: int = 1
+    vp: int = 1
+    dp: int = -1
+    cp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    order: str = "dp-pp-cp-tp"
+    pipeline_layout: list[int] | None = None
+    schedule: str = "1f1b"
+
+    def _validate(self) -> None:
+        for key in ("tp", "pp", "vp", "cp", "ep"):
+            check_min(self, key, 1, why="a parallel degree")
+        if self.dp != -1 and self.dp < 1:
+            raise ValueError(f"parallel.dp={self.dp} is not valid; set parallel.dp=-1 to infer it "
+                             "from the world size, or a degree >= 1")
+        check_choice(self, "schedule", SCHEDULES)
+        if self.vp > 1 and self.pp == 1:
+            raise ValueError(f"parallel.vp={self.vp} needs parallel.pp > 1 (virtual stages are "
+                             "interleaved across pipeline ranks); set parallel.vp=1 or "
+                             "parallel.pp >= 2")
+        if self.vp > 1 and self.schedule != "interleaved":
+            raise ValueError(f"parallel.vp={self.vp} needs parallel.schedule='interleaved' (got "
+                             f"'{self.schedule}'); set parallel.schedule=interleaved or "
+                             "parallel.vp=1")
+        if self.schedule == "interleaved" and self.vp == 1:
+            raise ValueError("parallel.schedule='interleaved' needs parallel.vp > 1 virtual "
+                             "stages per rank; set parallel.vp (e.g. 2) or parallel.schedule=1f1b")
+        axes = self.order.split("-")
+        if sorted(axes) != sorted(MESH_AXES):
+            raise ValueError(f"parallel.order={self.order!r} must name each of "
+                             f"{', '.join(MESH_AXES)} exactly once, '-'-separated, outermost "
+                             "first; e.g. 'dp-pp-cp-tp' (tp innermost)")
+        if self.pipeline_layout is not None:
+            layout, stages = self.pipeline_layout, self.pp * self.vp
+            if len(layout) != stages:
+                raise ValueError(f"parallel.pipeline_layout has {len(layout)} entries but "
+                                 f"parallel.pp*vp = {self.pp}*{self.vp} = {stages} stages; give "
+                                 "one layer count per (virtual) stage")
+            if any(n < 0 for n in layout) or sum(layout) < 1:
+                raise ValueError(f"parallel.pipeline_layout={layout} must hold layer counts >= 0 "
+                                 "with a positive total")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """tp * pp * cp: the ranks one model replica spans."""
+        return self.tp * self.pp * self.cp
+
+    @property
+    def sequence_parallel_active(self) -> bool:
+        return self.sequence_parallel and self.tp > 1
+
+    @property
+    def axes_outermost_first(self) -> list[str]:
+        return self.order.split("-")
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainConfig(Section):
+    """The training loop. ``global_batch_size`` and ``micro_batch_size`` count sequences of
+    ``seq_length`` tokens. Training stops after ``steps`` optimizer steps or, if set, once
+    ``max_tokens`` tokens were consumed, whichever comes first. ``eval_interval=0`` disables
+    evaluation. ``activation_checkpointing``: none | selective (attention core) | full (whole
+    layer). ``run_dir`` holds logs, the resolved config and, by default, checkpoints.
+    """
+
+    SECTION = "train"
+
+    steps: int = 1000
+    max_tokens: int | None = None
+    seed: int = 1234
+    global_batch_size: int = 32
+    micro_batch_size: int = 1
+    seq_length: int = 1024
+    eval_interval: int = 1000
+    eval_iters: int = 10
+    log_interval: int = 10
+    activation_checkpointing: str = "none"
+    run_dir: str = "runs/tessel"
+
+    def _validate(self) -> None:
+        for key in ("steps", "max_tokens", "global_batch_size", "micro_batch_size", "seq_length",
+                    "log_interval"):
+            check_min(self, key, 1)
+        check_min(self, "eval_interval", 0, why="0 disables evaluation")
+        check_min(self, "eval_iters", 0)
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"train.seed={self.seed} is out of range; choose 0 <= seed < 2**32")
+        if self.global_batch_size % self.micro_batch_size:
+            mbs = self.micro_batch_size
+            raise ValueError(f"train.global_batch_size={self.global_batch_size} is not divisible "
+                             f"by train.micro_batch_size={mbs}; choose a multiple of {mbs}")
+        if self.eval_interval > 0 and self.eval_iters == 0:
+            raise ValueError(f"train.eval_iters=0 with train.eval_interval={self.eval_interval}; "
+                             "set train.eval_iters >= 1, or train.eval_interval=0 to disable eval")
+        check_choice(self, "activation_checkpointing", RECOMPUTE)
+        check_nonempty(self, "run_dir")
+
+
+@dataclass(kw_only=True, frozen=True)
+class OptimConfig(Section):
+    """AdamW and the learning-rate schedule.
+
+    ``lr`` is the peak after ``warmup_steps`` of linear warmup; the decay (``decay_style``) ends at
+    ``min_lr`` on the last step. ``wsd`` (warmup-stable-decay) holds ``lr`` and decays during the
+    last ``wsd_decay_fraction`` of the steps. ``clip_grad=0`` disables clipping.
+    ``distributed`` shards the optimizer state over data-parallel ranks (ZeRO-1);
+    ``overlap_param_gather`` needs it. ``no_decay_on`` lists parameter groups exempt from weight
+    decay (norms, biases, embeddings). ``nonfinite``: on an inf/nan gradient norm, ``skip`` the
+    step or ``stop`` training.
+    """
+
+    SECTION = "optim"
+
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    decay_style: str = "cosine"
+    wsd_decay_fraction: float = 0.2
+    clip_grad: float = 1.0
+    distributed: bool = False
+    bucket_size_mb: float = 25.0
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    no_decay_on: list[str] = field(default_factory=lambda: ["norms", "biases"])
+    nonfinite: str = "skip"
+
+    def _validate(self) -> None:
+        check_positive(self, "lr")
+        check_min(self, "min_lr", 0.0)
+        if self.min_lr > self.lr:
+            raise ValueError(f"optim.min_lr={self.min_lr} is larger than optim.lr={self.lr}; set "
+                             f"optim.min_lr <= {self.lr}")
+        check_min(self, "weight_decay", 0.0)
+        for key in ("beta1", "beta2"):
+            value = getattr(self, key)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"optim.{key}={value} must be in [0, 1); e.g. 0.9 or 0.95")
+        check_positive(self, "eps")
+        check_min(self, "warmup_steps", 0)
+        check_choice(self, "decay_style", DECAY_STYLES)
+        if not 0.0 < self.wsd_decay_fraction <= 1.0:
+            raise ValueError(f"optim.wsd_decay_fraction={self.wsd_decay_fraction} must be in (0, "
+                             "1]; e.g. 0.2 decays over the last 20% of the steps")
+        check_min(self, "clip_grad", 0.0, why="0 disables clipping")
+        check_positive(self, "bucket_size_mb")
+        if self.overlap_param_gather and not self.distributed:
+            raise ValueError("optim.overlap_param_gather=true needs the sharded optimizer; set "
+                             "optim.distributed=true or optim.overlap_param_gather=false")
+        for i, group in enumerate(self.no_decay_on):
+            if group not in NO_DECAY_GROUPS:
+                raise ValueError(f"optim.no_decay_on[{i}]={group!r} is not a parameter group; "
+                                 f"choose from: {', '.join(NO_DECAY_GROUPS)}")
+        if len(set(self.no_decay_on)) != len(self.no_decay_on):
+            raise ValueError(f"optim.no_decay_on={self.no_decay_on} repeats a group; list each "
+                             "once")
+        check_choice(self, "nonfinite", NONFINITE)
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataConfig(Section):
+    """Pretraining data. ``paths`` are indexed-dataset prefixes (``<prefix>.bin``/``.idx``);
+    ``weights`` (one per path, any positive scale) blend them, ``None`` weighs them by size.
+    ``split`` is "train,valid,test" proportions of each dataset, e.g. "969,30,1".
+    ``tokenizer`` is a tokenizer.json path or name; ``cache_dir=None`` caches the sample indices
+    next to the data. ``num_workers=0`` loads in the training process.
+    """
+
+    SECTION = "data"
+
+    paths: list[str] = field(default_factory=list)
+    weights: list[float] | None = None
+    split: str = "969,30,1"
+    tokenizer: str | None = None
+    cache_dir: str | None = None
+    num_workers: int = 2
+
+    def _validate(self) -> None:
+        for i, path in enumerate(self.paths):
+            if not path.strip():
+                raise ValueError(f"data.paths[{i}] is an empty string; give a dataset prefix")
+        if self.weights is not None:
+            if len(self.weights) != len(self.paths):
+                raise ValueError(f"data.weights has {len(self.weights)} entries but data.paths "
+                                 f"has {len(self.paths)}; give one weight per path")
+            finite = all(w >= 0 and math.isfinite(w) for w in self.weights)
+            if not finite or sum(self.weights) <= 0:
+                raise ValueError(f"data.weights={self.weights} must be >= 0 with a positive sum")
+        self.split_fractions()
+        check_nonempty(self, "tokenizer")
+        check_nonempty(self, "cache_dir")
+        check_min(self, "num_workers", 0)
+
+    def split_fractions(self) -> tuple[float, float, float]:
+        """(train, valid, test) fractions of ``split``, summing to 1."""
+        parts = self.split.split(",")
+        try:
+            values = [float(p) for p in parts]
+        except ValueError:
+            values = []
+        if len(values) != 3 or any(not (v >= 0 and math.isfinite(v)) for v in values) \
+                or sum(values) <= 0:
+            raise ValueError(f"data.split={self.split!r} must be three comma-separated "
+                             "proportions >= 0 with a positive sum (train,valid,test), e.g. "
+                             "'969,30,1'")
+        total = sum(values)
+        return values[0] / total, values[1] / total, values[2] / total
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckpointConfig(Section):
+    """Checkpointing. ``interval=0`` disables periodic saves. ``dir=None`` means
+    ``<train.run_dir>/checkpoints``. ``keep_last=None`` keeps every checkpoint. ``load`` is a
+    checkpoint directory to resume or initialise from.
+    """
+
+    SECTION = "checkpoint"
+
+    interval: int = 1000
+    dir: str | None = None
+    keep_last: int | None = None
+    async_save: bool = False
+    load: str | None = None
+
+    def _validate(self) -> None:
+        check_min(self, "interval", 0, why="0 disables periodic checkpoints")
+        check_min(self, "keep_last", 1, why="leave it unset to keep every checkpoint")
+        check_nonempty(self, "dir")
+        check_nonempty(self, "load")
+
+
+@dataclass(kw_only=True, frozen=True)
+class LoggingConfig(Section):
+    """Metrics sinks. ``peak_tflops`` overrides the device's dense bf16 peak used for MFU."""
+
+    SECTION = "logging"
+
+    tensorboard: bool = True
+    jsonl: bool = True
+    progress_bar: str = "auto"
+    peak_tflops: float | None = None
+
+    def _validate(self) -> None:
+        check_choice(self, "progress_bar", PROGRESS_BAR)
+        check_positive(self, "peak_tflops")

@@ -14,6 +14,7 @@ calls ``fn(*args, **kwargs)`` and returns the per-rank results as a list indexed
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -58,7 +59,9 @@ def _child(rank: int, world_size: int, init_file: str, backend: str, threads: in
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    results.put((rank, "ok", out))
+    # Plain pickle (bytes) rather than torch's shared-memory reductions: this process exits right
+    # away, and a tensor shared by file descriptor would vanish before the parent reads it.
+    results.put((rank, "ok", pickle.dumps(out)))
 
 
 # Errors that are usually a consequence of another rank failing, not a root cause.
@@ -122,7 +125,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout: flo
                     if s2 == "err":
                         errors.append((r2, p2))
                 raise DistributedError(*_pick_root_cause(errors))
-            done[rank] = payload
+            done[rank] = pickle.loads(payload)
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))
         return [done[r] for r in range(world_size)]

@@ -1,0 +1,173 @@
+"""Execute one pipeline rank's action list on real stages (the one small runtime of DESIGN.md).
+
+The rank walks its actions in order. At the boundary before action ``i`` it posts ONE batch of
+point-to-point messages — ``actions[i-1].sends + actions[i].recvs`` — through
+:func:`parallel.comm.batch_p2p` (``batch_isend_irecv``), waits for it, then computes action ``i``
+(see :mod:`parallel.pipeline.actions` for the contract that makes this deadlock-free).
+
+Memory: a forward keeps ``(input, output)`` of ``(stage, microbatch)`` until its backward. As soon
+as the batch that sends an activation downstream has completed, the output's storage is released
+(``output.data`` replaced by a 1-element tensor; its autograd node, which does not need it, stays)
+so a sent activation never stays alive in full — the backward then runs the engine directly with
+the received gradient (Megatron's "deallocate output tensor" trick). ``peak_live`` counts the
+``(stage, microbatch)`` entries held at once, which the simulator's ``peak_inflight`` predicts.
+
+The loss of each microbatch is divided by the number of microbatches before its backward, so the
+accumulated gradients equal those of the mean loss over the global batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from parallel import comm
+from parallel.comm import Group
+from parallel.pipeline.actions import ACTIVATION, BACKWARD, FORWARD, GRADIENT, Schedule
+
+# forward_step(chunk, x, microbatch) -> Tensor. ``x`` is None on virtual stage 0 (the step reads its
+# own inputs); on the last virtual stage the step returns the microbatch's scalar mean loss.
+ForwardStep = Callable[[int, "torch.Tensor | None", int], torch.Tensor]
+
+
+@dataclass
+class PipelineResult:
+    losses: list[float] = field(default_factory=list)  # per microbatch, last-stage ranks only (undivided)
+    peak_live: int = 0  # most (stage, microbatch) activations held at once on this rank
+
+
+def _run_backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
+    if grad is None:  # scalar loss
+        torch.autograd.backward(output)
+        return
+    # Direct engine call: `output` may have had its storage released, so its shape no longer
+    # matches `grad`; the autograd node only needs the gradient.
+    torch.autograd.graph.Variable._execution_engine.run_backward(  # type: ignore[attr-defined]
+        (output,), (grad,), False, False, (), True, True)
+
+
+def check_stage_shapes(pp_group: Group, *, in_shape: tuple[int, ...] | None, out_shape: tuple[int, ...],
+                       vp: int = 1) -> None:
+    """Check, before any pipeline traffic, that every stage boundary agrees on the tensor shape.
+
+    ``in_shape`` is None on pipeline rank 0 for its first chunk; shapes are per microbatch. Every
+    rank gathers every rank's shapes (a symmetric collective, so a mismatch raises on all ranks
+    instead of leaving a receiver hanging).
+    """
+    if pp_group.size == 1:
+        return
+    def enc(s):
+        return list(s) + [0] * (8 - len(s)) if s is not None else [-1] * 8
+    mine = torch.tensor([enc(in_shape), enc(out_shape)], dtype=torch.int64)
+    allsh = comm.all_gather(mine.unsqueeze(0), pp_group, dim=0)  # (pp, 2, 8)
+    def dec(row):
+        return None if row[0] < 0 else tuple(int(x) for x in row if x > 0)
+    outs = [dec(allsh[r, 1].tolist()) for r in range(pp_group.size)]
+    ins = [dec(allsh[r, 0].tolist()) for r in range(pp_group.size)]
+    for r in range(pp_group.size - 1):
+        if outs[r] != ins[r + 1]:
+            raise ValueError(f"pipeline stage shapes do not match: rank {r} sends {outs[r]} per microbatch but "
+                             f"rank {r + 1} expects {ins[r + 1]}; build every stage from the same model config, "
+                             "micro batch size and sequence length")
+    if vp > 1 and ins[0] != outs[-1]:
+        raise ValueError(f"interleaved pipeline: the last rank sends {outs[-1]} to rank 0's next chunk, "
+                         f"which expects {ins[0]}")
+
+
+def run_schedule(schedule: Schedule, *, rank: int, pp_group: Group, forward_step: ForwardStep,
+                 act_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu",
+                 grad_sync: Callable[[int], None] | None = None) -> PipelineResult:
+    """Run ``schedule.ranks[rank]`` with real tensors; gradients accumulate in the chunks' params.
+
+    ``act_shape`` is the per-microbatch shape of every activation crossing a stage boundary.
+    ``grad_sync(chunk)`` (optional) is called right before the LAST backward of each model chunk,
+    so data-parallel reduction of that chunk can be enabled for it (Megatron's "last microbatch"
+    rule); it receives the chunk index.
+    """
+    if pp_group.size != schedule.pp:
+        raise ValueError(f"the schedule is for pp={schedule.pp} but the pipeline group has {pp_group.size} ranks")
+    actions = schedule.ranks[rank]
+    last_stage = schedule.num_stages - 1
+    m_total = schedule.microbatches
+    held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}  # (stage, mb) -> (in, out)
+    received: dict[tuple[str, int, int], torch.Tensor] = {}
+    input_grads: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> grad to send upstream
+    remaining_b = {}
+    for a in actions:
+        if a.op == BACKWARD:
+            c = schedule.chunk_of(a.stage)
+            remaining_b[c] = remaining_b.get(c, 0) + 1
+    result = PipelineResult()
+
+    def post(batch_sends, batch_recvs):
+        ops, sent_outputs = [], []
+        for p in batch_sends:
+            if p.kind == ACTIVATION:
+                t = held[(p.stage, p.microbatch)][1]
+                sent_outputs.append(t)
+            else:
+                t = input_grads.pop((p.stage, p.microbatch))
+            ops.append(comm.P2P("send", t, p.peer))
+        for p in batch_recvs:
+            buf = torch.empty(act_shape, dtype=dtype, device=device)
+            received[p.tensor] = buf
+            ops.append(comm.P2P("recv", buf, p.peer))
+        for w in comm.batch_p2p(ops, pp_group):
+            w.wait()
+        for t in sent_outputs:  # sent downstream: only the autograd node is still needed
+            t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
+
+    prev_sends = ()
+    for a in actions:
+        if prev_sends or a.recvs:
+            post(prev_sends, a.recvs)
+        chunk = schedule.chunk_of(a.stage)
+        key = (a.stage, a.microbatch)
+        if a.op == FORWARD:
+            x = None
+            if a.stage > 0:
+                x = received.pop((ACTIVATION, a.stage - 1, a.microbatch)).requires_grad_()
+            out = forward_step(chunk, x, a.microbatch)
+            if a.stage == last_stage:
+                result.losses.append(float(out.detach()))
+                out = out / m_total
+            elif tuple(out.shape) != tuple(act_shape):
+                raise ValueError(f"stage {a.stage} produced {tuple(out.shape)} but the pipeline sends "
+                                 f"{tuple(act_shape)} per microbatch")
+            held[key] = (x, out)
+            result.peak_live = max(result.peak_live, len(held))
+        else:
+            x, out = held.pop(key)
+            grad = None if a.stage == last_stage else received.pop((GRADIENT, a.stage + 1, a.microbatch))
+            remaining_b[chunk] -= 1
+            if remaining_b[chunk] == 0 and grad_sync is not None:
+                grad_sync(chunk)
+            _run_backward(out, grad)
+            if a.stage > 0:
+                assert x is not None and x.grad is not None, f"no input gradient for stage {a.stage}"
+                input_grads[key] = x.grad
+            del x, out
+        prev_sends = a.sends
+    if prev_sends:
+        post(prev_sends, ())
+    assert not held and not input_grads, "pipeline finished with live activations"
+    return result
+
+
+def allreduce_tied_embedding_grads(params: list[torch.nn.Parameter], embedding_group: Group) -> None:
+    """Sum the gradients of the tied input embedding (first stage) and lm-head (last stage) copies.
+
+    ``params`` are this rank's copies (empty on middle stages). Both copies then step identically
+    and stay equal. Gradients are read from ``main_grad`` when data parallelism keeps one.
+    """
+    if embedding_group.size == 1:
+        return
+    for p in params:
+        g = getattr(p, "main_grad", None)
+        if g is None:
+            g = p.grad
+        if g is None:
+            g = torch.zeros_like(p)
+            p.grad = g
+        comm.all_reduce(g, embedding_group)

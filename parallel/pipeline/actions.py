@@ -1,0 +1,145 @@
+"""The data types of pipeline schedules: for every pipeline rank, the ordered list of compute
+actions and the point-to-point messages each one needs.
+
+Vocabulary (docs/pipeline.md has the full contract):
+
+* A model is cut into ``S = pp * vp`` *virtual stages* ``s = 0 .. S-1``. Placement is Megatron's
+  interleaved one: stage ``s`` lives on rank ``s % pp`` as model chunk ``s // pp``. With ``vp == 1``
+  stage and rank coincide.
+* ``F{s}.{m}`` runs the forward of stage ``s`` on microbatch ``m``; ``B{s}.{m}`` its backward.
+* Tensors crossing ranks are named by the action that *produces* them: ``act{s}.{m}`` is the output of
+  ``F{s}.{m}`` (consumed by ``F{s+1}.{m}``); ``grad{s}.{m}`` is the input gradient from ``B{s}.{m}``
+  (consumed by ``B{s-1}.{m}``).
+* Every :class:`Action` carries ``recvs`` (messages that must have arrived before it runs) and
+  ``sends`` (messages it emits right after it runs). A runtime executes a rank's list in order and, at
+  the boundary before action ``i``, posts ONE batch: ``actions[i-1].sends + actions[i].recvs``
+  (``batch_isend_irecv``), waits for all of it, then computes action ``i``; after the last action it
+  posts that action's sends alone. Once a batch holding ``send act{s}.{m}`` has completed, the
+  runtime may free that activation's storage (its autograd graph is still needed by ``B{s}.{m}``).
+* A recv usually delivers the tensor its own action consumes; it may instead deliver one that a later
+  action of the same rank consumes (received early so that its sender is not left blocked): the
+  runtime keeps received tensors by ``P2P.tensor`` until their consumer runs.
+* Messages between an ordered pair of ranks match first-in first-out (NCCL has no tags): the k-th
+  send from rank a to rank b is the k-th receive on rank b from rank a. ``validate`` checks that this
+  pairing is consistent and that the blocking execution above cannot deadlock even when every send
+  waits for its receiver (rendezvous).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FORWARD = "F"
+BACKWARD = "B"
+ACTIVATION = "act"
+GRADIENT = "grad"
+SEND = "send"
+RECV = "recv"
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
+
+
+class ScheduleError(ValueError):
+    """A schedule violates a rule; ``rank`` and ``action`` locate the first violation."""
+
+    def __init__(self, rank: int | None, action: str | None, reason: str):
+        self.rank, self.action, self.reason = rank, action, reason
+        where = "schedule" if rank is None else f"rank {rank}"
+        if action is not None:
+            where += f", action {action}"
+        super().__init__(f"{where}: {reason}")
+
+
+@dataclass(frozen=True)
+class P2P:
+    """One point-to-point message as seen by one side.
+
+    ``kind`` is ``"act"`` or ``"grad"``; ``stage``/``microbatch`` name the tensor by the action that
+    produced it (``act3.1`` = output of ``F3.1``; ``grad4.1`` = input gradient from ``B4.1``).
+    ``peer`` is the other rank: the destination of a send, the source of a recv.
+    """
+
+    op: str
+    kind: str
+    stage: int
+    microbatch: int
+    peer: int
+
+    @property
+    def tensor(self) -> tuple[str, int, int]:
+        """Key identifying the tensor: ``(kind, producing stage, microbatch)``."""
+        return (self.kind, self.stage, self.microbatch)
+
+    @property
+    def consumer_stage(self) -> int:
+        """The virtual stage that consumes the tensor (``stage + 1`` for act, ``stage - 1`` for grad)."""
+        return self.stage + 1 if self.kind == ACTIVATION else self.stage - 1
+
+    def __str__(self) -> str:
+        arrow = "->" if self.op == SEND else "<-"
+        return f"{self.op} {self.kind}{self.stage}.{self.microbatch}{arrow}r{self.peer}"
+
+
+@dataclass(frozen=True)
+class Action:
+    """``F`` or ``B`` of virtual ``stage`` on ``microbatch``, with its messages.
+
+    ``recvs`` complete (in the batch posted just before this action) before it runs; ``sends`` are
+    posted just after it (batched with the next action's recvs). ``str()`` is the compact ``F3.1``;
+    ``chunk`` (the model chunk, ``stage // pp``) is in :meth:`Schedule.chunk_of`.
+    """
+
+    op: str
+    stage: int
+    microbatch: int
+    recvs: tuple[P2P, ...] = ()
+    sends: tuple[P2P, ...] = ()
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.op, self.stage, self.microbatch)
+
+    def __str__(self) -> str:
+        return f"{self.op}{self.stage}.{self.microbatch}"
+
+    def describe(self) -> str:
+        """``str()`` with the messages: ``[recv act2.1<-r1] F3.1 [send act3.1->r0]``."""
+        parts = []
+        if self.recvs:
+            parts.append("[" + ", ".join(str(p) for p in self.recvs) + "]")
+        parts.append(str(self))
+        if self.sends:
+            parts.append("[" + ", ".join(str(p) for p in self.sends) + "]")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A whole pipeline schedule: ``ranks[r]`` is the ordered action list of pipeline rank ``r``.
+
+    Stage ``s`` lives on rank ``s % pp`` (model chunk ``s // pp``); ``microbatch_group_size`` is the
+    interleaved schedule's group size ``N`` (``None`` for the non-interleaved schedules).
+    """
+
+    name: str
+    pp: int
+    vp: int
+    microbatches: int
+    ranks: tuple[tuple[Action, ...], ...]
+    microbatch_group_size: int | None = None
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.vp
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.pp
+
+    def chunk_of(self, stage: int) -> int:
+        return stage // self.pp
+
+    def describe(self) -> str:
+        """One line per rank listing its actions with their messages."""
+        lines = [f"{self.name} pp={self.pp} vp={self.vp} microbatches={self.microbatches}"]
+        for rank, actions in enumerate(self.ranks):
+            lines.append(f"rank {rank}: " + " | ".join(a.describe() for a in actions))
+        return "\n".join(lines)

@@ -1,0 +1,237 @@
+"""Pipeline schedules as pure functions: ``gpipe``, ``one_f_one_b``, ``interleaved_1f1b`` and the
+``build_schedule`` dispatcher. Each returns a :class:`Schedule` (types in
+:mod:`parallel.pipeline.actions`): per rank, the ordered compute actions with the receives each needs
+before it and the sends it makes after it. Adding a schedule = writing its per-rank compute order and
+passing it to :func:`attach_messages`.
+"""
+from __future__ import annotations
+
+import bisect
+
+from parallel.pipeline.actions import (ACTIVATION, BACKWARD, FORWARD, GRADIENT, RECV,
+                                       SCHEDULE_NAMES, SEND, Action, P2P, Schedule)
+from parallel.pipeline.simulate import dataflow_times
+
+# Costs of the ideal timeline used to place receives. Equal costs make a blocking runtime match the
+# ideal exactly when forward and backward take equal time; docs/pipeline.md measures the rest.
+PLACEMENT_FWD = 1.0
+PLACEMENT_BWD = 1.0
+
+
+# ----------------------------------------------------------------------------- argument checks
+
+
+def _check_int(name: str, value, *, minimum: int, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__}); {fix}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}; {fix}")
+
+
+def _check_pp_m(p: int, m: int) -> None:
+    _check_int("pp", p, minimum=1, fix="use at least one pipeline rank")
+    _check_int("microbatches", m, minimum=1, fix="use at least one microbatch")
+    if m < p:
+        raise ValueError(
+            f"microbatches={m} is smaller than pp={p}: a pipeline needs at least one microbatch per "
+            f"rank to fill; use microbatches >= {p} (e.g. {p} or {2 * p})")
+
+
+def _valid_interleaved_m(m: int, p: int, n: int) -> bool:
+    """Megatron-LM's rule for the interleaved schedule with microbatch group size ``n``."""
+    return p <= n <= m and (m % n == 0 or m % n >= p)
+
+
+def check_interleaved_args(p: int, v: int, m: int, group_size: int | None = None) -> int:
+    """Validate ``(pp, vp, microbatches, group size)`` for :func:`interleaved_1f1b`; return the size.
+
+    Rule (Megatron-LM ``forward_backward_pipelining_with_interleaving``): microbatches are taken in
+    groups of ``N`` consecutive ids (``microbatch_group_size_per_vp_stage``, default ``pp``); each
+    group runs through all ``vp`` model chunks before the next group starts. It needs
+    ``pp <= N <= m``, and the last, shorter group (``m % N`` microbatches) must be empty or hold at
+    least ``pp`` microbatches, otherwise the pipeline stalls on its own dependencies. With the
+    default ``N = pp`` this is the classic "m must be a multiple of pp".
+    """
+    _check_pp_m(p, m)
+    _check_int("vp", v, minimum=1, fix="use vp >= 1 model chunks per rank")
+    n = p if group_size is None else group_size
+    _check_int("microbatch_group_size", n, minimum=1, fix=f"use a value in [pp={p}, microbatches={m}]")
+    if not p <= n <= m:
+        raise ValueError(
+            f"microbatch_group_size={n} must lie in [pp={p}, microbatches={m}]; "
+            f"leave it unset for the default pp={p}")
+    if _valid_interleaved_m(m, p, n):
+        return n
+    below = next((k for k in range(m - 1, n - 1, -1) if _valid_interleaved_m(k, p, n)), None)
+    above = next(k for k in range(m + 1, m + n + 1) if _valid_interleaved_m(k, p, n))
+    nearest = f"{below} or {above}" if below is not None else f"{above}"
+    other_n = next(k for k in range(p, m + 1) if _valid_interleaved_m(m, p, k))
+    raise ValueError(
+        f"interleaved schedule: microbatches={m} is not accepted with pp={p}, "
+        f"microbatch_group_size={n} (Megatron-LM rule: m % N == 0 or m % N >= pp, with "
+        f"pp <= N <= m; the default N = pp means m must be a multiple of pp); nearest valid "
+        f"microbatches: {nearest}; or keep microbatches={m} with microbatch_group_size={other_n}")
+
+
+# ----------------------------------------------------------------------------- building actions
+
+
+def attach_messages(name: str, order: list[list[tuple[str, int, int]]], *, pp: int, vp: int,
+                    microbatches: int, microbatch_group_size: int | None = None) -> Schedule:
+    """Turn per-rank compute orders ``(op, stage, microbatch)`` into a :class:`Schedule` with messages.
+
+    Every tensor crossing ranks (``act{s}`` from ``F{s}``, ``grad{s}`` from ``B{s}``; none when
+    ``pp == 1``) is sent right after the action producing it, so the runtime can free an
+    activation as soon as that batch completes. Its receive goes to the batch at which the receiver
+    is waiting, or which it reaches next, at the moment the tensor is produced in the ideal timeline
+    (communication never blocks; forward and backward both cost 1): sender and receiver then meet at
+    the same moment and a blocking runtime reproduces that timeline. Usually this is the batch right
+    before the consumer; in interleaved warmup it can be earlier, and the tensor is kept until its
+    consumer runs. Receives from one peer are kept in that peer's send order (messages pair
+    first-in first-out). Should a placement still deadlock under blocking sends, the receive is
+    moved earlier to the batch where its receiver would wait (:mod:`parallel.pipeline.execution`).
+    """
+    num_stages = pp * vp
+    position = {}                               # (op, stage, mb) -> index in its rank's list
+    sends = []
+    for rank, ops in enumerate(order):
+        rank_sends = []
+        for i, (op, stage, mb) in enumerate(ops):
+            assert stage % pp == rank, (op, stage, rank)
+            position[(op, stage, mb)] = i
+            dst = stage + 1 if op == FORWARD else stage - 1
+            if 0 <= dst < num_stages and dst % pp != rank:
+                kind = ACTIVATION if op == FORWARD else GRADIENT
+                rank_sends.append((P2P(SEND, kind, stage, mb, dst % pp),))
+            else:
+                rank_sends.append(())
+        sends.append(rank_sends)
+    times = dataflow_times(order, pp=pp, num_stages=num_stages, fwd=(PLACEMENT_FWD,) * num_stages,
+                           bwd=(PLACEMENT_BWD,) * num_stages)
+    starts = [[start for start, _ in ts] for ts in times]
+    recvs = [[[] for _ in ops] for ops in order]
+    for src in range(pp):
+        for dst in range(pp):
+            # Messages src -> dst in the order src sends them, each with the index of its producer.
+            channel = [(i, p) for i, per_action in enumerate(sends[src]) for p in per_action
+                       if p.peer == dst]
+            slots = []
+            for i, p in channel:
+                consumer = (FORWARD if p.kind == ACTIVATION else BACKWARD, p.consumer_stage,
+                            p.microbatch)
+                slots.append(min(bisect.bisect_left(starts[dst], times[src][i][1]),
+                                 position[consumer]))
+            # Messages pair first-in first-out. Production times grow along the sender's list, so
+            # the slots do too and no receive overtakes an earlier one.
+            assert all(a <= b for a, b in zip(slots, slots[1:])), (src, dst, slots)
+            for (_, p), slot in zip(channel, slots):
+                recvs[dst][slot].append(P2P(RECV, p.kind, p.stage, p.microbatch, src))
+    ranks = tuple(
+        tuple(Action(op, stage, mb, tuple(recvs[r][i]), sends[r][i])
+              for i, (op, stage, mb) in enumerate(ops))
+        for r, ops in enumerate(order))
+    return Schedule(name, pp, vp, microbatches, ranks, microbatch_group_size)
+
+
+def gpipe(p: int, m: int) -> Schedule:
+    """GPipe: every rank runs all ``m`` forwards, then all ``m`` backwards (microbatch order).
+
+    Peak in-flight microbatches per rank: ``m``. Bubble with equal stage costs: ``(p - 1) / m``.
+    """
+    _check_pp_m(p, m)
+    order = [[(FORWARD, r, i) for i in range(m)] + [(BACKWARD, r, i) for i in range(m)]
+             for r in range(p)]
+    return attach_messages("gpipe", order, pp=p, vp=1, microbatches=m)
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """1F1B (PipeDream-Flush): rank ``r`` runs ``p - r - 1`` warmup forwards, then alternates one
+    forward and one backward, then drains the remaining backwards. Any ``m >= p``.
+
+    Peak in-flight microbatches on rank ``r``: ``p - r``. Bubble with equal costs: ``(p - 1) / m``.
+    """
+    _check_pp_m(p, m)
+    order = []
+    for r in range(p):
+        warmup = min(p - r - 1, m)
+        ops = [(FORWARD, r, i) for i in range(warmup)]
+        for i in range(m - warmup):
+            ops += [(FORWARD, r, warmup + i), (BACKWARD, r, i)]
+        ops += [(BACKWARD, r, i) for i in range(m - warmup, m)]
+        order.append(ops)
+    return attach_messages("1f1b", order, pp=p, vp=1, microbatches=m)
+
+
+def interleaved_table(m: int, v: int, group_size: int) -> list[tuple[int, int]]:
+    """``(microbatch, chunk)`` of every forward slot, in the order a rank runs them.
+
+    Microbatches go in groups of ``group_size`` consecutive ids (the last group may be shorter);
+    within a group all chunks run in chunk order, each over the whole group. Backward slot ``k``
+    uses the same microbatch with the chunk order reversed (``v - 1 - chunk``).
+    """
+    table = []
+    for start in range(0, m, group_size):
+        group = range(start, min(start + group_size, m))
+        table += [(mb, chunk) for chunk in range(v) for mb in group]
+    return table
+
+
+def interleaved_warmup(p: int, v: int, m: int, rank: int, group_size: int | None = None) -> int:
+    """Megatron-LM's warmup forward count on ``rank``: ``2 (p - rank - 1) + (v - 1) N``, capped at
+    the ``v * m`` forward slots."""
+    n = p if group_size is None else group_size
+    return min(2 * (p - rank - 1) + (v - 1) * n, v * m)
+
+
+def interleaved_1f1b(p: int, v: int, m: int, *, group_size: int | None = None) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021, as in Megatron-LM): each rank holds ``v`` model
+    chunks (virtual stages ``chunk * p + rank``).
+
+    Rank ``r`` runs ``W_r = min(2 (p - r - 1) + (v - 1) N, v m)`` warmup forwards in the order of
+    :func:`interleaved_table`, then alternates forward slot ``W_r + i`` with backward slot ``i``,
+    then drains. ``N = group_size`` (default ``p``); see :func:`check_interleaved_args` for which
+    ``m`` are accepted. Peak in-flight (chunk, microbatch) pairs on rank ``r``: ``min(W_r + 1, v m)``.
+    Bubble with equal costs and ``m % p == 0``: ``(p - 1) / (v m)``.
+    """
+    n = check_interleaved_args(p, v, m, group_size)
+    table = interleaved_table(m, v, n)
+    total = v * m
+    order = []
+    for r in range(p):
+        warmup = interleaved_warmup(p, v, m, r, n)
+
+        def fwd(k):
+            mb, chunk = table[k]
+            return (FORWARD, chunk * p + r, mb)
+
+        def bwd(k):
+            mb, chunk = table[k]
+            return (BACKWARD, (v - 1 - chunk) * p + r, mb)
+
+        ops = [fwd(k) for k in range(warmup)]
+        for i in range(total - warmup):
+            ops += [fwd(warmup + i), bwd(i)]
+        ops += [bwd(k) for k in range(total - warmup, total)]
+        order.append(ops)
+    return attach_messages("interleaved", order, pp=p, vp=v, microbatches=m,
+                           microbatch_group_size=n)
+
+
+def build_schedule(name: str, *, pp: int, vp: int = 1, microbatches: int,
+                   microbatch_group_size: int | None = None) -> Schedule:
+    """Dispatch by name: ``"gpipe"``, ``"1f1b"`` (both need ``vp == 1``) or ``"interleaved"``."""
+    if name not in SCHEDULE_NAMES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+    if name != "interleaved":
+        _check_pp_m(pp, microbatches)
+        _check_int("vp", vp, minimum=1, fix="use vp=1 for this schedule")
+        if vp != 1:
+            raise ValueError(
+                f"schedule {name!r} has one model chunk per rank but vp={vp}; use vp=1, or "
+                f"schedule 'interleaved' for vp > 1")
+        if microbatch_group_size is not None:
+            raise ValueError(
+                f"microbatch_group_size applies only to the 'interleaved' schedule (got "
+                f"{microbatch_group_size} for {name!r}); leave it unset")
+        return gpipe(pp, microbatches) if name == "gpipe" else one_f_one_b(pp, microbatches)
+    return interleaved_1f1b(pp, vp, microbatches, group_size=microbatch_group_size)

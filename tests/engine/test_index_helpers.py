@@ -128,6 +128,15 @@ def test_document_index_matches_megatron_where_documented(backend):
     np.testing.assert_array_equal(np.sort(a[-500:]), documents)
 
 
+@needs_native
+def test_document_index_large_native_equals_numpy():
+    # Many generator blocks and every power-of-two stretch of the bounded draws up to 2**17.
+    documents = np.arange(100_003, dtype=np.int32)
+    native = ih.build_document_index(documents, 2, seed=2024, backend="native")
+    np.testing.assert_array_equal(native, ih.build_document_index(documents, 2, seed=2024,
+                                                                  backend="numpy"))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_document_index_edge_sizes(backend):
     assert ih.build_document_index(np.zeros(0, np.int32), 3, seed=0, backend=backend).shape == (0,)
@@ -142,9 +151,9 @@ def sample_cases():
     """(name, sizes, document_index, seq_length, tokens_per_epoch, num_epochs)."""
     cases = []
     for seed in range(4):
-        sizes = random_corpus(seed, 200)
-        doc_index = ih.build_document_index(np.arange(200), 2, seed=seed, backend="numpy")
-        for seq_length in (3, 8, 37, 500):
+        sizes = random_corpus(seed, 120)
+        doc_index = ih.build_document_index(np.arange(120), 2, seed=seed, backend="numpy")
+        for seq_length in (5, 16, 37, 500):
             cases.append((f"random{seed}-s{seq_length}", sizes, doc_index, seq_length,
                           int(sizes.sum()), 2))
     tiny = random_corpus(7, 30, max_size=9, empty_fraction=0.3)
@@ -222,7 +231,7 @@ def test_sample_index_properties_and_megatron_walk(case, backend):
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_blending_native_equals_numpy(seed):
     rng = np.random.default_rng(seed)
-    for num_datasets in (1, 2, 3, 7):
+    for num_datasets in (1, 2, 3, 7, 12):  # the native code specialises up to 8 datasets
         weights = rng.random(num_datasets) + 0.01
         size = int(rng.integers(0, 20000))
         native = ih.build_blending_indices(weights, size, backend="native")

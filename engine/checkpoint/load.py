@@ -1,0 +1,245 @@
+"""Loading a sharded checkpoint into any layout, reading only the slices each rank needs.
+
+Every rank passes the ShardedTensors it wants filled (its parameters and, for a full resume, its
+optimizer shards). For each target box the loader finds the saved boxes of the same key that
+intersect it and reads just the intersection with ``safetensors.safe_open(...).get_slice`` (the
+rows it spans, for a flat-range piece), so foreign shards are never loaded whole. The same code
+serves an exact resume (each rank reads its own file), a resharding resume (TP/PP/DP changed), and a
+model-only load for fine-tuning (pass only the model's tensors; optimizer entries are ignored).
+
+Checks before anything is read, raised on every rank: the path (missing, foreign, incomplete),
+tensors the checkpoint lacks (listed), global shape and dtype mismatches (named, saved vs
+expected). With ``verify=True`` the sha256 of every file that is read is checked first; each file
+is hashed by one rank only (the lowest rank that needs it).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from safetensors import safe_open
+
+from engine.checkpoint import _dist
+from engine.checkpoint.format import (CheckpointError, dtype_name, from_json_state, read_metadata, resolve_checkpoint,
+                                      sha256_file, to_json_state)
+from engine.checkpoint.sharded import Box, ShardedTensor, intersect, piece_boxes
+from parallel.comm import Group
+
+
+@dataclass
+class LoadResult:
+    """What a load restored besides the tensors.
+
+    ``rank_state`` is this rank's saved JSON state (RNG states...) when the checkpoint was written
+    by the same number of ranks in the same ``layout``, else None (the caller re-seeds).
+    ``missing`` lists target keys absent from the checkpoint (only with ``strict=False``).
+    """
+
+    path: Path
+    step: int
+    trainer_state: dict | None
+    model_config: dict | None
+    layout: dict | None
+    rank_state: dict | None
+    missing: list[str] = field(default_factory=list)
+    metadata: dict = field(default_factory=dict, repr=False)
+
+
+@dataclass(frozen=True)
+class _Read:
+    file: str
+    name: str
+    src_offset: tuple[int, ...]      # saved piece: global offset of its rectangle
+    src_box: Box | None              # saved flat piece: the box the intersection lies in (None: rectangular)
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+    target: ShardedTensor
+    dst_box: Box
+
+
+def _resolve_everywhere(path, group: Group | None) -> Path:
+    """Rank 0 resolves ``path`` (auto-resume included, warnings once); every rank gets its answer."""
+    answer = {"path": None, "error": None}
+    if _dist.group_rank(group) == 0:
+        try:
+            answer["path"] = str(resolve_checkpoint(path))
+        except CheckpointError as e:
+            answer["error"] = str(e)
+    answer = _dist.all_gather_json(answer, group)[0]
+    if answer["error"]:
+        raise CheckpointError(answer["error"])
+    return Path(answer["path"])
+
+
+def _check_targets(meta: dict, tensors: Sequence[ShardedTensor], *, strict: bool,
+                   allow_dtype_cast: bool, path: Path) -> tuple[list[str], list[str]]:
+    """(missing keys, problems) of the targets against the metadata."""
+    saved = meta["tensors"]
+    missing, problems = [], []
+    for t in tensors:
+        if not isinstance(t, ShardedTensor):
+            problems.append(f"load targets must be ShardedTensor, got {type(t).__name__}")
+            continue
+        entry = saved.get(t.key)
+        if entry is None:
+            if t.key not in missing:
+                missing.append(t.key)
+            continue
+        if tuple(entry["shape"]) != t.global_shape:
+            problems.append(f"tensor {t.key!r}: checkpoint has global shape {tuple(entry['shape'])}, the model "
+                            f"expects {t.global_shape}")
+        elif entry["dtype"] != dtype_name(t.dtype) and not allow_dtype_cast:
+            problems.append(f"tensor {t.key!r}: checkpoint has dtype {entry['dtype']}, the model expects "
+                            f"{dtype_name(t.dtype)} (pass allow_dtype_cast=True to convert)")
+    if problems:
+        problems.append(f"checkpoint {path} was saved from a different model configuration (saved model_config: "
+                        f"{meta.get('model_config')})")
+    if missing and strict:
+        shown = ", ".join(repr(k) for k in missing[:20]) + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
+        problems.insert(0, f"checkpoint {path} lacks {len(missing)} tensor(s) the model expects: {shown} (it holds "
+                           f"{len(saved)} tensors; pass strict=False to load a model-only subset)")
+    return missing, problems
+
+
+def _plan_reads(meta: dict, tensors: Sequence[ShardedTensor], missing: list[str]) -> list[_Read]:
+    saved_boxes: dict[str, list[tuple[Box, dict]]] = {}
+    reads: list[_Read] = []
+    for t in tensors:
+        if t.key in missing:
+            continue
+        if t.key not in saved_boxes:
+            entry = meta["tensors"][t.key]
+            saved_boxes[t.key] = [(b, pc) for pc in entry["pieces"]
+                                  for b in piece_boxes(pc["offset"], pc["local_shape"], pc["flat_range"])]
+        for dst in t.boxes():
+            covered = 0
+            for src, pc in saved_boxes[t.key]:
+                hit = intersect(src, dst)
+                if hit is None:
+                    continue
+                lo, hi = hit
+                covered += math.prod(h - l for l, h in zip(lo, hi))
+                reads.append(_Read(file=pc["file"], name=pc["name"], src_offset=tuple(pc["offset"]),
+                                   src_box=src if pc["flat_range"] is not None else None, lo=lo, hi=hi,
+                                   target=t, dst_box=dst))
+            if covered != dst.numel:
+                raise CheckpointError(f"tensor {t.key!r}: the checkpoint's pieces cover {covered} of the {dst.numel} "
+                                      f"elements at offset {dst.offset}; the metadata is corrupt")
+    return reads
+
+
+def _verify_files(step_dir: Path, meta: dict, needed: set[str], group: Group | None) -> None:
+    """sha256 of every needed file, each hashed by the lowest rank needing it; raises on every rank."""
+    all_needed = _dist.all_gather_json(sorted(needed), group)
+    rank = _dist.group_rank(group)
+    mine = [f for f in sorted(needed) if min(r for r, n in enumerate(all_needed) if f in n) == rank]
+    errors = []
+    for name in mine:
+        info = meta["files"].get(name)
+        p = step_dir / name
+        if info is None:
+            errors.append(f"{p} is not listed in the metadata")
+        elif not p.is_file():
+            errors.append(f"{p} is missing")
+        elif sha256_file(p) != info["sha256"]:
+            errors.append(f"checksum mismatch in {p}: the file is corrupt (sha256 differs from metadata)")
+    errors = [e for errs in _dist.all_gather_json(errors, group) for e in errs]
+    if errors:
+        raise CheckpointError("; ".join(errors))
+
+
+def _box_index(lo, hi, origin) -> tuple[slice, ...]:
+    return tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, origin))
+
+
+def _read_source(f, r: _Read):
+    sl = f.get_slice(r.name)
+    if r.src_box is None:
+        if not r.lo:
+            return f.get_tensor(r.name)
+        return sl[_box_index(r.lo, r.hi, r.src_offset)]
+    # Flat piece: read the rows of the contiguous box that the intersection spans, then cut.
+    box = r.src_box
+    if not box.shape:
+        return sl[box.flat_start:box.flat_start + 1].reshape(())
+    inner = math.prod(box.shape[1:])
+    row_lo, row_hi = r.lo[0] - box.offset[0], r.hi[0] - box.offset[0]
+    rows = sl[box.flat_start + row_lo * inner:box.flat_start + row_hi * inner]
+    rows = rows.reshape(row_hi - row_lo, *box.shape[1:])  # (rows, trailing box dims)
+    return rows[(slice(None), *_box_index(r.lo[1:], r.hi[1:], box.offset[1:]))]
+
+
+def _target_view(r: _Read):
+    t = r.target
+    if t.flat_range is None:
+        return t.data[_box_index(r.lo, r.hi, t.global_offset)] if r.lo else t.data
+    box = r.dst_box
+    view = t.data[box.flat_start:box.flat_start + box.numel].view(box.shape)  # (box dims)
+    return view[_box_index(r.lo, r.hi, box.offset)] if r.lo else view
+
+
+def _execute(step_dir: Path, reads: list[_Read]) -> None:
+    by_file: dict[str, list[_Read]] = {}
+    for r in reads:
+        by_file.setdefault(r.file, []).append(r)
+    for fname, rs in sorted(by_file.items()):
+        p = step_dir / fname
+        try:
+            with safe_open(str(p), framework="pt", device="cpu") as f:
+                for r in rs:
+                    _target_view(r).copy_(_read_source(f, r))
+        except (OSError, RuntimeError, ValueError) as e:  # safetensors raises SafetensorError(ValueError/RuntimeError)
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"cannot read {p}: {e}") from e
+
+
+def load_checkpoint(path: str | os.PathLike, *, tensors: Sequence[ShardedTensor] = (), group: Group | None = None,
+                    layout: dict | None = None, strict: bool = True, verify: bool = True,
+                    allow_dtype_cast: bool = False) -> LoadResult:
+    """Fill ``tensors`` (this rank's ShardedTensors, written in place) from a checkpoint (collective).
+
+    ``path`` is a step directory or a checkpoint root (then the newest complete checkpoint is used:
+    auto-resume). ``layout`` is the current parallel layout; the saved per-rank state is returned
+    only when it equals the saved one. Raises CheckpointError on every rank for the problems listed
+    in the module docstring.
+    """
+    step_dir = _resolve_everywhere(path, group)
+    problems: list[str] = []
+    missing: list[str] = []
+    reads: list[_Read] = []
+    meta: dict = {}
+    try:
+        meta = read_metadata(step_dir)
+        missing, problems = _check_targets(meta, tensors, strict=strict, allow_dtype_cast=allow_dtype_cast,
+                                           path=step_dir)
+        if not problems:
+            reads = _plan_reads(meta, tensors, missing)
+    except CheckpointError as e:
+        problems = [str(e)]
+    everyone = _dist.all_gather_json(problems, group)
+    if any(everyone):
+        rank = _dist.group_rank(group)
+        mine = everyone[rank]
+        others = [f"rank {r}: {'; '.join(p)}" for r, p in enumerate(everyone) if p and r != rank]
+        raise CheckpointError("; ".join(mine) if mine else "load aborted: " + " | ".join(others))
+    if verify:
+        _verify_files(step_dir, meta, {r.file for r in reads}, group)
+    error = None
+    try:
+        _execute(step_dir, reads)
+    except CheckpointError as e:
+        error = str(e)
+    errors = [e for e in _dist.all_gather_json(error, group) if e]
+    if errors:
+        raise CheckpointError("; ".join(errors))
+    rank = _dist.group_rank(group)
+    same_layout = meta.get("world_size") == _dist.group_size(group) and (layout is None or to_json_state(layout) == meta.get("layout"))
+    rank_states = meta.get("rank_states") or []
+    rank_state = from_json_state(rank_states[rank]) if same_layout and rank < len(rank_states) else None
+    return LoadResult(path=step_dir, step=meta["step"], trainer_state=from_json_state(meta.get("trainer_state")),
+                      model_config=meta.get("model_config"), layout=meta.get("layout"), rank_state=rank_state,
+                      missing=missing, metadata=meta)

@@ -52,12 +52,14 @@ class ParamSpec:
     ``key``: logical name (default: the module-relative name; use it to map a pipeline stage's
     local layer index to the global one). ``parts``: split the local tensor along its partition dim
     into blocks of the given local sizes, each a TP shard of its own logical tensor (the fused
-    gate/up case); by default ``partition_stride`` blocks of one logical tensor. ``extra_replica``:
+    gate/up case); by default ``partition_stride`` blocks of one logical tensor. ``dim``: the local
+    dim ``parts`` cut along (default: the partition dim, 0 for a replicated parameter). ``extra_replica``:
     > 0 marks this copy as a replica beyond dp/cp/tp (the last pipeline stage's tied lm head).
     """
 
     key: str
     parts: tuple[tuple[str, int], ...] | None = None
+    dim: int | None = None
     extra_replica: int = 0
 
 
@@ -154,11 +156,12 @@ def param_layout(name: str, param: torch.Tensor, *, ctx: ShardingContext, spec: 
     if shape:
         dim %= len(shape)
     stride = int(getattr(param, "partition_stride", 1)) if sharded else 1
+    split_dim = dim if spec.dim is None or not shape else spec.dim % len(shape)
     if spec.parts is not None:
         blocks = [(k, int(n)) for k, n in spec.parts]
-        if not shape or sum(n for _, n in blocks) != shape[dim]:
+        if not shape or sum(n for _, n in blocks) != shape[split_dim]:
             raise ValueError(f"{name}: ParamSpec.parts sizes {[n for _, n in blocks]} must sum to the local size "
-                             f"{shape[dim] if shape else None} of dim {dim}")
+                             f"{shape[split_dim] if shape else None} of dim {split_dim}")
     elif stride > 1:
         if shape[dim] % stride:
             raise ValueError(f"{name}: partition_stride={stride} does not divide the local size {shape[dim]} "
@@ -174,10 +177,15 @@ def param_layout(name: str, param: torch.Tensor, *, ctx: ShardingContext, spec: 
         per_key_seen[key] = k_index + 1
         gshape, goff = list(shape), [0] * len(shape)
         if shape:
-            block_global = n * tp  # one logical block along `dim` is the concatenation of tp local blocks
-            gshape[dim] = block_global * n_same[key]
-            goff[dim] = k_index * block_global + tp_rank * n
-        parts.append(ParamPart(key=key, global_shape=tuple(gshape), global_offset=tuple(goff), dim=dim,
+            gshape[split_dim] = n
+            if sharded:  # this rank's block is block tp_rank of tp along the partition dim
+                goff[dim] = tp_rank * gshape[dim]
+                gshape[dim] *= tp
+            # Blocks with the same key (partition_stride) are stacked along the split dim.
+            block_global = gshape[split_dim]
+            gshape[split_dim] = block_global * n_same[key]
+            goff[split_dim] += k_index * block_global
+        parts.append(ParamPart(key=key, global_shape=tuple(gshape), global_offset=tuple(goff), dim=split_dim,
                                local_start=cursor, local_end=cursor + n))
         cursor += n
     # Copies of this local tensor: dp/cp replicas (replica_rank), TP ranks of a replicated parameter,

@@ -1,0 +1,180 @@
+"""Fused linear + cross-entropy vs torch cross_entropy on full logits: single shard and vocab-parallel."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine.ops.fused_linear_ce import (FusedLinearCrossEntropy, _auto_chunk, fused_linear_cross_entropy,
+                                        linear_cross_entropy_reference)
+from parallel.testing import run_distributed
+from tests.engine.ops.helpers import assert_bf16_close
+
+
+def _inputs(tokens, hidden, vocab, *, seed, dtype=torch.float32, ignore_every=5):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, hidden, generator=gen)
+    w = torch.randn(vocab, hidden, generator=gen) / hidden ** 0.5 * 4
+    t = torch.randint(0, vocab, (tokens,), generator=gen)
+    t[::ignore_every] = -100
+    g = torch.randn(tokens, generator=gen)  # upstream gradient of the per-token loss
+    return h.to(dtype), w.to(dtype), t, g
+
+
+def _run(fn, h, w, t, g, **kwargs):
+    h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
+    loss = fn(h, w, t, **kwargs)
+    (loss * g).sum().backward()
+    return loss, h.grad, w.grad
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("tokens, vocab, chunk, smoothing", [
+    (37, 300, 8, 0.0),      # 5 chunks, the last one partial
+    (37, 300, 64, 0.1),     # one chunk, label smoothing
+    (9, 5000, 4, 0.05),     # vocab spans two Triton blocks with a masked tail
+])
+def test_matches_torch_cross_entropy_fp32(backend, tokens, vocab, chunk, smoothing):
+    h, w, t, g = _inputs(tokens, 24, vocab, seed=tokens + vocab)
+    got = _run(fused_linear_cross_entropy, h, w, t, g, chunk_size=chunk, label_smoothing=smoothing,
+               backend=backend)
+    want = _run(linear_cross_entropy_reference, h, w, t, g, label_smoothing=smoothing)
+    assert got[0].dtype == torch.float32 and got[0].shape == t.shape
+    for name, a, b in zip(("loss", "grad_hidden", "grad_weight"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+    assert torch.all(got[0][t == -100] == 0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_bf16_error_within_twice_torch_error(backend):
+    h, w, t, g = _inputs(37, 64, 600, seed=7, dtype=torch.bfloat16)
+    got = _run(fused_linear_cross_entropy, h, w, t, g, chunk_size=8, label_smoothing=0.1, backend=backend)
+    low = _run(linear_cross_entropy_reference, h, w, t, g, label_smoothing=0.1)
+    exact = _run(linear_cross_entropy_reference, h.double(), w.double(), t, g.double(), label_smoothing=0.1)
+    assert_bf16_close(got[0], low[0], exact[0].float(), "loss")  # loss is float32 in both
+    for name, a, b, c in zip(("grad_hidden", "grad_weight"), got[1:], low[1:], exact[1:]):
+        assert_bf16_close(a, b, c, name)
+
+
+def test_sequence_first_shapes_and_module():
+    h, w, t, g = _inputs(12, 16, 50, seed=3)
+    h3, t3 = h.view(4, 3, 16), t.view(4, 3)  # (s, b, H), (s, b)
+    loss = FusedLinearCrossEntropy(chunk_size=5, backend="triton")(h3, w, t3)
+    assert loss.shape == (4, 3)
+    torch.testing.assert_close(loss, linear_cross_entropy_reference(h3, w, t3), rtol=1e-5, atol=1e-5)
+
+
+def test_custom_ignore_index_and_all_ignored():
+    h, w, t, g = _inputs(10, 8, 30, seed=4, ignore_every=1000)
+    t[0], t[3] = 1, 7  # no -100 left; 7 is the ignored id
+    want = linear_cross_entropy_reference(h, w, t, ignore_index=7)
+    got = fused_linear_cross_entropy(h, w, t, ignore_index=7, backend="triton")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    t_all = torch.full_like(t, -100)
+    _, gh, gw = _run(fused_linear_cross_entropy, h, w, t_all, g, backend="triton")
+    assert torch.all(gh == 0) and torch.all(gw == 0)
+
+
+def test_frozen_weight_gets_no_grad_and_hidden_grad_is_right():
+    h, w, t, g = _inputs(11, 8, 40, seed=5)
+    hh = h.clone().requires_grad_()
+    (fused_linear_cross_entropy(hh, w, t, chunk_size=3, backend="triton") * g).sum().backward()
+    _, want_gh, _ = _run(linear_cross_entropy_reference, h, w, t, g)
+    torch.testing.assert_close(hh.grad, want_gh, rtol=1e-5, atol=1e-5)
+    assert w.grad is None
+
+
+def test_auto_chunk_bounds_logits_memory():
+    assert _auto_chunk(8192, 128256) == 512  # 512 * 128256 <= 2**26 < 1024 * 128256
+    assert _auto_chunk(8192, 16032) == 4096
+    assert _auto_chunk(100, 128256) == 100
+    assert _auto_chunk(5, 10**9) == 1
+
+
+def test_opcheck_and_compile():
+    from engine.ops.fused_linear_ce import _flce_fwd
+
+    h, w, t, g = _inputs(9, 8, 20, seed=6)
+    h.requires_grad_()
+    w.requires_grad_()
+    torch.library.opcheck(_flce_fwd, (h, w, t, -100, 0.1, 4, True))
+
+    def f(h, w):
+        return (fused_linear_cross_entropy(h, w, t, chunk_size=4, backend="triton") * g).sum()
+
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(h, w)
+    got.backward()
+    gw = w.grad.clone()
+    w.grad = None
+    f(h, w).backward()
+    torch.testing.assert_close(got, f(h, w))
+    torch.testing.assert_close(gw, w.grad)
+
+
+# ----------------------------------------------------------------------------------------------
+# Vocab-parallel: 2 gloo ranks, uneven shards, compared with the unsharded oracle
+# ----------------------------------------------------------------------------------------------
+class _GlooReduce:
+    def all_reduce_max(self, t):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+
+    def all_reduce_sum(self, t):
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+
+
+def _tp_rank(bounds, smoothing):
+    """One rank: both backends in one spawn (process start-up dominates the cost)."""
+    rank = dist.get_rank()
+    h, w, t, g = _inputs(21, 16, bounds[-1], seed=11)
+    start, end = bounds[rank], bounds[rank + 1]
+    out = {}
+    for backend in ("reference", "triton"):
+        hh = h.clone().requires_grad_()
+        w_shard = w[start:end].clone().requires_grad_()
+        loss = fused_linear_cross_entropy(hh, w_shard, t, vocab_start=start, tp_reduce=_GlooReduce(),
+                                          label_smoothing=smoothing, chunk_size=6, backend=backend)
+        (loss * g).sum().backward()
+        out[backend] = (loss.detach(), hh.grad, w_shard.grad)
+    return out
+
+
+def test_vocab_parallel_two_ranks_matches_full_logits():
+    bounds = [0, 70, 151]  # uneven shards of a 151-token vocab
+    h, w, t, g = _inputs(21, 16, bounds[-1], seed=11)
+    want = _run(linear_cross_entropy_reference, h, w, t, g, label_smoothing=0.1)
+    per_rank = run_distributed(_tp_rank, 2, bounds, 0.1, timeout=120)
+    for backend in ("reference", "triton"):
+        results = [r[backend] for r in per_rank]
+        for loss, _, _ in results:
+            torch.testing.assert_close(loss, want[0], rtol=1e-5, atol=1e-5, msg=backend)
+        grad_hidden = results[0][1] + results[1][1]  # what copy_to_tp's backward all-reduces
+        torch.testing.assert_close(grad_hidden, want[1], rtol=1e-5, atol=1e-5, msg=backend)
+        torch.testing.assert_close(torch.cat([r[2] for r in results]), want[2], rtol=1e-5, atol=1e-5,
+                                   msg=backend)
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+# ----------------------------------------------------------------------------------------------
+class _NoMax:
+    def all_reduce_sum(self, t):
+        pass
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(weight=torch.ones(30, 7)), r"weight must be \(vocab_local, hidden\)"),
+    (dict(weight=torch.ones(30, 8, dtype=torch.float64)), "must share a dtype"),
+    (dict(target=torch.zeros(10, dtype=torch.float32)), "integer tensor of shape"),
+    (dict(target=torch.zeros(9, dtype=torch.long)), "integer tensor of shape"),
+    (dict(vocab_start=10), "needs tp_reduce"),
+    (dict(vocab_start=-1, tp_reduce=_NoMax()), "vocab_start=-1 must be >= 0"),
+    (dict(tp_reduce=_NoMax()), "must provide in-place all_reduce_max"),
+    (dict(label_smoothing=1.0), r"label_smoothing=1.0 must be in \[0, 1\)"),
+    (dict(chunk_size=0), "chunk_size=0 must be a positive int"),
+    (dict(backend="cublas"), "backend='cublas' is not one of"),
+    (dict(target=torch.full((10,), 30)), r"ids outside \[0, 30\)"),
+    (dict(hidden=torch.ones(10, 8, dtype=torch.int32)), "floating dtype"),
+])
+def test_bad_inputs_raise(change, match):
+    args = dict(hidden=torch.ones(10, 8), weight=torch.ones(30, 8), target=torch.zeros(10, dtype=torch.long))
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        fused_linear_cross_entropy(args.pop("hidden"), args.pop("weight"), args.pop("target"), **args)

@@ -1,0 +1,355 @@
+"""Data parallelism with bucketed gradient reduction overlapped with backward.
+
+:class:`DataParallel` wraps a module whose replicas (one per rank of ``dp_group``) see different
+micro-batches. It
+
+* moves every trainable parameter into a flat buffer per dtype and gives it an fp32
+  ``p.main_grad`` (see :mod:`parallel.data_parallel.buffers`);
+* hooks each parameter's gradient accumulation (``register_post_accumulate_grad_hook``): the
+  hook adds ``p.grad`` into ``p.main_grad`` and frees ``p.grad``;
+* on the last micro-batch only (outside :meth:`no_sync`), launches an asynchronous reduction of a
+  bucket as soon as all of its gradients are final, while backward continues; micro-batches inside
+  :meth:`no_sync` only accumulate, with no communication;
+* :meth:`finish_grad_sync` launches what is left and waits for everything before the optimizer.
+
+Reduction (``zero_stage``):
+
+* ``0``: all-reduce of each bucket; every rank holds the full reduced gradient.
+* ``1``: reduce-scatter of each bucket into the rank's own shard (``1/dp`` of each bucket, a
+  contiguous range); the full fp32 gradient buffer stays allocated (needed to accumulate over
+  micro-batches without communication) but only the shard is valid afterwards.
+* ``2``: as 1, but no persistent full fp32 buffer: a bucket's fp32 gradients exist from its first
+  gradient until its reduce-scatter completes, and only the shard (``4 * numel / dp`` bytes) is
+  kept. With ``max_inflight_buckets=k`` backward waits for older reductions so that at most ``k``
+  buckets are in flight; together with the buckets being filled that bounds the transient fp32
+  gradient memory. With gradient accumulation (several micro-batches) every bucket is allocated
+  from the first micro-batch on, so the peak is the full buffer again: skipping communication
+  during accumulation and never materialising the full fp32 gradient exclude each other.
+
+Average vs sum: with ``grad_reduce="mean"`` (default) the reduced gradient is divided by the
+size of ``dp_group``, so if each micro-batch loss is a mean over its samples and the caller scales
+it by ``1/num_microbatches``, the result equals the gradient of the mean loss over the global batch
+on one process. ``"sum"`` skips the division (for losses normalised by a global token count).
+
+Ordering contract: collectives on a group must be issued in the same order on every rank, so all
+ranks must run the same graph (the same parameters receive gradients, in the same order).
+
+Parameters with ``p.sequence_parallel = True`` (replicated over TP, gradients partial under sequence
+parallelism) have their bucket's gradients all-reduced over ``tp_group`` just before the bucket's
+data-parallel reduction (one coalesced all-reduce per bucket). Parameters with
+``p.shared_embedding = True`` or ``p.defer_grad_reduce = True`` get buckets of their own that are
+reduced only in :meth:`finish_grad_sync`, so the caller can first sum tied copies across
+pipeline stages into ``p.main_grad`` (doing that inside backward hooks could deadlock the pipeline).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from parallel import comm
+from parallel.comm import Group
+from parallel.data_parallel.buffers import GRAD_DTYPE, Bucket, ParamAndGradBuffer, bucket_size_elements
+
+DEFAULT_BUCKET_MB = 25.0
+
+
+def num_microbatches(global_batch_size: int, micro_batch_size: int, dp: int) -> int:
+    """Micro-batches each data-parallel rank runs per step: ``global / (micro * dp)``, exactly."""
+    for name, v in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size), ("dp", dp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be an integer >= 1")
+    per_step = micro_batch_size * dp
+    if global_batch_size % per_step:
+        lo = max(per_step, global_batch_size // per_step * per_step)
+        raise ValueError(f"global_batch_size={global_batch_size} is not divisible by micro_batch_size * dp = "
+                         f"{micro_batch_size} * {dp} = {per_step}; use a multiple of {per_step} "
+                         f"(e.g. {lo} or {lo + per_step}) or change micro_batch_size/dp")
+    return global_batch_size // per_step
+
+
+class DataParallel(torch.nn.Module):
+    """Wrap ``module`` for data-parallel training over ``dp_group`` (any :class:`Group`: dp, dp_cp, ...).
+
+    Arguments (keyword-only): ``zero_stage`` 0/1/2 (see the module docstring); ``bucket_size``
+    (elements) or ``bucket_size_mb`` (MB of fp32 gradients; default 25); ``overlap_grad_reduce``
+    (launch reductions from backward hooks; off: all at :meth:`finish_grad_sync`);
+    ``overlap_param_gather`` (sharded stages: the post-step parameter all-gather is waited for bucket
+    by bucket in forward pre-hooks of the modules that own the parameters); ``grad_reduce``
+    "mean"/"sum"; ``tp_group`` for sequence-parallel gradients; ``align`` (shard alignment in
+    elements); ``max_inflight_buckets``; ``broadcast_params`` (copy dp rank 0's parameters to all
+    replicas at construction).
+    """
+
+    def __init__(self, module: torch.nn.Module, *, dp_group: Group, tp_group: Group | None = None,
+                 zero_stage: int = 0, bucket_size: int | None = None, bucket_size_mb: float | None = None,
+                 overlap_grad_reduce: bool = True, overlap_param_gather: bool = False, grad_reduce: str = "mean",
+                 align: int = 1, max_inflight_buckets: int | None = None, broadcast_params: bool = True):
+        super().__init__()
+        if zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage={zero_stage!r} must be 0 (all-reduce), 1 (sharded optimizer state) "
+                             "or 2 (sharded optimizer state and gradients)")
+        if grad_reduce not in ("mean", "sum"):
+            raise ValueError(f"grad_reduce={grad_reduce!r} must be 'mean' (divide by dp) or 'sum'")
+        if overlap_param_gather and zero_stage == 0:
+            raise ValueError("overlap_param_gather=True needs a sharded optimizer (zero_stage 1 or 2): with "
+                             "zero_stage=0 there is no parameter all-gather to overlap")
+        if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+            raise ValueError(f"align={align!r} must be an integer >= 1 (elements per shard alignment)")
+        if max_inflight_buckets is not None and (not isinstance(max_inflight_buckets, int) or max_inflight_buckets < 1):
+            raise ValueError(f"max_inflight_buckets={max_inflight_buckets!r} must be None (unbounded) or >= 1")
+        if bucket_size is None and bucket_size_mb is None:
+            bucket_size_mb = DEFAULT_BUCKET_MB
+        size = bucket_size_elements(bucket_size=bucket_size, bucket_size_mb=bucket_size_mb)
+        self.module = module
+        self.dp_group = dp_group
+        self.tp_group = tp_group
+        self.zero_stage = zero_stage
+        self.sharded = zero_stage >= 1
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.overlap_param_gather = overlap_param_gather
+        self.grad_scale = 1.0 / dp_group.size if grad_reduce == "mean" else 1.0
+        self.max_inflight_buckets = max_inflight_buckets
+        self.bucket_size = size
+        self.is_last_microbatch = True
+        self.param_names: dict[int, str] = {}
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for name, p in module.named_parameters():
+            if p.requires_grad:
+                self.param_names[id(p)] = name
+                by_dtype.setdefault(p.dtype, []).append(p)
+        if not by_dtype:
+            raise ValueError("DataParallel: the module has no trainable parameters (requires_grad=True)")
+        if broadcast_params and dp_group.size > 1:
+            with torch.no_grad():
+                for plist in by_dtype.values():
+                    for p in plist:  # one broadcast per tensor, at construction only
+                        comm.broadcast(p.data, dp_group, src=0)
+        self.flat_buffers: list[ParamAndGradBuffer] = []
+        for dtype, plist in by_dtype.items():
+            self.flat_buffers.append(ParamAndGradBuffer(
+                plist, dtype=dtype, bucket_size=size, dp=dp_group.size, align=align,
+                grads="lazy" if zero_stage == 2 else "full",
+                separate=[bool(getattr(p, "shared_embedding", False) or getattr(p, "defer_grad_reduce", False))
+                          for p in plist]))
+        self._where: dict[int, tuple[ParamAndGradBuffer, Bucket]] = {}
+        for buf in self.flat_buffers:
+            for b in buf.buckets:
+                for p in b.params:
+                    self._where[id(p)] = (buf, b)
+        self._setup_shards()
+        self._inflight: list[tuple[ParamAndGradBuffer, Bucket]] = []
+        self.lazy_grad_bytes = 0  # fp32 bucket gradients currently allocated (zero_stage 2)
+        self.lazy_grad_bytes_peak = 0
+        self._handles = [p.register_post_accumulate_grad_hook(self._make_grad_hook(p))
+                         for buf in self.flat_buffers for b in buf.buckets for p in b.params]
+        if overlap_param_gather:
+            self._register_gather_prehooks()
+
+    # -- layout ------------------------------------------------------------------------------------
+    def _setup_shards(self) -> None:
+        dp = self.dp_group.size
+        self.shard_grad_data: list[torch.Tensor | None] = []
+        for buf in self.flat_buffers:
+            data = None
+            if self.zero_stage == 2:
+                data = torch.zeros(buf.numel // dp, dtype=GRAD_DTYPE, device=buf.param_data.device)
+            self.shard_grad_data.append(data)
+            for b in buf.buckets:
+                lo, hi = self.owned_range(b)
+                if self.zero_stage == 0:
+                    b.shard_grad = b.grad
+                elif self.zero_stage == 1:
+                    b.shard_grad = b.grad[lo:hi]
+                else:
+                    b.shard_grad = data[b.start // dp:b.end // dp]
+
+    def owned_range(self, bucket: Bucket) -> tuple[int, int]:
+        """This rank's ``[lo, hi)`` of the bucket (bucket-relative): 1/dp of it when sharded, else all."""
+        if not self.sharded:
+            return 0, bucket.numel
+        n = bucket.numel // self.dp_group.size
+        return self.dp_group.rank * n, (self.dp_group.rank + 1) * n
+
+    def buckets(self) -> Iterator[tuple[ParamAndGradBuffer, Bucket]]:
+        for buf in self.flat_buffers:
+            for b in buf.buckets:
+                yield buf, b
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    # -- gradient accumulation and reduction --------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Micro-batches run inside only accumulate into ``main_grad``; no communication."""
+        prev = self.is_last_microbatch
+        self.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            self.is_last_microbatch = prev
+
+    def _make_grad_hook(self, param: torch.nn.Parameter):
+        buf, bucket = self._where[id(param)]
+
+        def hook(p: torch.nn.Parameter) -> None:
+            if p.grad is None:
+                return
+            if bucket.state != "open":
+                raise RuntimeError(
+                    f"parameter {self.param_names[id(p)]!r} received a gradient after its bucket was reduced "
+                    f"(bucket state {bucket.state!r}); call zero_grad_buffer() (optimizer.zero_grad()) before the "
+                    "next step's backward, and run every micro-batch but the last inside no_sync()")
+            with torch.no_grad():
+                if bucket.grad is None:
+                    self._allocate(buf, bucket)
+                p.main_grad.add_(p.grad)
+                p.grad = None
+            if self.is_last_microbatch:
+                bucket.pending.discard(id(p))
+                if not bucket.pending and self.overlap_grad_reduce and not bucket.deferred:
+                    self._launch(buf, bucket)
+        return hook
+
+    def _allocate(self, buf: ParamAndGradBuffer, bucket: Bucket) -> None:
+        buf.allocate_bucket_grad(bucket)
+        self.lazy_grad_bytes += bucket.grad.numel() * bucket.grad.element_size()
+        self.lazy_grad_bytes_peak = max(self.lazy_grad_bytes_peak, self.lazy_grad_bytes)
+
+    def _launch(self, buf: ParamAndGradBuffer, bucket: Bucket) -> None:
+        assert bucket.state == "open", bucket.state
+        if bucket.grad is None:  # lazy bucket that received no gradient: still take part, with zeros
+            self._allocate(buf, bucket)
+        sp = [p for p in bucket.params if getattr(p, "sequence_parallel", False)]
+        if sp and self.tp_group is not None and self.tp_group.size > 1:
+            # Partial sums over TP must be complete before the replicas are averaged; one coalesced call.
+            flat = torch.cat([p.main_grad.view(-1) for p in sp])
+            comm.all_reduce(flat, self.tp_group)
+            with torch.no_grad():
+                for p, chunk in zip(sp, flat.split([p.numel() for p in sp])):
+                    p.main_grad.copy_(chunk.view(p.shape))
+        if self.sharded:
+            bucket.out, bucket.work = comm.reduce_scatter(bucket.grad, self.dp_group, async_op=True)
+        else:
+            bucket.work = comm.all_reduce(bucket.grad, self.dp_group, op="sum", async_op=True)
+        bucket.state = "launched"
+        self._inflight.append((buf, bucket))
+        if self.zero_stage == 2:
+            # Free finished buckets early (memory), and bound the number in flight if asked.
+            for item in [x for x in self._inflight[:-1] if x[1].work.is_completed()]:
+                self._finalize(*item)
+        if self.max_inflight_buckets is not None:
+            while len(self._inflight) > self.max_inflight_buckets:
+                self._finalize(*self._inflight[0])
+
+    def _finalize(self, buf: ParamAndGradBuffer, bucket: Bucket) -> None:
+        bucket.work.wait()
+        with torch.no_grad():
+            if self.sharded and bucket.out is not None and bucket.out.data_ptr() != bucket.shard_grad.data_ptr():
+                bucket.shard_grad.copy_(bucket.out)
+            if self.grad_scale != 1.0:
+                bucket.shard_grad.mul_(self.grad_scale)
+        bucket.work, bucket.out = None, None
+        bucket.state = "done"
+        self._inflight.remove((buf, bucket))
+        if self.zero_stage == 2:
+            self.lazy_grad_bytes -= bucket.grad.numel() * bucket.grad.element_size()
+            buf.release_bucket_grad(bucket)
+
+    def finish_grad_sync(self) -> None:
+        """Launch the buckets not launched yet (overlap off, deferred, unused parameters), wait for all.
+
+        Afterwards each bucket's ``shard_grad`` holds the reduced (averaged) gradient of this rank's
+        range; with ``zero_stage=0`` that is every ``p.main_grad``. Idempotent until
+        :meth:`zero_grad_buffer`.
+        """
+        for buf, b in self.buckets():
+            if b.state == "open":
+                self._launch(buf, b)
+        while self._inflight:
+            self._finalize(*self._inflight[0])
+
+    def zero_grad_buffer(self) -> None:
+        """Zero all gradients and re-arm the buckets for the next step."""
+        if self._inflight:
+            raise RuntimeError("zero_grad_buffer() while gradient reductions are in flight; "
+                               "call finish_grad_sync() (the optimizer step does) first")
+        for i, buf in enumerate(self.flat_buffers):
+            if buf.grad_data is not None:
+                buf.grad_data.zero_()
+            if self.shard_grad_data[i] is not None:
+                self.shard_grad_data[i].zero_()
+            for b in buf.buckets:
+                if buf.lazy and b.grad is not None:
+                    self.lazy_grad_bytes -= b.grad.numel() * b.grad.element_size()
+                    buf.release_bucket_grad(b)
+                b.state = "open"
+                b.reset_pending()
+        for p in self.module.parameters():
+            p.grad = None
+
+    # -- parameter all-gather after a sharded optimizer step ---------------------------------------
+    def start_param_sync(self) -> None:
+        """All-gather every bucket's updated shard (async), in forward order (last bucket first).
+
+        Without ``overlap_param_gather`` this waits at once; with it, each bucket is waited for by
+        the forward pre-hook of the first module that uses one of its parameters (or by
+        :meth:`finish_param_sync`). No-op when not sharded.
+        """
+        if not self.sharded:
+            return
+        for buf in self.flat_buffers:
+            for b in reversed(buf.buckets):
+                if b.gather_work is not None:
+                    raise RuntimeError("start_param_sync() while a previous parameter all-gather is pending; "
+                                       "call finish_param_sync() first")
+                lo, hi = self.owned_range(b)
+                shard = buf.param_data[b.start + lo:b.start + hi]
+                b.gather_out, b.gather_work = comm.all_gather(shard, self.dp_group, async_op=True)
+        if not self.overlap_param_gather:
+            self.finish_param_sync()
+
+    def _wait_gather(self, buf: ParamAndGradBuffer, b: Bucket) -> None:
+        b.gather_work.wait()
+        region = buf.param_region(b)
+        if b.gather_out.data_ptr() != region.data_ptr():
+            with torch.no_grad():
+                region.copy_(b.gather_out)
+        b.gather_work, b.gather_out = None, None
+
+    def finish_param_sync(self) -> None:
+        """Wait for every pending parameter all-gather (before eval, checkpointing, or the next step)."""
+        for buf, b in self.buckets():
+            if b.gather_work is not None:
+                self._wait_gather(buf, b)
+
+    def _register_gather_prehooks(self) -> None:
+        for module in self.module.modules():
+            owned = []
+            for p in module.parameters(recurse=False):
+                if id(p) in self._where and self._where[id(p)] not in owned:
+                    owned.append(self._where[id(p)])
+            if owned:
+                self._handles.append(module.register_forward_pre_hook(self._make_gather_prehook(owned)))
+
+    def _make_gather_prehook(self, owned: list[tuple[ParamAndGradBuffer, Bucket]]):
+        def prehook(module, args):
+            for buf, b in owned:
+                if b.gather_work is not None:
+                    self._wait_gather(buf, b)
+        return prehook
+
+    # -- introspection -------------------------------------------------------------------------------
+    def grad_buffer_bytes(self) -> int:
+        """Bytes of persistent fp32 gradient storage on this rank (full buffers or shards)."""
+        full = sum(buf.grad_data.numel() * GRAD_DTYPE.itemsize for buf in self.flat_buffers
+                   if buf.grad_data is not None)
+        shard = sum(t.numel() * t.element_size() for t in self.shard_grad_data if t is not None)
+        return full + shard
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

@@ -21,10 +21,10 @@ import triton
 
 from triton.runtime.jit import JITFunction
 
-try:  # The interpreter class is how TRITON_INTERPRET=1 is implemented (triton >= 2.2).
-    from triton.runtime.interpreter import InterpretedFunction
+try:  # The interpreter is how TRITON_INTERPRET=1 is implemented (triton >= 3.0).
+    from triton.runtime.interpreter import InterpretedFunction, _patch_lang
 except ImportError:  # pragma: no cover - only on a Triton without the interpreter
-    InterpretedFunction = None
+    InterpretedFunction = _patch_lang = None
 
 BACKENDS = ("auto", "triton", "reference")
 
@@ -73,11 +73,19 @@ class _InterpretedLaunch:
 
 
 def _call_interpreted_twin(jit_fn, *args, **kwargs):
+    # What InterpretedFunction.__call__ does for a device-function call, except that the patches
+    # it applies to triton.language(.core) are undone on return. (Triton's own call path leaves them
+    # in place, which is harmless when everything is interpreted but would break every later
+    # *compiled* kernel in this process.)
     twin = jit_fn.__dict__.get("_tessel_interpreted")
     if twin is None:
         twin = InterpretedFunction(jit_fn.fn)
         jit_fn.__dict__["_tessel_interpreted"] = twin
-    return twin(*args, **kwargs)
+    scope = _patch_lang(twin.fn)
+    try:
+        return twin.rewrite()(*args, **kwargs)
+    finally:
+        scope.restore()
 
 
 def check_backend(backend: str, *, op: str) -> None:

@@ -40,7 +40,8 @@ from engine.ops._triton import Kernel, check_float, check_same_device, check_tri
 _OP = "fused_linear_cross_entropy"
 _BLOCK_V = 4096
 _CHUNK_ELEMENTS = 1 << 26  # auto chunk: ~64M logits elements (128 MiB in bf16) per chunk
-_NEG_BIG = -3.0e38  # finite "minus infinity" for the running max (keeps exp(m - m_new) finite)
+# Finite "minus infinity" for the running max (keeps exp(m - m_new) finite); constexpr so kernels may read it.
+_NEG_BIG = tl.constexpr(-3.0e38)
 
 
 class TPReduce(Protocol):

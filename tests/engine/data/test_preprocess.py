@@ -164,3 +164,16 @@ def test_bad_arguments(tmp_path):
         preprocess([str(src)], str(tmp_path / "o"), workers=0, progress=False)
     with pytest.raises(ValueError, match="--input is empty"):
         preprocess([], str(tmp_path / "o"), progress=False)
+
+
+def test_tokenizer_ids_beyond_its_vocab_size_rejected(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    # A vocabulary with a hole: 3 entries, but "b" has id 10 (would not fit the dataset's vocab).
+    tok = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "</s>": 1, "b": 10}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    src = tmp_path / "in.txt"
+    src.write_text("b b")
+    with pytest.raises(ValueError, match=r"in\.txt: the tokenizer produced ids outside \[0, 3\)"):
+        preprocess([str(src)], str(tmp_path / "o"), tokenizer=str(tmp_path / "tokenizer.json"), progress=False)

@@ -1,0 +1,173 @@
+"""Causal self-attention with the fused grouped QKV projection, over SDPA.
+
+Layout of the fused QKV projection (one :class:`ColumnParallelLinear`): for each kv group g,
+``[q heads of g (q_per_group * head_dim rows), k_g (head_dim rows), v_g (head_dim rows)]``. TP rank r
+holds whole groups ``[r*G/tp, (r+1)*G/tp)`` -- a contiguous block of rows -- so it computes its query
+heads with their own k and v and never communicates inside attention. GPT-2 (MHA) is the case
+q_per_group = 1.
+
+Masks: causal; plus a sliding window (key j visible from query i iff ``i - window < j <= i``, as
+Hugging Face); plus a per-document mask for packed sequences (tokens attend within their document
+only), from ``cu_seqlens`` or from ``position_ids`` that restart.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models import ops
+from models.config import TransformerConfig
+from parallel.comm import Group
+from parallel.random import RNGTracker
+from parallel.tensor_parallel import ColumnParallelLinear, LinearImpl, RowParallelLinear, mark_replicated
+
+
+def document_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """(b, s) document index per token where ``position_ids`` restart (any step other than +1);
+    None when no row restarts (one document per row)."""
+    step = torch.diff(position_ids, dim=-1)
+    starts = torch.cat([torch.zeros_like(position_ids[:, :1], dtype=torch.bool), step != 1], dim=-1)
+    if not bool(starts.any()):
+        return None
+    return starts.cumsum(-1)
+
+
+def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, *, batch: int, seq_len: int) -> torch.Tensor:
+    """(b, s) document index per token from cumulative document lengths over the flattened (b*s) tokens."""
+    total = batch * seq_len
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError("cu_seqlens must be a 1-D integer tensor [0, len_0, len_0+len_1, ..., b*s]")
+    cu = cu_seqlens.to(torch.int64)
+    if int(cu[0]) != 0 or int(cu[-1]) != total or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at b*s={total}; "
+                         f"got {cu.tolist()}")
+    idx = torch.arange(total, device=cu.device)
+    return (torch.searchsorted(cu[1:], idx, right=True)).reshape(batch, seq_len)
+
+
+def positions_from_documents(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(b, s) position of each token inside its document (restarting at 0)."""
+    b, s = doc_ids.shape
+    idx = torch.arange(s, device=doc_ids.device).expand(b, s)
+    new_doc = torch.ones_like(doc_ids, dtype=torch.bool)
+    new_doc[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start = torch.where(new_doc, idx, torch.zeros_like(idx)).cummax(dim=-1).values
+    return idx - start
+
+
+class AttentionMasks:
+    """The masks of one forward pass: built lazily, once per distinct sliding window.
+
+    :meth:`get` returns None when plain causal attention applies (SDPA's ``is_causal`` path), else
+    a bool ``(b or 1, 1, s, s)`` mask, True where a query may attend to a key.
+    """
+
+    def __init__(self, *, seq_len: int, doc_ids: torch.Tensor | None, device):
+        self.seq_len = seq_len
+        self.doc_ids = doc_ids
+        self.device = device
+        self._cache: dict[int | None, torch.Tensor | None] = {}
+
+    def get(self, window: int | None) -> torch.Tensor | None:
+        if window is not None and window >= self.seq_len:
+            window = None  # the window covers the whole sequence
+        if window not in self._cache:
+            self._cache[window] = self._build(window)
+        return self._cache[window]
+
+    def _build(self, window: int | None) -> torch.Tensor | None:
+        if window is None and self.doc_ids is None:
+            return None
+        i = torch.arange(self.seq_len, device=self.device)
+        mask = i.unsqueeze(0) <= i.unsqueeze(1)  # (s_q, s_k) causal
+        if window is not None:
+            mask &= i.unsqueeze(0) > i.unsqueeze(1) - window
+        mask = mask.unsqueeze(0)  # (1, s, s)
+        if self.doc_ids is not None:
+            mask = mask & (self.doc_ids.unsqueeze(2) == self.doc_ids.unsqueeze(1))  # (b, s, s)
+        return mask.unsqueeze(1)  # (b or 1, 1, s, s)
+
+
+def core_attention(q, k, v, *, mask: torch.Tensor | None, scale: float, dropout_p: float,
+                   rng: RNGTracker | None) -> torch.Tensor:
+    """Softmax attention. q (s, b, nh, hd); k, v (s, b, ng, hd) with nh a multiple of ng (query
+    head h uses kv head h // (nh/ng)). Returns (s, b, nh*hd). Dropout on the probabilities draws from
+    the model-parallel stream (heads differ across TP ranks)."""
+    s, b, nh, hd = q.shape
+    qt = q.permute(1, 2, 0, 3)  # (b, nh, s, hd)
+    kt = k.permute(1, 2, 0, 3)  # (b, ng, s, hd)
+    vt = v.permute(1, 2, 0, 3)  # (b, ng, s, hd)
+    ctx = rng.fork() if dropout_p > 0 and rng is not None else contextlib.nullcontext()
+    with ctx:
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, dropout_p=dropout_p,
+                                             is_causal=mask is None, scale=scale,
+                                             enable_gqa=kt.shape[1] != nh)  # (b, nh, s, hd)
+    return out.permute(2, 0, 1, 3).reshape(s, b, nh * hd)  # (s, b, nh*hd)
+
+
+class HeadNorm(nn.Module):
+    """RMSNorm over each head's dim (Qwen3 q/k norm). Replicated across TP; each rank's gradient
+    covers only its own heads, so the weight is marked ``sequence_parallel`` (TP partial sum)."""
+
+    def __init__(self, head_dim: int, *, eps: float, dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(head_dim, dtype=dtype, device=device))
+        mark_replicated(self.weight, sequence_parallel=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class SelfAttention(nn.Module):
+    """Fused grouped QKV (column-parallel) -> [q/k norm] -> [RoPE] -> SDPA -> output (row-parallel).
+
+    Input ``(s, b, h)`` or ``(s/tp, b, h)`` with SP; output the same shape.
+    """
+
+    def __init__(self, cfg: TransformerConfig, *, layer_number: int, tp_group: Group, sequence_parallel: bool,
+                 dtype, device, init, linear_impl: LinearImpl | None, rng: RNGTracker | None):
+        super().__init__()
+        tp = tp_group.size
+        cfg.check_tensor_parallel(tp)
+        self.head_dim = cfg.head_dim
+        self.q_per_group = cfg.num_heads // cfg.num_kv_heads
+        self.groups_local = cfg.num_kv_heads // tp
+        self.heads_local = self.groups_local * self.q_per_group
+        self.scale = cfg.attention_scale if cfg.attention_scale is not None else cfg.head_dim ** -0.5
+        self.window = cfg.sliding_window(layer_number)
+        self.dropout_p = cfg.attention_dropout
+        self.rng = rng
+        prefix = f"layers.{layer_number}.attention."
+        qkv_out = cfg.num_kv_heads * (self.q_per_group + 2) * cfg.head_dim
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, tp_group=tp_group, bias=cfg.qkv_bias,
+                                        sequence_parallel=sequence_parallel, dtype=dtype, device=device,
+                                        init_method=init(prefix + "qkv.weight"), impl=linear_impl)
+        if cfg.qk_norm:
+            self.q_norm = HeadNorm(cfg.head_dim, eps=cfg.norm_eps, dtype=dtype, device=device)
+            self.k_norm = HeadNorm(cfg.head_dim, eps=cfg.norm_eps, dtype=dtype, device=device)
+        else:
+            self.q_norm = self.k_norm = None
+        self.out = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp_group=tp_group,
+                                     bias=cfg.out_bias, sequence_parallel=sequence_parallel, dtype=dtype,
+                                     device=device, init_method=init(prefix + "out.weight", output=True),
+                                     impl=linear_impl)
+
+    def forward(self, x: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                masks: AttentionMasks) -> torch.Tensor:
+        qkv = self.qkv(x)  # (s, b, groups_local * (q_per_group + 2) * hd)
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.groups_local, self.q_per_group + 2, self.head_dim)  # (s, b, g, qpg+2, hd)
+        q = qkv[:, :, :, :self.q_per_group].reshape(s, b, self.heads_local, self.head_dim)  # (s, b, nh, hd)
+        k = qkv[:, :, :, self.q_per_group]  # (s, b, g, hd)
+        v = qkv[:, :, :, self.q_per_group + 1]  # (s, b, g, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = ops.apply_rope(q, *rope), ops.apply_rope(k, *rope)
+        ctx = core_attention(q, k, v, mask=masks.get(self.window), scale=self.scale,
+                             dropout_p=self.dropout_p if self.training else 0.0, rng=self.rng)
+        return self.out(ctx)

@@ -1,0 +1,320 @@
+"""The decoder stack built from tensor-parallel layers, as one pipeline stage.
+
+:func:`build_model` is the single entry point: a Hugging Face config.json dict plus Tessel options
+(TP group, sequence parallelism, which layers and ends this stage holds, vocab padding, dtype,
+device, seed) -> a :class:`TransformerStage`.
+
+Activations are sequence-first ``(s, b, h)``; with sequence parallelism (SP) every tensor between
+the TP regions (embedding output, residual stream, norms, stage boundaries) is ``(s/tp, b, h)``.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from models import ops
+from models.attention import (AttentionMasks, SelfAttention, document_ids_from_cu_seqlens,
+                              document_ids_from_positions, positions_from_documents)
+from models.config import TransformerConfig
+from models.init import Initializer
+from models.rope import inv_freq
+from parallel import comm
+from parallel.comm import Group
+from parallel.random import RNGTracker, make_tracker
+from parallel.tensor_parallel import (ColumnParallelLinear, DefaultLinearImpl, LinearImpl, RowParallelLinear,
+                                      VocabParallelEmbedding, check_ids, mark_replicated,
+                                      vocab_parallel_cross_entropy)
+
+
+def _hidden_dropout(x, p: float, *, training: bool, partitioned: bool, rng: RNGTracker):
+    """Dropout on the residual stream: the model-parallel stream when the tensor is sequence-sharded
+    (SP), else the default stream, equal on all TP ranks so the replicas stay identical."""
+    if not training or p == 0:
+        return x
+    with rng.fork() if partitioned else contextlib.nullcontext():
+        return ops.dropout(x, p, training=True)
+
+
+class Norm(nn.Module):
+    """LayerNorm or RMSNorm over the hidden dim; weights replicated across TP.
+
+    Under SP each rank normalises its own sequence chunk, so the weight (and bias) gradients are
+    partial sums over the TP group: marked ``sequence_parallel``."""
+
+    def __init__(self, kind: str, size: int, *, eps: float, sequence_parallel: bool, dtype, device):
+        super().__init__()
+        self.kind, self.eps = kind, eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
+        mark_replicated(self.weight, sequence_parallel=sequence_parallel)
+        if kind == "layernorm":
+            self.bias = nn.Parameter(torch.zeros(size, dtype=dtype, device=device))
+            mark_replicated(self.bias, sequence_parallel=sequence_parallel)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "rmsnorm":
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class MLP(nn.Module):
+    """fc1 (column-parallel; [gate_r | up_r] per rank for SwiGLU) -> activation -> fc2 (row-parallel)."""
+
+    def __init__(self, cfg: TransformerConfig, *, layer_number: int, tp_group: Group, sequence_parallel: bool,
+                 dtype, device, init, linear_impl):
+        super().__init__()
+        prefix = f"layers.{layer_number}.mlp."
+        self.kind = cfg.mlp
+        width = (2 if cfg.gated else 1) * cfg.ffn_hidden_size
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, width, tp_group=tp_group, bias=cfg.mlp_bias,
+                                        sequence_parallel=sequence_parallel, dtype=dtype, device=device,
+                                        partition_stride=2 if cfg.gated else 1,
+                                        init_method=init(prefix + "fc1.weight"), impl=linear_impl)
+        self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp_group=tp_group, bias=cfg.mlp_bias,
+                                     sequence_parallel=sequence_parallel, dtype=dtype, device=device,
+                                     init_method=init(prefix + "fc2.weight", output=True), impl=linear_impl)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)  # (s, b, width/tp)
+        if self.kind == "swiglu":
+            h = ops.swiglu(h)
+        else:
+            h = ops.gelu(h, approximate="tanh" if self.kind == "gelu_tanh" else "none")
+        return self.fc2(h)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). ``layer_number`` is global."""
+
+    def __init__(self, cfg: TransformerConfig, *, layer_number: int, tp_group: Group, sequence_parallel: bool,
+                 dtype, device, init, linear_impl, rng: RNGTracker):
+        super().__init__()
+        self.layer_number = layer_number
+        self.sequence_parallel = sequence_parallel
+        self.hidden_dropout = cfg.hidden_dropout
+        self.rng = rng
+        kw = dict(sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        self.input_norm = Norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, **kw)
+        self.attention = SelfAttention(cfg, layer_number=layer_number, tp_group=tp_group, init=init,
+                                       linear_impl=linear_impl, rng=rng, **kw)
+        self.post_attention_norm = Norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, **kw)
+        self.mlp = MLP(cfg, layer_number=layer_number, tp_group=tp_group, init=init, linear_impl=linear_impl, **kw)
+
+    def forward(self, x: torch.Tensor, *, rope, masks: AttentionMasks) -> torch.Tensor:
+        drop = dict(training=self.training, partitioned=self.sequence_parallel, rng=self.rng)
+        h = self.attention(self.input_norm(x), rope=rope, masks=masks)
+        x = x + _hidden_dropout(h, self.hidden_dropout, **drop)
+        h = self.mlp(self.post_attention_norm(x))
+        return x + _hidden_dropout(h, self.hidden_dropout, **drop)
+
+
+class Embedding(nn.Module):
+    """Vocab-parallel word embedding [+ learned positions, replicated]; (b, s) ids -> (s, b, h) or
+    (s/tp, b, h) with SP."""
+
+    def __init__(self, cfg: TransformerConfig, *, padded_vocab: int, tp_group: Group, sequence_parallel: bool,
+                 dtype, device, init, rng: RNGTracker):
+        super().__init__()
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
+        self.dropout_p = cfg.embedding_dropout
+        self.rng = rng
+        self.word_embeddings = VocabParallelEmbedding(
+            padded_vocab, cfg.hidden_size, tp_group=tp_group, sequence_parallel=sequence_parallel, dtype=dtype,
+            device=device, init_method=init("embedding.word_embeddings.weight", valid_rows=cfg.vocab_size))
+        if cfg.position_embedding == "learned":
+            self.max_positions = cfg.max_position_embeddings
+            full = torch.empty(cfg.max_position_embeddings, cfg.hidden_size, dtype=torch.float32, device=device)
+            init("embedding.position_embeddings.weight")(full)
+            self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
+                                                    _weight=full.to(dtype or torch.get_default_dtype()))
+            # Under SP each rank looks up only its chunk's positions: a partial gradient.
+            mark_replicated(self.position_embeddings.weight, sequence_parallel=sequence_parallel)
+        else:
+            self.position_embeddings = None
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(input_ids.t())  # (s, b, h) or (s/tp, b, h)
+        if self.position_embeddings is not None:
+            check_ids(position_ids, self.max_positions, what="position id (n_positions of the config)")
+            pos = position_ids.t()  # (s, b) or (s, 1)
+            if self.sequence_parallel and self.tp_group.size > 1:
+                chunk = pos.shape[0] // self.tp_group.size
+                pos = pos[self.tp_group.rank * chunk:(self.tp_group.rank + 1) * chunk]
+            x = x + self.position_embeddings(pos)  # (s, b, h) or (s/tp, b, h)
+        return _hidden_dropout(x, self.dropout_p, training=self.training, partitioned=self.sequence_parallel,
+                               rng=self.rng)
+
+
+class TransformerStage(nn.Module):
+    """Layers ``[start, end)`` of a causal LM, with the embedding if ``pre_process`` and the final
+    norm + vocab-parallel output layer (and loss) if ``post_process``. Build with :func:`build_model`.
+
+    Attributes: ``config``, ``tp_group``, ``sequence_parallel``, ``layer_range``, ``pre_process``,
+    ``post_process``, ``padded_vocab_size``, ``rng`` (the TP-aware RNG tracker; its states belong in
+    checkpoints), ``layers`` (a ModuleDict keyed by the GLOBAL layer index).
+    """
+
+    def __init__(self, cfg: TransformerConfig, *, tp_group: Group, sequence_parallel: bool, pre_process: bool,
+                 post_process: bool, layer_range: tuple[int, int], dtype, device, make_vocab_size_divisible_by: int,
+                 seed: int, linear_impl: LinearImpl | None):
+        super().__init__()
+        cfg.check_tensor_parallel(tp_group.size)
+        self.config = cfg
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel and tp_group.size > 1
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_range = layer_range
+        self.padded_vocab_size = cfg.padded_vocab_size(tp=tp_group.size,
+                                                       make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+        self.linear_impl = linear_impl or DefaultLinearImpl()
+        self.rng = make_tracker(seed, tp_rank=tp_group.rank, device=device or "cpu")
+        init = Initializer(cfg, seed=seed)
+        kw = dict(tp_group=tp_group, sequence_parallel=self.sequence_parallel, dtype=dtype, device=device)
+        self.embedding = (Embedding(cfg, padded_vocab=self.padded_vocab_size, init=init, rng=self.rng, **kw)
+                          if pre_process else None)
+        self.layers = nn.ModuleDict({
+            str(i): TransformerLayer(cfg, layer_number=i, init=init, linear_impl=self.linear_impl, rng=self.rng, **kw)
+            for i in range(*layer_range)})
+        self.final_norm = self.output_layer = None
+        if post_process:
+            self.final_norm = Norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps,
+                                   sequence_parallel=self.sequence_parallel, dtype=dtype, device=device)
+            if not (cfg.tie_word_embeddings and pre_process):
+                # Tied on a last stage without the embedding: a separate copy, initialised like the
+                # first stage's embedding (same name -> same draw); the runtime all-reduces its grad.
+                name = "embedding.word_embeddings.weight" if cfg.tie_word_embeddings else "output_layer.weight"
+                self.output_layer = ColumnParallelLinear(
+                    cfg.hidden_size, self.padded_vocab_size, bias=False, gather_output=False,
+                    init_method=init(name, valid_rows=cfg.vocab_size), impl=self.linear_impl, **kw)
+                if cfg.tie_word_embeddings:
+                    self.output_layer.weight.shared_embedding = True
+                    self.output_layer.weight.shared = True  # a replica: the norm counts the first stage's
+        if cfg.tie_word_embeddings and pre_process and not post_process:
+            # Split across stages: this copy's gradient is summed with the last stage's replica.
+            self.embedding.word_embeddings.weight.shared_embedding = True
+        if cfg.position_embedding == "rope":
+            self.register_buffer("inv_freq", inv_freq(cfg.rope, head_dim=cfg.head_dim, device=device),
+                                 persistent=False)
+        else:
+            self.inv_freq = None
+        for p in self.parameters():
+            if not hasattr(p, "tensor_parallel"):
+                mark_replicated(p)
+
+    # -- forward -------------------------------------------------------------------------------------
+    def forward(self, input: torch.Tensor, *, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """``input``: token ids (b, s) if ``pre_process``, else the previous stage's hidden state
+        (s, b, h), or (s/tp, b, h) with SP. ``position_ids`` (b, s) or (1, s), default 0..s-1 (or
+        restarting per document with ``cu_seqlens``); positions that restart mark packed documents.
+        ``cu_seqlens``: cumulative document lengths over the flattened (b*s) tokens.
+
+        Returns, with ``post_process``: the per-token loss (b, s) float32 if ``labels`` (b, s) are
+        given (targets already aligned with the inputs; -100 ignored; multiplied by ``loss_mask``),
+        else this rank's logits (b, s, padded_vocab/tp) (see :func:`gather_logits`). Without
+        ``post_process``: the hidden state for the next stage, shaped like the input hidden state.
+        """
+        x, b, s = self._stage_input(input)
+        tp = self.tp_group.size
+        if self.sequence_parallel and s % tp:
+            raise ValueError(f"sequence length {s} is not divisible by the tensor-parallel size {tp}, which "
+                             "sequence parallelism requires; pad or pack sequences to a multiple of it")
+        device = input.device
+        doc_ids = None
+        if cu_seqlens is not None:
+            doc_ids = document_ids_from_cu_seqlens(cu_seqlens.to(device), batch=b, seq_len=s)
+        if position_ids is None:
+            position_ids = (positions_from_documents(doc_ids) if doc_ids is not None
+                            else torch.arange(s, device=device).unsqueeze(0))
+        else:
+            if position_ids.dim() != 2 or position_ids.shape[1] != s or position_ids.shape[0] not in (1, b):
+                raise ValueError(f"position_ids must be (b, s) = ({b}, {s}) or (1, {s}); got "
+                                 f"{tuple(position_ids.shape)}")
+            if doc_ids is None:
+                doc_ids = document_ids_from_positions(position_ids)
+        masks = AttentionMasks(seq_len=s, doc_ids=doc_ids, device=device)
+        if self.pre_process:
+            x = self.embedding(input, position_ids.expand(b, s))
+        rope = (ops.rope_cos_sin(position_ids, self.inv_freq, dtype=x.dtype)
+                if self.inv_freq is not None else None)
+        for layer in self.layers.values():
+            x = layer(x, rope=rope, masks=masks)
+        if not self.post_process:
+            return x
+        logits = self._logits(self.final_norm(x))  # (s, b, V_local)
+        if labels is None:
+            return logits.transpose(0, 1)  # (b, s, V_local)
+        if labels.shape != (b, s):
+            raise ValueError(f"labels must be (b, s) = ({b}, {s}); got {tuple(labels.shape)}")
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.tp_group,
+                                            vocab_size=self.config.vocab_size)  # (s, b)
+        loss = loss.t().contiguous()  # (b, s)
+        if loss_mask is not None:
+            if loss_mask.shape != (b, s):
+                raise ValueError(f"loss_mask must be (b, s) = ({b}, {s}); got {tuple(loss_mask.shape)}")
+            loss = loss * loss_mask.to(loss.dtype)
+        return loss
+
+    def _stage_input(self, input: torch.Tensor):
+        tp = self.tp_group.size
+        if self.pre_process:
+            if input.dim() != 2 or input.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"the first stage takes token ids (b, s) int64; got {tuple(input.shape)} "
+                                 f"{input.dtype}")
+            check_ids(input, self.config.vocab_size, what="token id")
+            b, s = input.shape
+            return None, b, s
+        h = self.config.hidden_size
+        if input.dim() != 3 or input.shape[2] != h or not input.is_floating_point():
+            raise ValueError(f"a stage without pre_process takes the hidden state (s, b, {h}) "
+                             f"({'(s/tp, b, h) with sequence parallelism' if self.sequence_parallel else ''}); "
+                             f"got {tuple(input.shape)} {input.dtype}")
+        s_local, b = input.shape[:2]
+        return input, b, s_local * (tp if self.sequence_parallel else 1)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        weight = (self.output_layer.weight if self.output_layer is not None
+                  else self.embedding.word_embeddings.weight)
+        return self.linear_impl.column_forward(x, weight, None, group=self.tp_group,
+                                               sequence_parallel=self.sequence_parallel, gather_output=False)
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """(b, s, V_local) -> (b, s, vocab_size): all TP shards, padding sliced off (collective)."""
+        return gather_logits(logits, self.tp_group, vocab_size=self.config.vocab_size)
+
+
+def gather_logits(logits: torch.Tensor, tp_group: Group, *, vocab_size: int) -> torch.Tensor:
+    """All-gather vocab-sharded logits (..., V_local) over ``tp_group``; keep the true ``vocab_size``."""
+    full = comm.all_gather(logits.detach().contiguous(), tp_group, dim=-1)
+    return full[..., :vocab_size]
+
+
+def build_model(hf_config: Mapping[str, Any] | TransformerConfig, *, tp_group: Group, sequence_parallel: bool = False,
+                pre_process: bool = True, post_process: bool = True, layer_range: tuple[int, int] | None = None,
+                dtype: torch.dtype | None = None, device=None, make_vocab_size_divisible_by: int = 128,
+                seed: int = 1234, linear_impl: LinearImpl | None = None) -> TransformerStage:
+    """One pipeline stage of the model described by ``hf_config`` (a config.json dict).
+
+    ``layer_range`` = (start, end) of GLOBAL layer indices (default all). Weights are initialised
+    from ``seed`` per parameter name (see models/init.py): identical for any TP/PP layout.
+    ``linear_impl`` replaces the matmul+collective strategy of every TP linear (FP8, overlap).
+    """
+    from models.registry import config_from_hf
+
+    cfg = config_from_hf(hf_config)
+    if layer_range is None:
+        layer_range = (0, cfg.num_layers)
+    start, end = layer_range
+    if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= cfg.num_layers):
+        raise ValueError(f"layer_range={layer_range!r} must be (start, end) with 0 <= start <= end <= "
+                         f"num_layers={cfg.num_layers}")
+    return TransformerStage(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel, pre_process=pre_process,
+                            post_process=post_process, layer_range=(start, end), dtype=dtype, device=device,
+                            make_vocab_size_divisible_by=make_vocab_size_divisible_by, seed=seed,
+                            linear_impl=linear_impl)

@@ -1,0 +1,131 @@
+"""Random streams for tensor parallelism: which dropout masks agree across TP ranks and which differ.
+
+Megatron's rule, kept here:
+
+* The **default stream** (torch's own generator) is seeded identically on every TP rank of a
+  pipeline stage. Dropout on activations that are *replicated* across TP ranks (the residual
+  stream and embedding output without sequence parallelism) draws from it, so every TP rank drops
+  the same elements and the replicas stay bit-identical -- a different mask per rank would make
+  the "replicated" activations silently diverge.
+* The **model-parallel stream** is seeded ``seed + offset + tp_rank``. Dropout on activations that
+  are *partitioned* across TP ranks draws from it inside :meth:`RNGTracker.fork`: attention
+  probabilities (each rank holds different heads), and, under sequence parallelism, the residual
+  / embedding dropout (each rank holds a different sequence chunk). Using the default stream there
+  would repeat the same mask on every shard, correlating what should be independent draws.
+
+Megatron seeds the default stream with ``seed + 100 * pp_rank`` (stages differ, TP ranks agree)
+and the model-parallel stream with ``default + 2718 + tp_rank``; :func:`seed_streams` does the
+same. Weight initialisation does not use these streams: each weight is drawn in full from a
+generator seeded by its name (see models/), so it does not depend on TP, PP or creation order.
+
+The tracker holds plain ``torch.ByteTensor`` generator states: :meth:`RNGTracker.get_states` /
+:meth:`RNGTracker.set_states` round-trip them through checkpoints (and activation recomputation).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Mapping
+
+import torch
+
+MODEL_PARALLEL_STREAM = "model-parallel"
+TP_SEED_OFFSET = 2718
+PP_SEED_STRIDE = 100
+
+
+def _get_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    raise ValueError(f"RNG streams on device type {device.type!r} are not supported; use cpu or cuda")
+
+
+def _set_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class RNGTracker:
+    """Named generator states for one device; :meth:`fork` runs a block on one of them.
+
+    Inside ``with tracker.fork(name):`` torch's default generator of ``device`` *is* that stream
+    (so ``F.dropout`` and SDPA's dropout draw from it); on exit the stream's advanced state is
+    stored back and the default generator is restored exactly.
+    """
+
+    def __init__(self, *, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        _get_state(self.device)  # validates the device type
+        self._states: dict[str, torch.Tensor] = {}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._states)
+
+    def add(self, name: str, seed: int) -> None:
+        """Create stream ``name`` seeded with ``seed`` (ValueError if it exists)."""
+        if name in self._states:
+            raise ValueError(f"RNG stream {name!r} already exists; streams are seeded once")
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(int(seed))
+        self._states[name] = gen.get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_STREAM):
+        if name not in self._states:
+            raise ValueError(f"no RNG stream {name!r}; known streams: {list(self._states)} (add it first)")
+        outer = _get_state(self.device)
+        _set_state(self.device, self._states[name])
+        try:
+            yield
+        finally:
+            self._states[name] = _get_state(self.device)
+            _set_state(self.device, outer)
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        """Copies of every stream's state (uint8 tensors), for checkpoints."""
+        return {k: v.clone() for k, v in self._states.items()}
+
+    def set_states(self, states: Mapping[str, torch.Tensor]) -> None:
+        """Restore streams from :meth:`get_states` output; the set of names must match."""
+        if set(states) != set(self._states):
+            raise ValueError(f"RNG state names {sorted(states)} do not match this tracker's streams "
+                             f"{sorted(self._states)}; was the checkpoint written with the same setup?")
+        for k, v in states.items():
+            if not isinstance(v, torch.Tensor) or v.dtype != torch.uint8:
+                raise ValueError(f"RNG state {k!r} must be a uint8 tensor from get_states()")
+            self._states[k] = v.clone()
+
+
+def model_parallel_seed(seed: int, *, tp_rank: int, offset: int = TP_SEED_OFFSET) -> int:
+    """The model-parallel stream's seed: differs across TP ranks."""
+    return int(seed) + offset + int(tp_rank)
+
+
+def make_tracker(seed: int, *, tp_rank: int, device: torch.device | str = "cpu",
+                 offset: int = TP_SEED_OFFSET) -> RNGTracker:
+    """A tracker with the model-parallel stream seeded ``seed + offset + tp_rank`` (default stream untouched)."""
+    tracker = RNGTracker(device=device)
+    tracker.add(MODEL_PARALLEL_STREAM, model_parallel_seed(seed, tp_rank=tp_rank, offset=offset))
+    return tracker
+
+
+def seed_streams(seed: int, *, tp_rank: int, pp_rank: int = 0, device: torch.device | str = "cpu",
+                 offset: int = TP_SEED_OFFSET) -> RNGTracker:
+    """Megatron's start-up seeding: the default stream to ``seed + 100*pp_rank`` (equal across TP),
+    and a tracker whose model-parallel stream is that plus ``offset + tp_rank``.
+
+    This sets torch's global default generators (``torch.manual_seed``): call it once at start-up.
+    """
+    stage_seed = int(seed) + PP_SEED_STRIDE * int(pp_rank)
+    torch.manual_seed(stage_seed)
+    return make_tracker(stage_seed, tp_rank=tp_rank, device=device, offset=offset)
+
+
+__all__ = ["RNGTracker", "MODEL_PARALLEL_STREAM", "TP_SEED_OFFSET", "model_parallel_seed", "make_tracker",
+           "seed_streams"]

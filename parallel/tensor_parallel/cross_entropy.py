@@ -1,0 +1,96 @@
+"""Cross-entropy over vocab-sharded logits, without ever gathering the full vocabulary.
+
+Each TP rank holds logits for vocab entries ``[r*V_local, (r+1)*V_local)``. Forward all-reduces
+the per-token max (MAX), then one SUM all-reduce of the stacked (target logit, sum of exp[, sum of
+logits for label smoothing]) -- the target logit contributed by its owner, zero elsewhere.
+Backward is written by hand from the saved softmax shard: ``(softmax - (1-eps) onehot - eps/C) * g``.
+"""
+from __future__ import annotations
+
+import torch
+
+from parallel import comm
+from parallel.comm import Group
+from parallel.tensor_parallel.layers import check_ids
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, ignore_index, label_smoothing, vocab_size):
+        v_local = logits.shape[-1]
+        start = group.rank * v_local
+        x = logits.to(torch.float32, copy=True)  # (..., V_local), becomes exp() then softmax in place
+        n_valid_local = min(max(vocab_size - start, 0), v_local)  # columns below the true vocab size
+        if n_valid_local < v_local:
+            x[..., n_valid_local:] = float("-inf")  # padding never wins and gets zero gradient
+
+        global_max = x.max(dim=-1).values  # (...)
+        comm.all_reduce(global_max, group, op="max")
+        x.sub_(global_max.unsqueeze(-1))
+
+        ignored = target == ignore_index
+        local_t = target - start
+        owned = (local_t >= 0) & (local_t < v_local) & ~ignored
+        local_t = local_t.masked_fill(~owned, 0)
+        picked = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1)
+        stats = [torch.where(owned, picked, torch.zeros_like(picked))]
+        if label_smoothing > 0:
+            stats.append(x[..., :n_valid_local].sum(-1))
+        x.exp_()
+        stats.insert(1, x.sum(-1))
+        stats = torch.stack(stats)  # (2 or 3, ...): one all-reduce for all of them
+        comm.all_reduce(stats, group)
+        target_logit, sum_exp = stats[0], stats[1]
+        log_z = torch.log(sum_exp)
+        loss = log_z - target_logit
+        if label_smoothing > 0:
+            # -(1/C) sum_c log p_c = log Z - mean_c logit_c, over the C true classes only.
+            smooth = log_z - stats[2] / vocab_size
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
+        loss = loss.masked_fill(ignored, 0.0)
+
+        x.div_(sum_exp.unsqueeze(-1))  # softmax shard
+        ctx.save_for_backward(x, local_t, owned, ignored)
+        ctx.label_smoothing = label_smoothing
+        ctx.n_valid_local = n_valid_local
+        ctx.vocab_size = vocab_size
+        ctx.logits_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_t, owned, ignored = ctx.saved_tensors
+        grad = softmax  # reused in place: this Function's graph cannot be run backward twice
+        eps = ctx.label_smoothing
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -(1.0 - eps) * owned.to(grad.dtype).unsqueeze(-1))
+        if eps > 0:
+            grad[..., :ctx.n_valid_local] -= eps / ctx.vocab_size
+        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, *, tp_group: Group,
+                                 ignore_index: int = -100, label_smoothing: float = 0.0,
+                                 vocab_size: int | None = None) -> torch.Tensor:
+    """Per-token cross-entropy, unreduced, float32, shape ``target.shape``.
+
+    ``logits_shard``: ``(..., V/tp)``, this rank's vocab shard (any float dtype; computed in fp32).
+    ``target``: ``(...)`` int64 global vocab ids, or ``ignore_index`` (loss and gradient 0 there).
+    ``vocab_size``: the true vocabulary when the logits are padded (entries at or above it are
+    excluded from the softmax and the smoothing average); default the full ``V``.
+    Matches ``torch.nn.functional.cross_entropy(reduction="none")`` including label smoothing.
+    Communicates over ``tp_group`` only: 2 all-reduces of ``target.numel()`` floats (3 with smoothing
+    counted as one stacked call).
+    """
+    if logits_shard.shape[:-1] != target.shape:
+        raise ValueError(f"logits shape {tuple(logits_shard.shape)} and target shape {tuple(target.shape)} "
+                         "disagree: logits must be target.shape + (vocab_local,)")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
+    padded = logits_shard.shape[-1] * tp_group.size
+    vocab_size = padded if vocab_size is None else vocab_size
+    if not 0 < vocab_size <= padded:
+        raise ValueError(f"vocab_size={vocab_size} must be in [1, {padded}] (logits cover {padded} entries)")
+    check_ids(target, vocab_size, what="target", ignore_index=ignore_index)
+    return _VocabParallelCrossEntropy.apply(logits_shard, target, tp_group, ignore_index, float(label_smoothing),
+                                            vocab_size)

@@ -121,11 +121,6 @@ class DataParallel(torch.nn.Module):
                 by_dtype.setdefault(p.dtype, []).append(p)
         if not by_dtype:
             raise ValueError("DataParallel: the module has no trainable parameters (requires_grad=True)")
-        if broadcast_params and dp_group.size > 1:
-            with torch.no_grad():
-                for plist in by_dtype.values():
-                    for p in plist:  # one broadcast per tensor, at construction only
-                        comm.broadcast(p.data, dp_group, src=0)
         self.flat_buffers: list[ParamAndGradBuffer] = []
         for dtype, plist in by_dtype.items():
             self.flat_buffers.append(ParamAndGradBuffer(
@@ -133,6 +128,9 @@ class DataParallel(torch.nn.Module):
                 grads="lazy" if zero_stage == 2 else "full",
                 separate=[bool(getattr(p, "shared_embedding", False) or getattr(p, "defer_grad_reduce", False))
                           for p in plist]))
+        if broadcast_params and dp_group.size > 1:
+            for buf in self.flat_buffers:  # one call per buffer, at construction only
+                comm.broadcast(buf.param_data, dp_group, src=0)
         self._where: dict[int, tuple[ParamAndGradBuffer, Bucket]] = {}
         for buf in self.flat_buffers:
             for b in buf.buckets:

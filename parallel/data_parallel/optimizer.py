@@ -39,7 +39,8 @@ UpdateFn = Callable[..., None]
 class Piece:
     """The part ``[lo, hi)`` (flattened) of parameter ``param`` that this rank updates.
 
-    ``master``, ``grad``, ``exp_avg``, ``exp_avg_sq`` are fp32 views of length ``hi - lo``.
+    ``master``, ``grad``, ``exp_avg``, ``exp_avg_sq`` are fp32 views of length ``hi - lo``;
+    ``model`` is the same range of the parameter itself (its dtype, a view into the param buffer).
     """
 
     name: str
@@ -47,6 +48,7 @@ class Piece:
     lo: int
     hi: int
     group: int
+    model: torch.Tensor
     master: torch.Tensor
     grad: torch.Tensor
     exp_avg: torch.Tensor
@@ -58,13 +60,16 @@ class DistributedOptimizer:
 
     ``param_groups``: a list of dicts ``{"params": [...], "weight_decay": float, "lr_mult": float
     (optional, default 1)}``; every trainable parameter of ``ddp`` must be in exactly one group.
-    ``update_fn`` is the AdamW kernel (``engine.optim.adamw_update``).
+    ``update_fn`` is the AdamW kernel (``engine.optim.adamw_update``). ``update_writes_bf16``: the
+    kernel accepts ``bf16_out=`` and writes the updated bf16 parameters in the same pass (the engine's
+    fused op), so bf16 buffers skip the separate master-to-parameter copy.
     """
 
     def __init__(self, ddp: DataParallel, *, param_groups: Sequence[dict], update_fn: UpdateFn,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, update_writes_bf16: bool = False):
         self.ddp = ddp
         self.update_fn = update_fn
+        self.update_writes_bf16 = update_writes_bf16
         self.betas = (float(betas[0]), float(betas[1]))
         self.eps = float(eps)
         self.groups = [{"weight_decay": float(g.get("weight_decay", 0.0)), "lr_mult": float(g.get("lr_mult", 1.0))}
@@ -119,7 +124,7 @@ class DistributedOptimizer:
                     continue
                 self.pieces.append(Piece(
                     name=ddp.param_names[id(p)], param=p, lo=a - ps, hi=z - ps, group=group_of[id(p)],
-                    master=master[a - lo:z - lo], grad=b.shard_grad[a - lo:z - lo],
+                    model=buf.param_data[b.start + a:b.start + z], master=master[a - lo:z - lo], grad=b.shard_grad[a - lo:z - lo],
                     exp_avg=m[a - lo:z - lo], exp_avg_sq=v[a - lo:z - lo]))
             cursor += n
 
@@ -141,23 +146,36 @@ class DistributedOptimizer:
         self.step_count += 1
         beta1, beta2 = self.betas
         for gi, g in enumerate(self.groups):
-            sel = [pc for pc in self.pieces if pc.group == gi]
-            if not sel:
-                continue
-            self.update_fn([pc.master for pc in sel], [pc.grad for pc in sel], [pc.exp_avg for pc in sel],
-                           [pc.exp_avg_sq for pc in sel], lr=lr * g["lr_mult"], beta1=beta1, beta2=beta2,
-                           eps=self.eps, weight_decay=g["weight_decay"], step=self.step_count)
-        self.refresh_params()
+            for dtype in {pc.param.dtype for pc in self.pieces}:
+                sel = [pc for pc in self.pieces if pc.group == gi and pc.param.dtype == dtype]
+                if not sel:
+                    continue
+                extra = {}
+                if self.update_writes_bf16 and dtype == torch.bfloat16:
+                    extra["bf16_out"] = [pc.model for pc in sel]
+                self.update_fn([pc.master for pc in sel], [pc.grad for pc in sel], [pc.exp_avg for pc in sel],
+                               [pc.exp_avg_sq for pc in sel], lr=lr * g["lr_mult"], beta1=beta1, beta2=beta2,
+                               eps=self.eps, weight_decay=g["weight_decay"], step=self.step_count, **extra)
+        self.refresh_params(copy=not self.update_writes_bf16)
 
-    def refresh_params(self) -> None:
+    def refresh_params(self, *, copy: bool = True) -> None:
         """Copy the fp32 masters into the parameter buffers (cast) and start the all-gather when
-        sharded (also the way to apply masters loaded from a checkpoint)."""
+        sharded (also the way to apply masters loaded from a checkpoint). ``copy=False`` skips the
+        copy for bf16 buffers (the kernel already wrote them)."""
+        with torch.no_grad():
+            for buf, b, master, _, _, alias in self.owned:
+                if not alias and (copy or buf.dtype != torch.bfloat16):
+                    lo, hi = self.ddp.owned_range(b)
+                    buf.param_data[b.start + lo:b.start + hi].copy_(master)
+        self.ddp.start_param_sync()
+
+    def load_masters_from_params(self) -> None:
+        """Re-read the fp32 masters from the parameters (after loading model weights into them)."""
         with torch.no_grad():
             for buf, b, master, _, _, alias in self.owned:
                 if not alias:
                     lo, hi = self.ddp.owned_range(b)
-                    buf.param_data[b.start + lo:b.start + hi].copy_(master)
-        self.ddp.start_param_sync()
+                    master.copy_(buf.param_data[b.start + lo:b.start + hi])
 
     # -- accounting ----------------------------------------------------------------------------------
     def state_bytes(self) -> int:

@@ -52,20 +52,24 @@ def global_batch():
     return torch.randn(GLOBAL_BATCH, IN, generator=g), torch.randn(GLOBAL_BATCH, OUT, generator=g)
 
 
-def reference_run(model, loss_of_model, steps=STEPS):
-    """Single process: torch AdamW (single-tensor path) on the whole global batch, clip_grad_norm_."""
+def reference_run(model, loss_of_model, steps=STEPS, skip=None):
+    """Single process: torch AdamW (single-tensor path) on the whole global batch, clip_grad_norm_.
+    Step ``skip`` is dropped (its gradient discarded; the LR schedule and Adam's count do not advance)."""
     decay = [p for p in model.parameters() if p.ndim >= 2 and not getattr(p, "no_weight_decay", False)]
     no_decay = [p for p in model.parameters() if not (p.ndim >= 2 and not getattr(p, "no_weight_decay", False))]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=LR, betas=BETAS, eps=EPS, foreach=False)
-    sched, norms = _schedule(), []
+    sched, norms, applied = _schedule(), [], 0
     for step in range(steps):
+        if step == skip:
+            continue
         opt.zero_grad()
         loss_of_model(model).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         for g in opt.param_groups:
-            g["lr"] = sched(step)
+            g["lr"] = sched(applied)
         opt.step()
+        applied += 1
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
@@ -270,7 +274,8 @@ def test_dp2_parity_overlap_ledger_memory_nonfinite():
     for n, p in results[0]["bf16_zero1"]["params"].items():
         assert torch.equal(p, results[1]["bf16_zero1"]["params"][n]), n  # replicas identical after all-gather
     # NaN, skip: step 1 skipped on both ranks (no update), training continues.
-    ref2, _ = reference_run_steps_skipping(skip=1)
+    X, Y = global_batch()
+    ref2, _ = reference_run(make_mlp(), lambda m: F.mse_loss(m(X), Y), skip=1)
     for rank in range(2):
         res = results[rank]["nan_skip"]
         assert res["applied"] == [True, False, True]
@@ -286,29 +291,6 @@ def test_dp2_parity_overlap_ledger_memory_nonfinite():
     assert len(owner) == 1
     assert f"lowest rank with a non-finite gradient: {owner[0]}" in msgs[1 - owner[0]][0]
     assert "local gradients finite" in msgs[1 - owner[0]][0] and "nonfinite='stop'" in msgs[0][0]
-
-
-def reference_run_steps_skipping(*, skip):
-    """The reference with update ``skip`` dropped (the gradient of that step is discarded); the LR
-    schedule and Adam's step count do not advance on the skipped step."""
-    X, Y = global_batch()
-    model = make_mlp()
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=LR, betas=BETAS, eps=EPS, foreach=False)
-    applied = 0
-    for step in range(STEPS):
-        if step == skip:
-            continue
-        opt.zero_grad()
-        F.mse_loss(model(X), Y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        for g in opt.param_groups:
-            g["lr"] = _schedule()(applied)
-        opt.step()
-        applied += 1
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, None
 
 
 def test_dp4_parity_ledger_memory():
@@ -612,6 +594,11 @@ def test_bf16_params_get_fp32_main_grads_and_masters():
         assert torch.equal(pc.param.detach().view(-1), pc.master.bfloat16())
         assert pc.master.dtype == torch.float32 and pc.grad.abs().sum() > 0
     assert any(g.abs().sum() > 0 for g in grads.values())
+    model.load_state_dict(make_mlp(torch.bfloat16).state_dict())  # writes into the param buffer
+    opt.dist.load_masters_from_params()
+    for (n, p), q in zip(model.named_parameters(), make_mlp(torch.bfloat16).parameters()):
+        assert torch.equal(p.detach(), q.detach()), n
+    assert all(torch.equal(pc.master, pc.param.detach().view(-1).float()) for pc in opt.dist.pieces)
 
 
 def test_zero1_state_shards_describe_the_flat_layout():

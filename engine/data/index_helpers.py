@@ -130,7 +130,8 @@ def build_document_index(
     if documents.size and int(documents.min()) < 0:
         raise ValueError("documents must hold non-negative document ids")
     if num_epochs * documents.size >= 2**62:
-        raise ValueError(f"num_epochs * len(documents) must be < 2**62, got num_epochs={num_epochs}")
+        raise ValueError("num_epochs * len(documents) must be < 2**62, got "
+                         f"num_epochs={num_epochs}, len(documents)={documents.size}")
     module = _native_module(backend)
     if module is not None:
         return module.build_document_index(documents, num_epochs, seed)

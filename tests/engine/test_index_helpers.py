@@ -319,7 +319,8 @@ BAD_CALLS = [
      lambda b: ih.build_sample_index(SIZES, [-1, 1], backend=b, **_sample_kw())),
     # An id past the last sample is still rejected (both backends check the whole index).
     ("sample-doc-range-tail", r"document_index\[2\] = 9 is out of range",
-     lambda b: ih.build_sample_index(SIZES, [0, 1, 9], backend=b, **_sample_kw(tokens_per_epoch=4))),
+     lambda b: ih.build_sample_index(SIZES, [0, 1, 9], backend=b,
+                                     **_sample_kw(tokens_per_epoch=4))),
     ("sample-size-int32", "int32",
      lambda b: ih.build_sample_index(np.array([2**31], np.int64), [0], backend=b, **_sample_kw())),
     ("sample-flag", "bool",
@@ -376,8 +377,9 @@ def test_native_module_contract():
         mod.build_sample_index(SIZES, np.array([0, 5], np.int32), 4, 10, True, True)
     with pytest.raises(ValueError, match="tokens_per_epoch"):
         mod.build_sample_index(SIZES, DOCS, 4, 99, True, True)
-    for total, seq, drop, extra in [(0, 3, True, 1), (10, 3, True, 1), (10, 3, False, 1),
-                                    (10, 3, False, 0), (1, 5, False, 1), (2**40 + 7, 4096, False, 1)]:
+    cases = [(0, 3, True, 1), (10, 3, True, 1), (10, 3, False, 1), (10, 3, False, 0),
+             (1, 5, False, 1), (2**40 + 7, 4096, False, 1)]
+    for total, seq, drop, extra in cases:
         usable = total - extra
         expected = 0 if usable <= 0 else (usable // seq if drop else -(-usable // seq))
         assert mod.num_samples(total, seq, drop, extra) == expected

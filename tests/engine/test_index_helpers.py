@@ -383,3 +383,12 @@ def test_native_module_contract():
         usable = total - extra
         expected = 0 if usable <= 0 else (usable // seq if drop else -(-usable // seq))
         assert mod.num_samples(total, seq, drop, extra) == expected
+
+
+def test_auto_backend_is_native_when_built():
+    expected = "native" if NATIVE else "numpy"
+    assert (ih._native_module("auto") is not None) == (expected == "native")
+    sizes, docs = np.array([5, 0, 7], np.int32), np.array([2, 1, 0, 2], np.int32)
+    auto = ih.build_sample_index(sizes, docs, seq_length=3, tokens_per_epoch=19, num_epochs=1)
+    np.testing.assert_array_equal(auto, ih.build_sample_index(
+        sizes, docs, seq_length=3, tokens_per_epoch=19, num_epochs=1, backend="numpy"))

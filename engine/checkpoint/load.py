@@ -14,17 +14,20 @@ is hashed by one rank only (the lowest rank that needs it).
 """
 from __future__ import annotations
 
+import json
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+import torch
 from safetensors import safe_open
 
 from engine.checkpoint import _dist
 from engine.checkpoint.format import (CheckpointError, dtype_name, from_json_state, read_metadata, resolve_checkpoint,
-                                      sha256_file, to_json_state)
+                                      safetensors_code, sha256_file, to_json_state)
 from engine.checkpoint.sharded import Box, ShardedTensor, intersect, piece_boxes
 from parallel.comm import Group
 
@@ -53,6 +56,7 @@ class _Read:
     file: str
     name: str
     src_offset: tuple[int, ...]      # saved piece: global offset of its rectangle
+    src_shape: tuple[int, ...]       # ... and its local shape
     src_box: Box | None              # saved flat piece: the box the intersection lies in (None: rectangular)
     lo: tuple[int, ...]
     hi: tuple[int, ...]
@@ -123,7 +127,7 @@ def _plan_reads(meta: dict, tensors: Sequence[ShardedTensor], missing: list[str]
                 lo, hi = hit
                 covered += math.prod(h - l for l, h in zip(lo, hi))
                 reads.append(_Read(file=pc["file"], name=pc["name"], src_offset=tuple(pc["offset"]),
-                                   src_box=src if pc["flat_range"] is not None else None, lo=lo, hi=hi,
+                                   src_shape=tuple(pc["local_shape"]), src_box=src if pc["flat_range"] is not None else None, lo=lo, hi=hi,
                                    target=t, dst_box=dst))
             if covered != dst.numel:
                 raise CheckpointError(f"tensor {t.key!r}: the checkpoint's pieces cover {covered} of the {dst.numel} "
@@ -136,16 +140,20 @@ def _verify_files(step_dir: Path, meta: dict, needed: set[str], group: Group | N
     all_needed = _dist.all_gather_json(sorted(needed), group)
     rank = _dist.group_rank(group)
     mine = [f for f in sorted(needed) if min(r for r, n in enumerate(all_needed) if f in n) == rank]
-    errors = []
-    for name in mine:
+    def check(name: str) -> str | None:
         info = meta["files"].get(name)
         p = step_dir / name
         if info is None:
-            errors.append(f"{p} is not listed in the metadata")
-        elif not p.is_file():
-            errors.append(f"{p} is missing")
-        elif sha256_file(p) != info["sha256"]:
-            errors.append(f"checksum mismatch in {p}: the file is corrupt (sha256 differs from metadata)")
+            return f"{p} is not listed in the metadata"
+        if not p.is_file():
+            return f"{p} is missing"
+        if sha256_file(p) != info["sha256"]:
+            return f"checksum mismatch in {p}: the file is corrupt (sha256 differs from metadata)"
+        return None
+
+    # hashlib releases the GIL: several files hash in parallel on several cores.
+    with ThreadPoolExecutor(max_workers=max(1, min(len(mine), os.cpu_count() or 1))) as pool:
+        errors = [e for e in pool.map(check, mine) if e]
     errors = [e for errs in _dist.all_gather_json(errors, group) for e in errs]
     if errors:
         raise CheckpointError("; ".join(errors))
@@ -181,16 +189,83 @@ def _target_view(r: _Read):
     return view[_box_index(r.lo, r.hi, box.offset)] if r.lo else view
 
 
+def _contiguous_start(shape: Sequence[int], lo: Sequence[int], hi: Sequence[int]) -> int | None:
+    """Row-major element offset of box [lo, hi) inside ``shape`` when the box is one contiguous run, else None.
+
+    Contiguous means: extent 1 in the leading dims, anything in one dim, full in every trailing dim.
+    """
+    k = next((d for d in range(len(shape)) if hi[d] - lo[d] > 1), len(shape))
+    if any(lo[d] != 0 or hi[d] != shape[d] for d in range(k + 1, len(shape))):
+        return None
+    start, stride = 0, 1
+    for d in reversed(range(len(shape))):
+        start += lo[d] * stride
+        stride *= shape[d]
+    return start
+
+
+def _source_run(r: _Read) -> int | None:
+    """Element offset, within the stored tensor, of the read's region when it is one contiguous run."""
+    if r.src_box is None:
+        return _contiguous_start(r.src_shape, [l - o for l, o in zip(r.lo, r.src_offset)],
+                                 [h - o for h, o in zip(r.hi, r.src_offset)])
+    box = r.src_box
+    inside = _contiguous_start(box.shape, [l - o for l, o in zip(r.lo, box.offset)],
+                               [h - o for h, o in zip(r.hi, box.offset)])
+    return None if inside is None else box.flat_start + inside
+
+
+def _read_header(fd: int, path: Path) -> tuple[int, dict]:
+    """(byte offset of the data section, header dict) of a safetensors file."""
+    head = os.pread(fd, 8, 0)
+    if len(head) != 8:
+        raise CheckpointError(f"cannot read {path}: shorter than a safetensors header")
+    n = int.from_bytes(head, "little")
+    raw = os.pread(fd, n, 8)
+    try:
+        return 8 + n, json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"cannot read {path}: corrupt safetensors header") from None
+
+
+def _pread_into(fd: int, view: torch.Tensor, offset: int, path: Path) -> None:
+    buf = memoryview(view.reshape(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(buf):
+        got = os.preadv(fd, [buf[done:]], offset + done)
+        if got <= 0:
+            raise CheckpointError(f"cannot read {path}: file ends early (truncated?)")
+        done += got
+
+
 def _execute(step_dir: Path, reads: list[_Read]) -> None:
+    """Fill every target region. A region that is one contiguous run in the file and in a contiguous
+    CPU target of the same dtype is read straight into the target (one ``preadv``, no copy);
+    anything else goes through ``safe_open(...).get_slice``."""
     by_file: dict[str, list[_Read]] = {}
     for r in reads:
         by_file.setdefault(r.file, []).append(r)
     for fname, rs in sorted(by_file.items()):
         p = step_dir / fname
         try:
-            with safe_open(str(p), framework="pt", device="cpu") as f:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                base, header = _read_header(fd, p)
+                slow = []
                 for r in rs:
-                    _target_view(r).copy_(_read_source(f, r))
+                    view, run = _target_view(r), _source_run(r)
+                    info = header.get(r.name)
+                    if (run is not None and info is not None and view.device.type == "cpu" and view.is_contiguous()
+                            and info["dtype"] == safetensors_code(view.dtype)):
+                        _pread_into(fd, view, base + info["data_offsets"][0] + run * view.element_size(), p)
+                    else:
+                        slow.append((r, view))
+            finally:
+                os.close(fd)
+            if slow:
+                with safe_open(str(p), framework="pt", device="cpu") as f:
+                    for r, view in slow:
+                        view.copy_(_read_source(f, r))
         except (OSError, RuntimeError, ValueError) as e:  # safetensors raises SafetensorError(ValueError/RuntimeError)
             if isinstance(e, CheckpointError):
                 raise

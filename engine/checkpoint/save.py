@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Sequence
 
 from engine.checkpoint import _dist
-from engine.checkpoint.async_writer import BackgroundWrite, WriteResult, stage_to_host, test_pause, write_safetensors
+from engine.checkpoint.async_writer import (BackgroundWrite, StagingPool, WriteResult, stage_to_host, test_pause,
+                                           write_safetensors)
 from engine.checkpoint.format import (FORMAT_NAME, FORMAT_VERSION, LATEST_FILE, METADATA_FILE, TMP_PREFIX,
                                       TRASH_PREFIX, CheckpointError, CheckpointWarning, fsync_dir, list_checkpoints,
                                       rank_filename, replace_file_atomic, step_dirname, to_json_state,
@@ -105,11 +106,12 @@ class SaveHandle:
 
     def __init__(self, *, root: Path, step: int, group: Group | None, tmp_dir: Path, meta: dict,
                  keep_last: int | None, writer: BackgroundWrite | None, result: WriteResult | None,
-                 error: BaseException | None):
+                 error: BaseException | None, staged: list | None = None, pool: StagingPool | None = None):
         self.root, self.step, self.group = root, step, group
         self.path = root / step_dirname(step)
         self._tmp_dir, self._meta, self._keep_last = tmp_dir, meta, keep_last
         self._writer, self._result, self._error = writer, result, error
+        self._staged, self._pool = staged, pool
         self._state = "pending"  # -> "committed" | "failed"
 
     def done(self) -> bool:
@@ -149,6 +151,9 @@ class SaveHandle:
         except BaseException as e:  # noqa: BLE001 - every rank must learn about it
             local = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         self._writer = None
+        if self._pool is not None and self._staged:
+            self._pool.give_back(self._staged)  # the write is over: the next save may reuse them
+        self._staged = None
         results = _dist.all_gather_json(local, self.group)
         failed = [f"rank {r}: {x['error']}" for r, x in enumerate(results) if not x["ok"]]
         if failed:
@@ -210,7 +215,7 @@ def apply_retention(root: Path, *, keep_last: int, protect: Path) -> list[Path]:
 def save_checkpoint(root: str | os.PathLike, *, step: int, tensors: Sequence[ShardedTensor], group: Group | None = None,
                     model_config: dict | None = None, layout: dict | None = None, trainer_state: dict | None = None,
                     rank_state: dict | None = None, keep_last: int | None = None,
-                    async_save: bool = False) -> SaveHandle:
+                    async_save: bool = False, staging: StagingPool | None = None) -> SaveHandle:
     """Save ``tensors`` (this rank's ShardedTensors) as checkpoint ``<root>/step_<step>`` (collective).
 
     ``group`` spans every rank taking part (``None``: a single process). ``model_config``,
@@ -218,6 +223,7 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, tensors: Sequence[Sha
     are JSON taken from rank 0; ``rank_state`` is this rank's own JSON (its RNG states; tensors
     allowed). Sync: returns a committed handle. Async: returns once the bytes are snapshotted on the
     host and the write has started; call ``handle.finalize()`` / ``wait()`` on every rank to commit.
+    ``staging`` reuses host buffers across async saves (see :class:`Checkpointer`).
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step={step!r} must be an int >= 0")
@@ -264,11 +270,11 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, tensors: Sequence[Sha
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "world_size": len(gathered), **gathered[0]["shared"],
             "rank_states": [g["rank_state"] for g in gathered], "tensors": index}
-    entries = []
+    entries, hosts = [], []
     if writes:
         # Widest dtypes first: with the 8-byte aligned header every tensor starts naturally aligned.
         writes.sort(key=lambda nt: -nt[1].data.element_size())
-        hosts = stage_to_host([t.data for _, t in writes], snapshot=async_save)
+        hosts = stage_to_host([t.data for _, t in writes], snapshot=async_save, pool=staging)
         entries = list(zip([n for n, _ in writes], hosts))
     path = tmp_dir / rank_filename(rank)
     file_meta = {"format": FORMAT_NAME, "step": str(step), "rank": str(rank)}
@@ -281,7 +287,9 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, tensors: Sequence[Sha
         except OSError as e:
             error = e
     handle = SaveHandle(root=root, step=step, group=group, tmp_dir=tmp_dir, meta=meta, keep_last=keep_last,
-                        writer=writer, result=result, error=error)
+                        writer=writer, result=result, error=error,
+                        staged=[h for h, (_, t) in zip(hosts, writes) if h.data_ptr() != t.data.data_ptr()]
+                        if entries else None, pool=staging)
     if not async_save:
         handle.finalize()
     return handle

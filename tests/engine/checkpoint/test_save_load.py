@@ -212,3 +212,45 @@ def test_flat_shards_of_a_column_split_param_cover_it():
     check_tiling("b", (3, 3), [(str(i), p.boxes()) for i, p in enumerate(pieces) if p.key.endswith(".b")])
     with pytest.raises(ValueError, match="expected 1-D of 5 elements"):
         flat_buffer_sharded_tensors([(lay, 0, 12)], [FlatShard(start=0, end=5, states={"s": flat[:4]})])
+
+
+def test_contiguous_regions_bypass_safetensors_slicing(tmp_path, monkeypatch):
+    full = torch.arange(64.0).view(8, 8)
+    save_checkpoint(tmp_path, step=1, tensors=[
+        ShardedTensor.chunked("w", full[2 * r:2 * r + 2].clone(), dim=0, rank=r, size=4) for r in range(4)])
+    opened = []
+    real = load_mod.safe_open
+    monkeypatch.setattr(load_mod, "safe_open", lambda *a, **k: opened.append(a[0]) or real(*a, **k))
+    rows = ShardedTensor(key="w", data=torch.zeros(3, 8), global_shape=(8, 8), global_offset=(1, 0))
+    flat = ShardedTensor(key="w", data=torch.zeros(13), global_shape=(8, 8), global_offset=(4, 0), local_shape=(4, 8),
+                         flat_range=(5, 18))
+    load_checkpoint(tmp_path, tensors=[rows, flat])
+    assert opened == []  # whole rows and flat runs: one preadv each, straight into the target
+    assert torch.equal(rows.data, full[1:4]) and torch.equal(flat.data, full[4:].reshape(-1)[5:18])
+    cols = ShardedTensor(key="w", data=torch.zeros(8, 3), global_shape=(8, 8), global_offset=(0, 2))
+    load_checkpoint(tmp_path, tensors=[cols])
+    assert len(opened) == 1 and torch.equal(cols.data, full[:, 2:5])  # strided: get_slice
+
+
+def test_checkpointer_auto_resume_one_save_in_flight_and_buffer_reuse(tmp_path):
+    from engine.checkpoint import Checkpointer
+    ckpt = Checkpointer(tmp_path / "run", keep_last=2, async_save=True)
+    w = torch.zeros(64, 64)
+    target = torch.empty(64, 64)
+    assert ckpt.load(tensors=[ShardedTensor.replicated("w", target)]) is None  # fresh run
+    h1 = ckpt.save(step=1, tensors=[ShardedTensor.replicated("w", w)], trainer_state={"step": 1})
+    w.add_(1)
+    h2 = ckpt.save(step=2, tensors=[ShardedTensor.replicated("w", w)], trainer_state={"step": 2})
+    assert h1.committed and ckpt.pending is h2  # the second save committed the first before starting
+    w.add_(1)
+    while not ckpt.maybe_finalize():
+        pass
+    assert ckpt.pending is None and h2.committed
+    assert ckpt._pool.nbytes == 64 * 64 * 4  # one staging buffer, reused by every save
+    ckpt.save(step=3, tensors=[ShardedTensor.replicated("w", w)])
+    assert ckpt.finalize() == tmp_path / "run" / "step_00000003"
+    assert [s for s, _ in list_checkpoints(tmp_path / "run")] == [2, 3]
+    res = Checkpointer(tmp_path / "run").load(tensors=[ShardedTensor.replicated("w", target)])
+    assert res.step == 3 and torch.equal(target, torch.full((64, 64), 2.0))
+    with pytest.raises(ValueError, match="keep_last=0"):
+        Checkpointer(tmp_path, keep_last=0)

@@ -134,7 +134,7 @@ def read_shard(entry: HFEntry, src, resolve, *, ndim: int, rank: int, size: int,
     if entry.layout == "vocab":
         lo = rank * local_rows
         hi = min(lo + local_rows, cfg.vocab_size)
-        part = _rows(src, keys[0], lo, max(hi, lo), c, ndim) if hi > lo else None
+        part = _rows(src, keys[0], lo, hi, c, ndim) if hi > lo else None  # None: all padding
         out_shape = (local_rows, *_t(shape_of(src, keys[0]), c)[1:])
         out = torch.zeros(out_shape, dtype=read_dtype(src, keys[0]) if part is None else part.dtype)
         if part is not None:

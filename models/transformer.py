@@ -241,8 +241,12 @@ class TransformerStage(nn.Module):
         masks = AttentionMasks(seq_len=s, doc_ids=doc_ids, device=device)
         if self.pre_process:
             x = self.embedding(input, position_ids.expand(b, s))
-        rope = (ops.rope_cos_sin(position_ids, self.inv_freq, dtype=x.dtype)
-                if self.inv_freq is not None else None)
+        rope = None
+        if self.inv_freq is not None:
+            freq = self.inv_freq
+            if freq.dtype != torch.float32:  # model.to(bf16) cast the buffer: recompute at full precision
+                freq = inv_freq(self.config.rope, head_dim=self.config.head_dim, device=freq.device)
+            rope = ops.rope_cos_sin(position_ids, freq, dtype=x.dtype)
         for layer in self.layers.values():
             x = layer(x, rope=rope, masks=masks)
         if not self.post_process:

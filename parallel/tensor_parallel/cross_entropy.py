@@ -79,8 +79,8 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     ``vocab_size``: the true vocabulary when the logits are padded (entries at or above it are
     excluded from the softmax and the smoothing average); default the full ``V``.
     Matches ``torch.nn.functional.cross_entropy(reduction="none")`` including label smoothing.
-    Communicates over ``tp_group`` only: 2 all-reduces of ``target.numel()`` floats (3 with smoothing
-    counted as one stacked call).
+    Communicates over ``tp_group`` only: one MAX all-reduce of ``target.numel()`` fp32 values and one
+    SUM all-reduce of 2x (3x with label smoothing) that many, stacked.
     """
     if logits_shard.shape[:-1] != target.shape:
         raise ValueError(f"logits shape {tuple(logits_shard.shape)} and target shape {tuple(target.shape)} "

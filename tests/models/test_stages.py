@@ -193,3 +193,17 @@ def test_load_errors():
         load_hf_state_dict(m, hf, layer_range=(0, 1))
     with pytest.raises(ValueError, match="missing from the shard"):
         export_hf_from_shards(config("llama"), [{}])
+
+
+def test_bf16_build_equals_cast_model():
+    """dtype=bf16 builds the bf16 cast of the fp32 weights; a model cast with .to(bf16) recomputes RoPE
+    frequencies in fp32 rather than using its cast buffer, so both give identical logits."""
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(3))
+    built = build_model(config("llama"), tp_group=TP1, dtype=torch.bfloat16).eval()
+    cast = build_model(config("llama"), tp_group=TP1).to(torch.bfloat16).eval()
+    assert cast.inv_freq.dtype == torch.bfloat16 and built.inv_freq.dtype == torch.float32
+    with torch.no_grad():
+        a, b = built(ids), cast(ids)
+    assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    loss = built.train()(ids, labels=ids)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss).all()

@@ -11,7 +11,8 @@ Groups provided (all :class:`parallel.comm.Group`, sharing the mesh's :class:`Le
 * ``dp_cp``: ranks that differ along dp and cp — the gradient-reduction group once CP lands.
 * ``tp_cp``: ranks that differ along tp and cp (sequence is sharded over both).
 * ``embedding``: first and last pipeline stage of this rank's pipeline (tied embedding /
-  lm-head gradients are all-reduced over it); just this rank when pp == 1.
+  lm-head gradients are all-reduced over it); just this rank when pp == 1, and on middle stages
+  (which hold neither copy).
 * ``ep`` and ``edp``: expert parallelism carves ``ep`` out of dp: the dp ranks are split into
   blocks of ``ep`` consecutive dp indices (``ep`` group), and ``edp`` links the ranks with the same
   position in every block (expert-data-parallel gradient reduction).
@@ -130,6 +131,8 @@ class Mesh:
                 pg = made.get(key)
                 if rank in ranks:
                     groups[name] = Group(axis=name, ranks=ranks, rank=ranks.index(rank), pg=pg, ledger=ledger)
+            if name not in groups:  # e.g. a middle pipeline stage is in no embedding group
+                groups[name] = Group.trivial(name, ledger=ledger, global_rank=rank)
         return cls(dims, rank=rank, order=order, groups=groups, ledger=ledger)
 
     # -- access ----------------------------------------------------------------------------------

@@ -255,18 +255,20 @@ def counts_in_norm(param: torch.nn.Parameter, *, tp_group: Group | None) -> bool
 
 
 def global_grad_norm(entries: Iterable[tuple[torch.nn.Parameter, torch.Tensor]], *, tp_group: Group | None = None,
-                     pp_group: Group | None = None, shard_group: Group | None = None) -> torch.Tensor:
+                     pp_group: Group | None = None, shard_group: Group | None = None,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
     """L2 norm of the whole model's gradient; the same fp32 scalar tensor on every rank.
 
     ``entries`` are (parameter, gradient) pairs of what this rank holds: full gradients, or with a
     sharded optimizer this rank's shard (then pass the dp group as ``shard_group``: the sums of
     squares are added over it). Sums of squares are added over ``tp_group`` and ``pp_group`` too.
+    ``device`` holds the result when this rank has nothing to count (the collectives need it there).
     """
     grads = [g for p, g in entries if g.numel() and counts_in_norm(p, tp_group=tp_group)]
     if grads:
         sq = torch.stack(torch._foreach_norm(grads)).float().square().sum()
     else:
-        sq = torch.zeros((), dtype=torch.float32)
+        sq = torch.zeros((), dtype=torch.float32, device=device)
     sq = sq.reshape(1)  # (1,): a tensor the collectives accept
     for g in (shard_group, tp_group, pp_group):
         if g is not None:
@@ -282,14 +284,15 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def describe_nonfinite(pieces, *, norm: float, groups: Sequence[Group | None], step: int) -> str:
+def describe_nonfinite(pieces, *, norm: float, groups: Sequence[Group | None], step: int,
+                       device: torch.device | str = "cpu") -> str:
     """Find this rank's first parameter (in the order of ``pieces``) with a non-finite gradient and the
     lowest global rank that has one (a collective over ``groups``: every rank must call it, which they
     do since the norm is global). Returns the report."""
     first = next((pc.name for pc in pieces if not bool(torch.isfinite(pc.grad).all())), None)
     me = _global_rank()
     big = 2**30
-    lowest = torch.tensor([float(me if first is not None else big)])
+    lowest = torch.tensor([float(me if first is not None else big)], device=device)
     for g in groups:
         if g is not None:
             comm.all_reduce(lowest, g, op="min")
@@ -355,8 +358,8 @@ class Optimizer:
         self.tp_group, self.pp_group = tp_group, pp_group
         self.param_groups = build_param_groups(ddp.module, weight_decay=weight_decay, no_decay_on=no_decay_on,
                                                no_decay_patterns=no_decay_patterns)
-        device = ddp.flat_buffers[0].param_data.device
-        self.impl, kernel = resolve_adamw(impl, device=device)
+        self.device = ddp.flat_buffers[0].param_data.device
+        self.impl, kernel = resolve_adamw(impl, device=self.device)
         self.dist = DistributedOptimizer(ddp, param_groups=self.param_groups, update_fn=kernel, betas=betas, eps=eps,
                                          update_writes_bf16=self.impl == "fused_op")
         self._order = {id(p): i for i, p in enumerate(ddp.module.parameters())}  # "first" = registration order
@@ -381,7 +384,8 @@ class Optimizer:
     def grad_norm(self) -> torch.Tensor:
         """Global gradient norm of the reduced gradients (call after the reduction finished)."""
         return global_grad_norm(((pc.param, pc.grad) for pc in self.dist.pieces), tp_group=self.tp_group,
-                                pp_group=self.pp_group, shard_group=self.ddp.dp_group if self.ddp.sharded else None)
+                                pp_group=self.pp_group, shard_group=self.ddp.dp_group if self.ddp.sharded else None,
+                                device=self.device)
 
     def step(self) -> StepResult:
         """Finish the gradient reduction, measure, check, clip and apply one scheduled AdamW update."""
@@ -392,7 +396,7 @@ class Optimizer:
             # Every rank of the model's groups is here (the norm is global), so collectives are safe.
             pieces = sorted(self.dist.pieces, key=lambda pc: self._order[id(pc.param)])
             msg = describe_nonfinite(pieces, norm=norm, groups=(self.ddp.dp_group, self.tp_group, self.pp_group),
-                                     step=self.step_count)
+                                     step=self.step_count, device=self.device)
             if self.nonfinite == "stop":
                 raise NonFiniteGradError(msg + "; stopping (optim.nonfinite='stop'; 'skip' would skip the step)")
             log.warning("%s; skipping this step", msg)

@@ -7,6 +7,7 @@ passing it to :func:`attach_messages`.
 from __future__ import annotations
 
 import bisect
+import math
 
 from parallel.pipeline.actions import (ACTIVATION, BACKWARD, FORWARD, GRADIENT, RECV,
                                        SCHEDULE_NAMES, SEND, Action, P2P, Schedule)
@@ -81,15 +82,16 @@ def attach_messages(name: str, order: list[list[tuple[str, int, int]]], *, pp: i
     """Turn per-rank compute orders ``(op, stage, microbatch)`` into a :class:`Schedule` with messages.
 
     Every tensor crossing ranks (``act{s}`` from ``F{s}``, ``grad{s}`` from ``B{s}``; none when
-    ``pp == 1``) is sent right after the action producing it, so the runtime can free an
-    activation as soon as that batch completes. Its receive goes to the batch at which the receiver
-    is waiting, or which it reaches next, at the moment the tensor is produced in the ideal timeline
-    (communication never blocks; forward and backward both cost 1): sender and receiver then meet at
-    the same moment and a blocking runtime reproduces that timeline. Usually this is the batch right
-    before the consumer; in interleaved warmup it can be earlier, and the tensor is kept until its
-    consumer runs. Receives from one peer are kept in that peer's send order (messages pair
-    first-in first-out). Should a placement still deadlock under blocking sends, the receive is
-    moved earlier to the batch where its receiver would wait (:mod:`parallel.pipeline.execution`).
+    ``pp == 1``) is sent right after the action producing it, so the runtime can free an activation
+    as soon as that batch completes. Where its receive goes is read off the ideal timeline
+    (communication never blocks; forward and backward both cost 1): boundary ``i`` of a rank is open
+    from the end of its action ``i - 1`` to the start of action ``i``, and the receive goes to the
+    LATEST receiver boundary, no later than the consumer, that is open at some moment while the
+    sender's boundary after the producer is. Both ranks are then waiting in their batches at the
+    same moment, so a runtime that blocks on every batch runs exactly the ideal timeline at equal
+    costs (and never deadlocks); latest keeps early-received tensors alive as briefly as possible.
+    For 1F1B and GPipe this is the boundary right before the consumer (as in Megatron-LM); in
+    interleaved schedules a tensor may arrive a few actions early and is kept until its consumer runs.
     """
     num_stages = pp * vp
     position = {}                               # (op, stage, mb) -> index in its rank's list
@@ -108,7 +110,10 @@ def attach_messages(name: str, order: list[list[tuple[str, int, int]]], *, pp: i
         sends.append(rank_sends)
     times = dataflow_times(order, pp=pp, num_stages=num_stages, fwd=(PLACEMENT_FWD,) * num_stages,
                            bwd=(PLACEMENT_BWD,) * num_stages)
-    starts = [[start for start, _ in ts] for ts in times]
+    # Boundary i of a rank (the batch before its action i) is open from the end of action i - 1 to
+    # the start of action i in the ideal timeline.
+    opens = [[0.0] + [end for _, end in ts[:-1]] for ts in times]
+    closes = [[start for start, _ in ts] for ts in times]
     recvs = [[[] for _ in ops] for ops in order]
     for src in range(pp):
         for dst in range(pp):
@@ -117,13 +122,22 @@ def attach_messages(name: str, order: list[list[tuple[str, int, int]]], *, pp: i
                        if p.peer == dst]
             slots = []
             for i, p in channel:
-                consumer = (FORWARD if p.kind == ACTIVATION else BACKWARD, p.consumer_stage,
-                            p.microbatch)
-                slots.append(min(bisect.bisect_left(starts[dst], times[src][i][1]),
-                                 position[consumer]))
-            # Messages pair first-in first-out. Production times grow along the sender's list, so
-            # the slots do too and no receive overtakes an earlier one.
-            assert all(a <= b for a, b in zip(slots, slots[1:])), (src, dst, slots)
+                consumer = position[(FORWARD if p.kind == ACTIVATION else BACKWARD,
+                                     p.consumer_stage, p.microbatch)]
+                sent_at = times[src][i][1]
+                sender_closes = closes[src][i + 1] if i + 1 < len(order[src]) else math.inf
+                # Latest receiver boundary, not after the consumer, open while the sender's batch
+                # is: receiving later would keep the tensor less long but stall the sender.
+                last_open = bisect.bisect_right(opens[dst], sender_closes) - 1
+                slot = min(last_open, consumer)
+                # With equal placement costs every time is an integer, so the receiver's first
+                # boundary closing at or after ``sent_at`` opened by then: an overlap always exists.
+                assert closes[dst][slot] >= sent_at, (src, dst, i, slot)
+                slots.append(slot)
+            # Messages pair first-in first-out, so receives must keep the send order. They do: the
+            # sender's boundary after message k closes before message k+1 is produced, hence before
+            # k+1's consumer starts, so k's slot is at most k+1's consumer and k+1's latest open one.
+            assert all(x <= y for x, y in zip(slots, slots[1:])), (src, dst, slots)
             for (_, p), slot in zip(channel, slots):
                 recvs[dst][slot].append(P2P(RECV, p.kind, p.stage, p.microbatch, src))
     ranks = tuple(

@@ -1,12 +1,16 @@
 """Timeline simulator for pipeline schedules: makespan, bubble and in-flight microbatches.
 
-Model (docs/pipeline.md): each rank runs its actions in list order, one at a time; an action starts
-when its rank is free and its inputs exist. ``F{s}.{m}`` needs ``F{s-1}.{m}``; ``B{s}.{m}`` needs
-``F{s}.{m}`` and ``B{s+1}.{m}``. An input made on another rank arrives ``p2p_latency`` after its
-producer ends; one made on the same rank is available at once. Communication is otherwise free and
-asynchronous (it never occupies the rank, and a send never waits for its receiver): the ideal that
-the analytic bubble formulas assume. The validator separately proves the schedule cannot deadlock
-under blocking sends.
+Two models (docs/pipeline.md):
+
+* ``comm="async"`` (default, :func:`dataflow_times`): each rank runs its actions in list order, one
+  at a time; an action starts when its rank is free and its inputs exist (``F{s}.{m}`` needs
+  ``F{s-1}.{m}``; ``B{s}.{m}`` needs ``F{s}.{m}`` and ``B{s+1}.{m}``). An input made on another rank
+  arrives ``p2p_latency`` after its producer ends; one made on the same rank at once. Communication
+  never occupies a rank nor blocks it: the ideal that the analytic bubble formulas assume.
+* ``comm="blocking"`` (:func:`blocking_times`): the runtime's semantics with the strictest
+  transport. Before each action the rank posts its batch of sends and receives and waits until every
+  message in it has completed; a message completes ``p2p_latency`` after both sides have posted it.
+  This shows what a blocking runtime loses when sender and receiver do not meet in time.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Validator for pipeline schedules (see :mod:`parallel.pipeline.schedules` for the action format).
+"""Validator for pipeline schedules (the action format is in :mod:`parallel.pipeline.actions`).
 
 :func:`validate` accepts a schedule only if running it cannot go wrong:
 
@@ -134,9 +134,7 @@ class _Execution:
                 raise ScheduleError(rank, label, f"'{p2p}' is posted after {label} but "
                                     f"{needs[0]}{needs[1]}.{needs[2]} has not run on this rank")
             channel = (rank, p2p.peer)
-        else:
-            if p2p.tensor in self.received[rank]:
-                raise ScheduleError(rank, label, f"'{p2p}' receives a tensor already received")
+        else:   # each tensor is received once (checked by _check_coverage)
             channel = (p2p.peer, rank)
         mine = self.posted[p2p.op].setdefault(channel, [])
         self.pending[rank].append((len(mine), channel, p2p))

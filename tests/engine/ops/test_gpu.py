@@ -3,8 +3,11 @@ import pytest
 import torch
 
 from engine import _native
-from engine.ops import (apply_rope, fused_adamw_, fused_linear_cross_entropy, linear_cross_entropy_reference,
-                        rms_norm, rope_cos_sin, rope_inv_freq, swiglu)
+from engine.ops.fused_adamw import fused_adamw_
+from engine.ops.fused_linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference
+from engine.ops.rmsnorm import rms_norm
+from engine.ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from engine.ops.swiglu import swiglu
 from tests.engine.ops.helpers import assert_bf16_close
 
 pytestmark = pytest.mark.gpu
@@ -90,3 +93,17 @@ def test_fused_adamw_cuda_matches_cpu_bits_and_torch():
         torch.testing.assert_close(g.cpu(), c, rtol=0, atol=1e-30)
         torch.testing.assert_close(g, r.detach(), rtol=1e-6, atol=3e-7)
         assert torch.equal(o, g.bfloat16())
+
+
+@pytest.mark.skipif(not _native.has_cuda("fp8"), reason="engine._fp8 was built without CUDA")
+def test_fp8_cast_transpose_cuda_bit_for_bit():
+    from engine.ops.fp8_cast_transpose import fp8_cast_transpose, fp8_cast_transpose_reference
+
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(4099, 1031, device="cuda") * 100).to(dtype)  # ragged tiles both ways
+        scale = torch.tensor([2.5], device="cuda")
+        got = fp8_cast_transpose(x, scale, backend="native")
+        want = fp8_cast_transpose_reference(x, scale)
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))
+        assert torch.equal(got[2], want[2])

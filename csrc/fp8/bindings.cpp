@@ -1,0 +1,80 @@
+// pybind11 bindings of the FP8 cast-transpose: engine._fp8.
+//
+// cast_transpose(input, scale) -> (out, out_t, amax): input (rows, cols) fp32 or bf16, contiguous;
+// scale a one-element fp32 tensor on the input's device (read on the device: no host sync).
+#include <torch/extension.h>
+
+#ifdef TESSEL_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+#include <string>
+#include <tuple>
+
+#include "fp8/fp8.h"
+
+namespace py = pybind11;
+
+namespace {
+
+[[noreturn]] void fail(const std::string& msg) { throw py::value_error("fp8 cast_transpose: " + msg); }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& input, const at::Tensor& scale) {
+  if (input.dim() != 2) fail("input must be 2-D (rows, cols); reshape it to (-1, hidden) first");
+  if (input.scalar_type() != at::kFloat && input.scalar_type() != at::kBFloat16) {
+    fail(std::string("input dtype ") + c10::toString(input.scalar_type()) + " is not float32 or bfloat16");
+  }
+  if (!input.is_contiguous()) fail("input must be contiguous; call .contiguous()");
+  if (scale.scalar_type() != at::kFloat || scale.numel() != 1 || scale.device() != input.device()) {
+    fail("scale must be a one-element float32 tensor on the input's device, got " +
+         std::string(c10::toString(scale.scalar_type())) + " with " + std::to_string(scale.numel()) +
+         " elements on " + scale.device().str());
+  }
+  const int64_t rows = input.size(0), cols = input.size(1);
+  const auto fp8 = input.options().dtype(at::kFloat8_e4m3fn);
+  at::Tensor out = at::empty({rows, cols}, fp8);
+  at::Tensor out_t = at::empty({cols, rows}, fp8);  // (cols, rows): the transpose
+  at::Tensor amax = at::empty({1}, input.options().dtype(at::kFloat));
+  const bool bf16 = input.scalar_type() == at::kBFloat16;
+  auto* out_ptr = reinterpret_cast<uint8_t*>(out.data_ptr());
+  auto* out_t_ptr = reinterpret_cast<uint8_t*>(out_t.data_ptr());
+  if (input.is_cuda()) {
+#ifdef TESSEL_WITH_CUDA
+    if ((rows + 31) / 32 > 65535) fail("more than 65535 * 32 rows; split the input");
+    const c10::cuda::CUDAGuard guard(input.device());
+    const at::Tensor scale_c = scale.contiguous();
+    const int err = tessel::fp8::cast_transpose_cuda(
+        input.data_ptr(), bf16, rows, cols, scale_c.data_ptr<float>(), out_ptr, out_t_ptr,
+        amax.data_ptr<float>(), at::cuda::getCurrentCUDAStream(input.device().index()).stream());
+    if (err != 0) throw std::runtime_error(std::string("fp8 cast_transpose: CUDA launch failed: ") +
+                                           tessel::fp8::cuda_error_string(err));
+    return {out, out_t, amax};
+#else
+    fail("input is on " + input.device().str() + " but engine._fp8 was built without CUDA; rebuild "
+         "with nvcc and a CUDA torch, or use backend='reference'");
+#endif
+  }
+  if (!input.is_cpu()) fail("unsupported device " + input.device().str());
+  const float s = scale.item<float>();
+  {
+    py::gil_scoped_release release;
+    tessel::fp8::cast_transpose_cpu(input.data_ptr(), bf16, rows, cols, s, out_ptr, out_t_ptr,
+                                    amax.data_ptr<float>());
+  }
+  return {out, out_t, amax};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "FP8 (e4m3) cast + transpose + amax";
+#ifdef TESSEL_WITH_CUDA
+  m.attr("WITH_CUDA") = true;
+#else
+  m.attr("WITH_CUDA") = false;
+#endif
+  m.def("cast_transpose", &cast_transpose, py::arg("input"), py::arg("scale"),
+        "(rows, cols) fp32/bf16 input, one-element fp32 scale -> (e4m3 (rows, cols) of input*scale, "
+        "e4m3 (cols, rows) transpose, fp32 (1,) amax of |input|); saturating, NaN-propagating amax.");
+}

@@ -1,0 +1,62 @@
+// FP8 (e4m3) cast + transpose + amax, CPU fallback. The conversion is c10::Float8_e4m3fn's, i.e.
+// exactly torch's .to(torch.float8_e4m3fn) (round to nearest even, saturating to +-448).
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "fp8/fp8.h"
+
+namespace tessel {
+namespace fp8 {
+namespace {
+
+constexpr int64_t kBlock = 64;  // rows x cols block: the transposed writes stay cache-resident
+
+inline float load(const void* in, bool in_bf16, int64_t i) {
+  if (in_bf16) {
+    uint16_t bits = static_cast<const uint16_t*>(in)[i];
+    return static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits()));
+  }
+  return static_cast<const float*>(in)[i];
+}
+
+inline uint32_t abs_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return u & 0x7fffffffu;
+}
+
+}  // namespace
+
+void cast_transpose_cpu(const void* in, bool in_bf16, int64_t rows, int64_t cols, float scale,
+                        uint8_t* out, uint8_t* out_t, float* amax) {
+  const int64_t row_blocks = (rows + kBlock - 1) / kBlock;
+  const uint32_t max_bits = at::parallel_reduce(
+      0, row_blocks, 1, uint32_t{0},
+      [&](int64_t lo, int64_t hi, uint32_t acc) {
+        for (int64_t rb = lo; rb < hi; ++rb) {
+          const int64_t r_end = std::min((rb + 1) * kBlock, rows);
+          for (int64_t c0 = 0; c0 < cols; c0 += kBlock) {
+            const int64_t c_end = std::min(c0 + kBlock, cols);
+            for (int64_t r = rb * kBlock; r < r_end; ++r) {
+              for (int64_t c = c0; c < c_end; ++c) {
+                const float x = load(in, in_bf16, r * cols + c);
+                acc = std::max(acc, abs_bits(x));
+                const uint8_t q = c10::Float8_e4m3fn(x * scale).x;
+                out[r * cols + c] = q;
+                out_t[c * rows + r] = q;
+              }
+            }
+          }
+        }
+        return acc;
+      },
+      [](uint32_t a, uint32_t b) { return std::max(a, b); });
+  std::memcpy(amax, &max_bits, sizeof(float));
+}
+
+}  // namespace fp8
+}  // namespace tessel

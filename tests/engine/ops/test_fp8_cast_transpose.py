@@ -1,0 +1,70 @@
+"""FP8 e4m3 cast + transpose + amax: engine._fp8 (C++ path) bit for bit against torch."""
+import pytest
+import torch
+
+from engine import _native
+from engine.ops.fp8_cast_transpose import fp8_cast_transpose, fp8_cast_transpose_reference
+
+needs_native = pytest.mark.skipif(not _native.available("fp8"),
+                                  reason="engine._fp8 not built (run setup.py build_ext --inplace)")
+BACKENDS = [pytest.param("native", marks=needs_native), "reference"]
+
+
+def _bits(t):
+    return t.view(torch.uint8)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(37, 129), (1, 5), (130, 64)])
+def test_matches_torch_cast_bit_for_bit(backend, dtype, shape):
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=gen) * 30).to(dtype)
+    x.view(-1)[::17] = 1e-3  # subnormals of e4m3 after scaling
+    scale = torch.tensor([3.7])  # pushes the tails past 448: saturation
+    out, out_t, amax = fp8_cast_transpose(x, scale, backend=backend)
+    want = (x.float() * scale).to(torch.float8_e4m3fn)
+    assert out.dtype == out_t.dtype == torch.float8_e4m3fn
+    assert out_t.shape == (shape[1], shape[0]) and out_t.is_contiguous()
+    assert torch.equal(_bits(out), _bits(want))
+    assert torch.equal(_bits(out_t), _bits(want.t().contiguous()))
+    assert amax.dtype == torch.float32 and amax.item() == x.float().abs().max().item()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_saturation_and_nan(backend):
+    x = torch.tensor([[1000.0, -float("inf"), 0.5], [float("nan"), 448.0, -1e-9]])
+    out, out_t, amax = fp8_cast_transpose(x, torch.tensor([1.0]), backend=backend)
+    ref_out, ref_t, _ = fp8_cast_transpose_reference(x, torch.tensor([1.0]))
+    assert torch.equal(_bits(out), _bits(ref_out)) and torch.equal(_bits(out_t), _bits(ref_t))
+    assert out.float()[0, 0].item() == 448.0 and out.float()[0, 1].item() == -448.0
+    assert torch.isnan(amax).all()  # a NaN input must not hide behind a finite amax
+
+
+@needs_native
+def test_native_module_reports_cuda_flag():
+    assert isinstance(_native.load("fp8").WITH_CUDA, bool)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("x, scale, match", [
+    (torch.ones(2, 3, 4), torch.ones(1), "must be a 2-D"),
+    (torch.ones(2, 3, dtype=torch.float16), torch.ones(1), "must be a 2-D float32 or bfloat16"),
+    (torch.ones(2, 3), torch.ones(2), "one-element float32"),
+    (torch.ones(2, 3), torch.ones(1, dtype=torch.float64), "one-element float32"),
+])
+def test_bad_inputs_raise(backend, x, scale, match):
+    with pytest.raises(ValueError, match=match):
+        fp8_cast_transpose(x, scale, backend=backend)
+
+
+def test_bad_backend_raises():
+    with pytest.raises(ValueError, match="backend='te' is not one of"):
+        fp8_cast_transpose(torch.ones(2, 2), torch.ones(1), backend="te")
+
+
+@needs_native
+def test_native_binding_checks_directly():
+    mod = _native.load("fp8")
+    with pytest.raises(ValueError, match="must be contiguous"):
+        mod.cast_transpose(torch.ones(4, 3).t(), torch.ones(1))

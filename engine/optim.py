@@ -244,10 +244,12 @@ def counts_in_norm(param: torch.nn.Parameter, *, tp_group: Group | None) -> bool
     """Whether this rank's copy of ``param`` contributes to the global norm (each element once).
 
     TP-sharded parameters (``tensor_parallel``) count on every TP rank (each holds a different
-    slice); replicated ones only on TP rank 0. The last pipeline stage's copy of a tied embedding
-    (``shared_embedding``) never counts: the first stage's copy does.
+    slice); replicated ones only on TP rank 0. A replica of a parameter that lives on another
+    pipeline stage too (``shared = True``: the last stage's copy of a tied embedding) never counts:
+    the first stage's copy does. ``shared_embedding`` alone (set on BOTH tied copies, for the
+    deferred reduction) does not exclude a parameter.
     """
-    if getattr(param, "shared_embedding", False):
+    if getattr(param, "shared", False):
         return False
     if getattr(param, "tensor_parallel", False):
         return True

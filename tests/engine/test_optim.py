@@ -174,12 +174,16 @@ def test_global_norm_counting_rules():
     a, b, c = (nn.Parameter(torch.zeros(3)) for _ in range(3))
     b.tensor_parallel = True
     c.shared_embedding = True
+    c.shared = True
     ga, gb, gc = torch.tensor([3.0, 0, 0]), torch.tensor([0, 4.0, 0]), torch.tensor([100.0, 0, 0])
     norm = global_grad_norm([(a, ga), (b, gb), (c, gc)], tp_group=Group.trivial("tp"))
     assert float(norm) == pytest.approx(5.0)  # the last stage's tied copy is not counted
     tp_rank1 = Group(axis="tp", ranks=(0, 1), rank=1, pg=object(), ledger=Group.trivial("tp").ledger)
     assert counts_in_norm(b, tp_group=tp_rank1) and not counts_in_norm(a, tp_group=tp_rank1)
     assert counts_in_norm(a, tp_group=None) and not counts_in_norm(c, tp_group=None)
+    first_copy = nn.Parameter(torch.zeros(3))
+    first_copy.shared_embedding = True  # the first stage's tied copy: deferred reduction, but it counts
+    assert counts_in_norm(first_copy, tp_group=None)
     assert float(global_grad_norm([], tp_group=None)) == 0.0
 
 

@@ -350,7 +350,8 @@ class Stage1(nn.Module):
         self.blocks = nn.ModuleList(full.blocks[2:])
         self.ln = full.ln
         self.head = nn.Parameter(full.emb.weight.detach().clone())
-        self.head.shared_embedding = True  # counted once in the norm (the first stage's copy counts)
+        self.head.shared_embedding = True  # reduced after the tied-copy sum (deferred bucket)
+        self.head.shared = True  # counted once in the norm (the first stage's copy counts)
         self.head.no_weight_decay = True
 
     def forward(self, h):

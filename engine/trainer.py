@@ -93,7 +93,7 @@ class Trainer:
             for s in self.my_stages])
         o = cfg.optim
         self.ddp = DataParallel(self.chunks, dp_group=self.mesh.dp_cp, tp_group=self.mesh.tp,
-                                zero_stage=2 if o.distributed else 0, bucket_size_mb=o.bucket_size_mb,
+                                zero_stage=o.zero_stage if o.distributed else 0, bucket_size_mb=o.bucket_size_mb,
                                 overlap_grad_reduce=o.overlap_grad_reduce,
                                 overlap_param_gather=o.overlap_param_gather and o.distributed)
         self.optimizer = Optimizer.from_config(self.ddp, o, total_steps=cfg.train.steps, tp_group=self.mesh.tp,

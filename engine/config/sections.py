@@ -269,8 +269,11 @@ class OptimConfig(Section):
     ``lr`` is the peak after ``warmup_steps`` of linear warmup; the decay (``decay_style``) ends at
     ``min_lr`` on the last step. ``wsd`` (warmup-stable-decay) holds ``lr`` and decays during the
     last ``wsd_decay_fraction`` of the steps. ``clip_grad=0`` disables clipping.
-    ``distributed`` shards the optimizer state over data-parallel ranks (ZeRO-1);
-    ``overlap_param_gather`` needs it. ``no_decay_on`` lists parameter groups exempt from weight
+    ``distributed`` shards the optimizer state over data-parallel ranks: ``zero_stage`` 1 keeps
+    the full fp32 gradient buffer, 2 keeps only each rank's gradient shard between micro-batches'
+    reductions (see docs/data_parallel.md); ``overlap_param_gather`` needs it.
+    ``overlap_grad_reduce`` launches each bucket's reduction from backward hooks on the last
+    micro-batch. ``no_decay_on`` lists parameter groups exempt from weight
     decay (norms, biases, embeddings). ``nonfinite``: on an inf/nan gradient norm, ``skip`` the
     step or ``stop`` training.
     """
@@ -288,10 +291,11 @@ class OptimConfig(Section):
     wsd_decay_fraction: float = 0.2
     clip_grad: float = 1.0
     distributed: bool = False
+    zero_stage: int = 1
     bucket_size_mb: float = 25.0
-    overlap_grad_reduce: bool = False
+    overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
-    no_decay_on: list[str] = field(default_factory=lambda: ["norms", "biases"])
+    no_decay_on: list[str] = field(default_factory=lambda: ["norms", "biases", "embeddings"])
     nonfinite: str = "skip"
 
     def _validate(self) -> None:
@@ -313,6 +317,9 @@ class OptimConfig(Section):
                              "1]; e.g. 0.2 decays over the last 20% of the steps")
         check_min(self, "clip_grad", 0.0, why="0 disables clipping")
         check_positive(self, "bucket_size_mb")
+        if self.zero_stage not in (1, 2):
+            raise ValueError(f"optim.zero_stage={self.zero_stage!r} must be 1 (sharded optimizer state) or 2 "
+                             "(also sharded gradients); it applies when optim.distributed=true")
         if self.overlap_param_gather and not self.distributed:
             raise ValueError("optim.overlap_param_gather=true needs the sharded optimizer; set "
                              "optim.distributed=true or optim.overlap_param_gather=false")

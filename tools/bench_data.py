@@ -128,12 +128,17 @@ def main(argv=None) -> int:
         print(f"no corpus at {args.corpus}: run `.venv/bin/python tools/prepare_corpus.py` first", file=sys.stderr)
         return 2
     results = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "load_average_at_start": os.getloadavg()[0]},
         "preprocess": bench_preprocess(args.corpus, args.repeats),
         "index_builders": bench_index_builders(args.num_docs, args.seq_length, args.blend_size, args.repeats),
         "reads": bench_reads(args.corpus, 1024, 2000),
     }
+    results["machine"]["load_average_at_end"] = os.getloadavg()[0]
     pre, ib, rd = results["preprocess"], results["index_builders"], results["reads"]
+    m = results["machine"]
+    print(f"{m['cpus']} CPUs, 1-min load average {m['load_average_at_start']:.1f} -> {m['load_average_at_end']:.1f} "
+          "(figures are best of --repeats runs)")
     print(f"preprocess {pre['text_mb']:.2f} MB, {pre['tokens']:,} tokens, {pre['documents']} docs")
     print(f"  {'bare encode loop (1 core, baseline)':40s} {pre['bare_encode_loop_tokens_per_s']:>14,.0f} tok/s")
     print(f"  {'tokenizers encode_batch (all cores)':40s} {pre['encode_batch_all_cores_tokens_per_s']:>14,.0f} tok/s")

@@ -192,6 +192,17 @@ class GPTDataset:
                                                     seed=self.seed)
         return document_index, sample_index, shuffle_index
 
+    # Pickled as its constructor arguments: unpickling (a spawned DataLoader worker) re-maps the
+    # dataset and the cached index files instead of receiving copies of them.
+    def __getstate__(self) -> dict:
+        return {"indexed": self.indexed, "document_range": self.document_range,
+                "num_samples": self._num_samples_requested, "seq_length": self.seq_length, "seed": self.seed,
+                "cache_dir": self.cache_dir, "split_name": self.split_name, "eod_id": self.eod_id,
+                "eod_mask_loss": self.eod_mask_loss}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
+
     # -- access --------------------------------------------------------------------------------
     def __len__(self) -> int:
         return int(self.shuffle_index.shape[0])

@@ -317,6 +317,14 @@ class IndexedDataset:
         # np.memmap cannot map an empty file; an empty dataset has no tokens to view anyway.
         self._bin_map = np.memmap(self.bin_path, mode="r", dtype=np.uint8) if bin_size else np.zeros(0, np.uint8)
 
+    # Pickled by prefix (reopened and revalidated on load), never by value: a spawned DataLoader
+    # worker maps the files itself instead of receiving a copy of every token.
+    def __getstate__(self) -> dict:
+        return {"prefix": self.prefix}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["prefix"])
+
     # -- access --------------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.sizes)

@@ -183,7 +183,8 @@ def preprocess(inputs: list[str], output_prefix: str, *, tokenizer: str = "bpe",
     """Tokenize ``inputs`` into ``output_prefix.{bin,idx}`` and save the tokenizer beside them.
 
     The saved tokenizer is ``output_prefix.tokenizer.json`` (plus ``.tokenizer_config.json`` for
-    HF/BPE tokenizers). ``tokens`` in the result counts every written id, EODs included.
+    HF/BPE tokenizers). ``tokens`` in the result counts every written id, EODs included. With
+    ``workers > 1`` call this under ``if __name__ == "__main__":`` (spawned workers re-import main).
     """
     if workers < 1:
         raise ValueError(f"workers={workers} must be >= 1")

@@ -141,3 +141,16 @@ def test_eod_mask_loss(tmp_path):
     with pytest.raises(ValueError, match="eod_mask_loss=True needs eod_id"):
         GPTDataset(IndexedDataset(prefix), document_range=(0, 20), num_samples=None, seq_length=6, seed=0,
                    cache_dir=str(tmp_path / "c"), eod_mask_loss=True)
+
+
+def test_pickles_small_and_reopens_from_cache(random_dataset, tmp_path):
+    import pickle
+
+    prefix, _ = random_dataset
+    ds = GPTDataset(IndexedDataset(prefix), document_range=(0, 200), num_samples=500, seq_length=16, seed=2,
+                    cache_dir=str(tmp_path / "c"))
+    blob = pickle.dumps(ds)
+    assert len(blob) < 1000
+    again = pickle.loads(blob)
+    assert again.built_from_cache and len(again) == len(ds)
+    assert all(np.array_equal(again.get_tokens(i), ds.get_tokens(i)) for i in range(0, len(ds), 37))

@@ -211,3 +211,14 @@ def test_merge_shards(tmp_path):
     ds = IndexedDataset(out)
     assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2], [3], [4], [5, 6]]
     assert ds.document_indices.tolist() == [0, 2, 3, 4]
+
+
+def test_pickles_by_prefix_not_by_value(random_dataset):
+    import pickle
+
+    prefix, docs = random_dataset
+    ds = IndexedDataset(prefix)
+    blob = pickle.dumps(ds)
+    assert len(blob) < 200  # the prefix, not the tokens
+    again = pickle.loads(blob)
+    assert len(again) == len(docs) and np.array_equal(again[7], docs[7])

@@ -91,3 +91,18 @@ def test_load_errors(tmp_path):
         load_tokenizer(str(bad))
     with pytest.raises(ValueError, match="vocab_size=100 must be in"):
         train_bpe_tokenizer(["abc"], vocab_size=100)
+
+
+def test_bpe_identical_in_a_fresh_process():
+    # Hash-map seeds differ between processes; the trained merges must not depend on them.
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    code = ("import json, sys; from engine.data.tokenizer import train_bpe_tokenizer; "
+            "texts = json.loads(sys.stdin.read()); "
+            "sys.stdout.write(train_bpe_tokenizer(texts, vocab_size=400).backend.to_str())")
+    out = subprocess.run([sys.executable, "-c", code], input=json.dumps(TEXTS * 5), capture_output=True, text=True,
+                         cwd=repo, timeout=60, check=True).stdout
+    assert out == train_bpe_tokenizer(TEXTS * 5, vocab_size=400).backend.to_str()

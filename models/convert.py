@@ -1,0 +1,291 @@
+"""Offline conversion helpers: Hugging Face safetensors <-> Tessel checkpoints, without a process group.
+
+A converter runs in ONE process and plays every (tp, pp) rank of a layout in turn. It never builds a
+model: a stage's parameters (names, shapes, tensor-parallel attributes) are derived here from the
+family's Hugging Face key map (:mod:`models.hf_layout`), and their checkpoint placement comes from
+the same :func:`engine.checkpoint.param_layout` the trainer uses, through :func:`model_param_spec`.
+``tests/tools/test_convert.py`` checks both against real :func:`models.build_model` stages.
+
+Checkpoint content (a model-only Tessel checkpoint, see docs/convert.md): every parameter under
+``model.<name>``, with ``<name>`` the stage module's parameter name (layers carry GLOBAL indices, so
+keys do not depend on the pipeline layout); the fused tensors are stored in the TP=1 Tessel layout
+(``qkv`` grouped per kv group, ``fc1`` as ``[gate; up]``); embedding and untied output layer keep the
+vocab padding of the layout they were written at (``allow_shape_mismatch`` lets any other layout
+load them); a pipeline's last-stage copy of a tied embedding is a replica, never written.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from engine.checkpoint import ParamSpec, ShardingContext, param_layout
+from engine.checkpoint.format import safetensors_code
+from models.config import TransformerConfig
+from models.hf_layout import HFEntry, hf_shapes, shape_of
+from models.registry import family
+
+MODEL_PREFIX = "model."
+TIED_EMBEDDING = "embedding.word_embeddings.weight"
+VOCAB_PADDED = ("word_embeddings.weight", "output_layer.weight")
+
+# safetensors dtype codes of the float dtypes a model file may hold
+ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+DTYPE_CHOICES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+HF_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+                  torch.float64: "float64"}
+
+
+def model_param_spec(name: str, param: torch.Tensor) -> ParamSpec:
+    """Checkpoint placement of a stage parameter: logical key ``name`` (the ``model.`` prefix is added
+    by the caller), vocab-padded tensors may change padding between layouts, and a last stage's copy
+    of a tied embedding is an extra replica of ``embedding.word_embeddings.weight`` (never written).
+
+    The same rule as the trainer's checkpoint hook; a stage in a module list passes the name
+    without the list index.
+    """
+    if name == "output_layer.weight" and getattr(param, "shared_embedding", False):
+        return ParamSpec(key=TIED_EMBEDDING, extra_replica=1, allow_shape_mismatch=True)
+    return ParamSpec(key=name, allow_shape_mismatch=name.endswith(VOCAB_PADDED))
+
+
+def stage_layer_ranges(num_layers: int, pp: int, layout: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """Global layer range of each pipeline stage: ``layout`` (layer counts) if given, else an even split
+    with the remainder on the first stages (any split holds the same keys)."""
+    if not isinstance(pp, int) or pp < 1:
+        raise ValueError(f"pp={pp!r} must be an integer >= 1")
+    if layout is not None:
+        layout = [int(n) for n in layout]
+        if len(layout) != pp or sum(layout) != num_layers or min(layout) < 0:
+            raise ValueError(f"pipeline layout {layout} must give {pp} non-negative layer counts (one per pipeline "
+                             f"stage) summing to num_layers={num_layers}")
+        counts = layout
+    else:
+        if pp > num_layers:
+            raise ValueError(f"pp={pp} exceeds num_layers={num_layers}: every stage needs a layer; lower pp")
+        counts = [num_layers // pp + (1 if s < num_layers % pp else 0) for s in range(pp)]
+    out, start = [], 0
+    for c in counts:
+        out.append((start, start + c))
+        start += c
+    return out
+
+
+def tessel_full_shape(entry: HFEntry, cfg: TransformerConfig, *, padded_vocab: int) -> tuple[int, ...]:
+    """Shape of the Tessel parameter ``entry.name`` in the TP=1 layout (vocab padded to ``padded_vocab``)."""
+    h, d, f = cfg.hidden_size, cfg.head_dim, cfg.ffn_hidden_size
+    bias = entry.name.endswith(".bias")
+    if entry.layout == "vocab":
+        return (padded_vocab, h)
+    if entry.layout in ("qkv", "qkv_packed"):
+        rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+        return (rows,) if bias else (rows, h)
+    if entry.layout == "gate_up":
+        return (2 * f,) if bias else (2 * f, h)
+    if entry.layout == "column":  # GPT-2's ungated fc1
+        return (f,) if bias else (f, h)
+    if entry.layout == "row":
+        return (h, cfg.num_heads * d) if ".attention." in entry.name else (h, f)
+    if entry.name.endswith(("q_norm.weight", "k_norm.weight")):
+        return (d,)
+    if entry.name.endswith("position_embeddings.weight"):
+        return (cfg.max_position_embeddings, h)
+    return (h,)  # norms and replicated output biases
+
+
+@dataclass(frozen=True)
+class StageParam:
+    """One parameter of a virtual rank's stage: its Hugging Face entry, full and local shapes, and the
+    tensor-parallel attributes the parallel layers would set."""
+
+    name: str
+    entry: HFEntry
+    full_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    partition: tuple[int, int] | None  # (dim, stride) when split over TP
+    shared_embedding: bool
+
+    def stand_in(self, dtype: torch.dtype, data: torch.Tensor | None = None) -> torch.Tensor:
+        """``data`` (or an empty meta tensor of the local shape) carrying the TP attributes."""
+        t = torch.empty(self.local_shape, dtype=dtype, device="meta") if data is None else data
+        t.tensor_parallel = self.partition is not None
+        if self.partition is not None:
+            t.partition_dim, t.partition_stride = self.partition
+        if self.shared_embedding:
+            t.shared_embedding = True
+        return t
+
+
+def stage_params(cfg: TransformerConfig, *, tp_rank: int, tp_size: int, layer_range: tuple[int, int],
+                 pre_process: bool, post_process: bool, padded_vocab: int) -> list[StageParam]:
+    """The parameters a :func:`models.build_model` stage would hold, without building it."""
+    cfg.check_tensor_parallel(tp_size)
+    assert 0 <= tp_rank < tp_size
+    entries = family(cfg.model_type).hf_entries(cfg, layers=range(*layer_range), pre_process=pre_process,
+                                                post_process=post_process)
+    tied = cfg.tie_word_embeddings
+    out = []
+    for e in entries:
+        if e.name == "output_layer.weight" and tied and pre_process:
+            continue  # one stage holds both ends: the output layer uses the embedding itself
+        full = tessel_full_shape(e, cfg, padded_vocab=padded_vocab)
+        part = e.partition(len(full))
+        local = list(full)
+        if part is not None:
+            local[part[0]] //= tp_size
+        shared = tied and (e.name == "output_layer.weight" or (e.name == TIED_EMBEDDING and not post_process))
+        out.append(StageParam(name=e.name, entry=e, full_shape=tuple(full), local_shape=tuple(local),
+                              partition=part, shared_embedding=shared))
+    return out
+
+
+def placements(param: StageParam, *, tp_rank: int, tp_size: int, dtype: torch.dtype, data: torch.Tensor | None = None):
+    """The ShardedTensors (key ``model.<name>``) of ``param`` on TP rank ``tp_rank``: views of ``data``
+    (the local shard) or meta placeholders. Placement by :func:`engine.checkpoint.param_layout`."""
+    t = param.stand_in(dtype, data)
+    ctx = ShardingContext(tp_rank=tp_rank, tp_size=tp_size)
+    layout = param_layout(param.name, t, ctx=ctx, spec=model_param_spec(param.name, t))
+    return layout.sharded(t, prefix=MODEL_PREFIX)
+
+
+# -- checking a Hugging Face state before converting it ---------------------------------------------
+
+def check_hf_tensors(cfg: TransformerConfig, src: Mapping[str, Any], *, where: str) -> None:
+    """ValueError listing every missing key, unexpected key and shape mismatch of ``src`` (on-disk names)
+    against the full model of ``cfg``; also rejects non-float tensors."""
+    fam = family(cfg.model_type)
+    available = set(src.keys())
+    entries = fam.hf_entries(cfg, layers=range(cfg.num_layers), pre_process=True, post_process=True)
+    known: set[str] = set()
+    missing, mismatched, bad_dtype = [], [], []
+    for e in entries:
+        if e.name == "output_layer.weight" and cfg.tie_word_embeddings:
+            continue
+        full = tessel_full_shape(e, cfg, padded_vocab=cfg.vocab_size)
+        for key, want in zip(e.hf_keys, hf_shapes(e, full, cfg)):
+            spellings = (key, *fam.hf_aliases(key))
+            known.update(spellings)
+            actual = next((k for k in spellings if k in available), None)
+            if actual is None:
+                missing.append(key)
+                continue
+            got = shape_of(src, actual)
+            if got != tuple(want):
+                mismatched.append(f"{actual}: file {got}, config.json implies {tuple(want)}")
+            get_slice = getattr(src, "get_slice", None)
+            code = get_slice(actual).get_dtype() if get_slice is not None else None
+            if code is not None and code not in ST_DTYPES:
+                bad_dtype.append(f"{actual}: {code}")
+    unexpected = sorted(k for k in available if k not in known and not fam.hf_ignored(k, cfg))
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {missing}")
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {unexpected}")
+    if mismatched:
+        problems.append(f"shape mismatches ({len(mismatched)}): {mismatched}")
+    if bad_dtype:
+        problems.append(f"non-float tensors ({len(bad_dtype)}): {bad_dtype}")
+    if problems:
+        raise ValueError(f"{where} does not match its config.json ({cfg.model_type}, {cfg.num_layers} layers, "
+                         f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}): " + "; ".join(problems)
+                         + ". Check that config.json belongs to these weights.")
+
+
+def hf_dtype(src, key: str) -> torch.dtype:
+    """Dtype of tensor ``key`` as stored on disk."""
+    get_slice = getattr(src, "get_slice", None)
+    if get_slice is not None:
+        return ST_DTYPES[get_slice(key).get_dtype()]
+    return src[key].dtype
+
+
+# -- a safetensors file written tensor by tensor ---------------------------------------------------
+
+class StreamingSafetensorsWriter:
+    """Writes a safetensors file whose tensors are known up front (name, dtype, shape) but produced
+    one at a time, so only one tensor is in memory; the file is hashed (sha256) while it is written
+    and fsynced on :meth:`close`.
+
+    Layout as :func:`engine.checkpoint.async_writer.write_safetensors`: 8-byte little-endian header
+    length, compact JSON header padded with spaces to 8 bytes, then the tensors in plan order.
+    """
+
+    def __init__(self, path: str | os.PathLike, plan: Sequence[tuple[str, torch.dtype, Sequence[int]]], *,
+                 metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        header: dict = {}
+        offset = 0
+        self._expect: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+        for name, dtype, shape in plan:
+            if name in header:
+                raise ValueError(f"{self.path.name}: tensor {name!r} planned twice")
+            n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": safetensors_code(dtype), "shape": list(shape), "data_offsets": [offset, offset + n]}
+            self._expect.append((name, dtype, tuple(shape)))
+            offset += n
+        if metadata:
+            header["__metadata__"] = metadata
+        hjson = json.dumps(header, separators=(",", ":")).encode()
+        hjson += b" " * (-len(hjson) % 8)
+        prefix = len(hjson).to_bytes(8, "little") + hjson
+        self._total = len(prefix) + offset
+        self._file = open(self.path, "wb")
+        self._hash = hashlib.sha256()
+        # sha256 on a second thread, in order, while this one writes (both release the GIL).
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tessel-convert-sha256")
+        self._next = 0
+        self._pending = None
+        self._emit(memoryview(prefix))
+
+    def _emit(self, view: memoryview) -> None:
+        # At most one buffer waits for the hasher, so memory stays near one tensor (two at most).
+        if self._pending is not None:
+            self._pending.result()
+        self._pending = self._hasher.submit(self._hash.update, view)
+        self._file.write(view)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Append ``tensor``, which must be the next planned tensor (same dtype and shape)."""
+        if self._next >= len(self._expect):
+            raise ValueError(f"{self.path.name}: {name!r} written after the last planned tensor")
+        want = self._expect[self._next]
+        got = (name, tensor.dtype, tuple(tensor.shape))
+        if got != want:
+            raise ValueError(f"{self.path.name}: expected tensor {want} next, got {got}")
+        self._next += 1
+        t = tensor.detach().to("cpu").contiguous()
+        if t.numel():
+            self._emit(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # the view keeps t alive
+
+    def close(self) -> tuple[str, int]:
+        """Finish the file; returns (sha256 hex digest, size in bytes)."""
+        if self._next != len(self._expect):
+            missing = [n for n, _, _ in self._expect[self._next:]]
+            self.abort()
+            raise ValueError(f"{self.path.name}: {len(missing)} planned tensor(s) never written: {missing[:5]}")
+        self._hasher.shutdown(wait=True)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        size = self.path.stat().st_size
+        assert size == self._total, (size, self._total)
+        return self._hash.hexdigest(), size
+
+    def abort(self) -> None:
+        self._hasher.shutdown(wait=True)
+        if not self._file.closed:
+            self._file.close()
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n

@@ -1,0 +1,323 @@
+"""Evaluate a Tessel checkpoint at any TP x PP layout: token-weighted loss and perplexity, or the logits.
+
+    torchrun --nproc-per-node 4 tools/evaluate.py --ckpt CKPT --tp 2 --pp 2 --text FILE [--json out.json]
+    torchrun --nproc-per-node 4 tools/evaluate.py --ckpt CKPT --set parallel.tp=2 --set parallel.pp=2 --data PREFIX
+    torchrun --nproc-per-node 4 tools/evaluate.py --ckpt CKPT --tp 2 --pp 2 --tokens ids.json --dump-logits out.safetensors
+
+The checkpoint (written by tools/convert_checkpoint.py or by the trainer, any layout) is resharded into
+the launch layout (world size = tp * pp; dp = 1). Forward only, stage by stage through the pipeline.
+``--text`` is tokenized with the checkpoint's tokenizer (``CKPT/hf``, or ``--tokenizer``) and cut into
+windows of ``--seq-length`` predicted tokens (each window sees the previous window's last token as its
+first input); ``--data`` does the same over the token stream of a preprocessed dataset. ``--tokens`` takes
+a JSON list of ids or a list of lists (each evaluated as its own sequence); ``--dump-logits`` writes the
+full-vocabulary fp32 logits for them (padding cut off): key ``logits`` (s, vocab) for a flat list,
+``logits.<i>`` (s_i, vocab) for each sequence of a list of lists. The loss is the summed next-token
+negative log-likelihood divided by the number of predicted tokens; perplexity = exp(loss).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # runnable from a checkout without installing
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from engine.checkpoint import (CheckpointError, ShardingContext, load_checkpoint, module_sharded_tensors,  # noqa: E402
+                               read_metadata, resolve_checkpoint, world_group)
+from parallel import comm  # noqa: E402
+from parallel.mesh import Mesh, ParallelDims, init_distributed  # noqa: E402
+
+# --set keys this tool reads (the rest of the training config does not apply to evaluation)
+SET_KEYS = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.pipeline_layout": "pipeline_layout",
+            "train.seq_length": "seq_length", "train.micro_batch_size": "batch_size", "model.dtype": "dtype",
+            "model.make_vocab_size_divisible_by": "make_vocab_size_divisible_by", "data.paths": "data",
+            "data.tokenizer": "tokenizer"}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="checkpoint root (newest complete step) or step directory")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--text", help="UTF-8 text file to score")
+    src.add_argument("--data", help="prefix of a preprocessed dataset (PREFIX.bin / PREFIX.idx)")
+    src.add_argument("--tokens", help="JSON file: a list of token ids, or a list of lists")
+    p.add_argument("--dump-logits", help="with --tokens: write the fp32 logits to this .safetensors file")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (or --set parallel.tp=N)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline-parallel size (or --set parallel.pp=N)")
+    p.add_argument("--pipeline-layout", default=None, help="layers per stage, e.g. 8,8,7,7 (default: even)")
+    p.add_argument("--seq-length", type=int, default=None, help="tokens per window (default min(1024, positions))")
+    p.add_argument("--batch-size", type=int, default=None, help="windows per forward (default 1)")
+    p.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens of --text/--data")
+    p.add_argument("--tokenizer", default=None, help="tokenizer spec (default: the checkpoint's hf/ directory)")
+    p.add_argument("--dtype", default=None, help="fp32 (default) or bf16")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=None, help="vocab padding multiple (128)")
+    p.add_argument("--config", default=None, help="config.json to use instead of the checkpoint's model_config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="training-config overrides this tool reads: " + ", ".join(SET_KEYS))
+    p.add_argument("--json", default=None, help="also write the result as JSON to this file")
+    p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the checkpoint files")
+    return p
+
+
+def resolve_options(args: argparse.Namespace) -> dict:
+    """Merge --set overrides (parsed with the training config's types) under the explicit flags."""
+    from engine.config.loader import apply_overrides
+
+    opts = {"tp": 1, "pp": 1, "pipeline_layout": None, "seq_length": None, "batch_size": 1, "dtype": "fp32",
+            "make_vocab_size_divisible_by": 128, "data": None, "tokenizer": None}
+    parsed = apply_overrides({}, list(args.overrides))  # validates SECTION.KEY and value types
+    for section, table in parsed.items():
+        for key, value in table.items():
+            name = f"{section}.{key}"
+            if name not in SET_KEYS:
+                raise ValueError(f"--set {name}: evaluate.py reads only {', '.join(SET_KEYS)}; drop the others")
+            opts[SET_KEYS[name]] = value
+    if isinstance(opts["data"], list):
+        if len(opts["data"]) != 1:
+            raise ValueError(f"--set data.paths={opts['data']}: evaluate.py scores one dataset; give one prefix")
+        opts["data"] = opts["data"][0]
+    for name in ("tp", "pp", "seq_length", "batch_size", "dtype", "make_vocab_size_divisible_by", "tokenizer"):
+        if getattr(args, name) is not None:
+            opts[name] = getattr(args, name)
+    if args.pipeline_layout is not None:
+        try:
+            opts["pipeline_layout"] = [int(x) for x in args.pipeline_layout.split(",")]
+        except ValueError:
+            raise ValueError(f"--pipeline-layout={args.pipeline_layout!r} must be comma-separated layer counts, "
+                             "e.g. 8,8,7,7") from None
+    if args.data is not None:
+        opts["data"] = args.data
+    for name in ("tp", "pp", "batch_size"):
+        if not isinstance(opts[name], int) or opts[name] < 1:
+            raise ValueError(f"{name}={opts[name]!r} must be an integer >= 1")
+    if opts["dtype"] not in DTYPES:
+        raise ValueError(f"dtype={opts['dtype']!r} must be one of {', '.join(DTYPES)}")
+    if sum(x is not None for x in (args.text, opts["data"], args.tokens)) != 1:
+        raise ValueError("give exactly one input: --text FILE, --data PREFIX (or --set data.paths=PREFIX), or "
+                         "--tokens FILE.json")
+    if args.dump_logits and not args.tokens:
+        raise ValueError("--dump-logits needs --tokens FILE.json (logits are written for given token ids)")
+    return opts
+
+
+# -- inputs -------------------------------------------------------------------------------------------
+
+def read_token_file(path: str, *, vocab_size: int) -> tuple[list[list[int]], bool]:
+    """(sequences, was_flat) from a JSON list of ids or list of lists; ValueError on anything else."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--tokens {path}: cannot read a JSON list of token ids ({e})") from None
+    flat = isinstance(data, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in data)
+    seqs = [data] if flat else data
+    if not isinstance(seqs, list) or not seqs or not all(
+            isinstance(s, list) and s and all(isinstance(x, int) and not isinstance(x, bool) for x in s) for s in seqs):
+        raise ValueError(f"--tokens {path}: expected a non-empty JSON list of ints or a list of non-empty lists "
+                         "of ints")
+    bad = sorted({x for s in seqs for x in s if not 0 <= x < vocab_size})
+    if bad:
+        raise ValueError(f"--tokens {path}: ids {bad[:10]} lie outside the vocabulary [0, {vocab_size})")
+    return seqs, flat
+
+
+def windows(ids: list[int], *, seq_length: int) -> list[tuple[list[int], list[int]]]:
+    """(inputs, targets) windows predicting every token after the first exactly once."""
+    out = []
+    for start in range(0, max(0, len(ids) - 1), seq_length):
+        chunk = ids[start:start + seq_length + 1]
+        if len(chunk) >= 2:
+            out.append((chunk[:-1], chunk[1:]))
+    return out
+
+
+def _stream_tokens(args, opts, *, step_dir: Path, vocab_size: int) -> list[int]:
+    if args.text is not None:
+        from engine.data.tokenizer import load_tokenizer
+
+        spec = opts["tokenizer"]
+        if spec is None:
+            found = [p for p in (step_dir / "hf", step_dir.parent / "hf") if (p / "tokenizer.json").is_file()]
+            if not found:
+                raise ValueError(f"no tokenizer.json beside checkpoint {step_dir} (looked in hf/); pass --tokenizer")
+            spec = str(found[0])
+        with open(args.text, encoding="utf-8") as f:
+            ids = load_tokenizer(spec).encode(f.read())
+    else:
+        import numpy as np
+
+        from engine.data.indexed_dataset import IndexedDataset
+
+        ds = IndexedDataset(opts["data"])
+        ids, need = [], args.max_tokens + 1 if args.max_tokens else None
+        for i in range(len(ds)):
+            ids.extend(np.asarray(ds[i], dtype=np.int64).tolist())
+            if need is not None and len(ids) >= need:
+                break
+    if args.max_tokens:
+        ids = ids[:args.max_tokens + 1]
+    bad = sorted({x for x in ids if not 0 <= x < vocab_size})
+    if bad:
+        raise ValueError(f"token ids {bad[:10]} lie outside the model's vocabulary [0, {vocab_size}); the "
+                         "tokenizer or dataset does not belong to this model")
+    if len(ids) < 2:
+        raise ValueError("the input has fewer than 2 tokens: nothing to predict")
+    return ids
+
+
+def _batches(samples, batch_size: int):
+    """Consecutive samples of equal length, at most ``batch_size`` per batch, with their indices."""
+    batch: list[int] = []
+    for i, (inp, _) in enumerate(samples):
+        if batch and (len(batch) == batch_size or len(samples[batch[0]][0]) != len(inp)):
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
+
+
+# -- the model ------------------------------------------------------------------------------------------
+
+def build_stage(model_config: dict, mesh: Mesh, opts: dict, *, device):
+    from models import build_model, config_from_hf
+    from models.convert import stage_layer_ranges
+
+    cfg = config_from_hf(model_config)
+    pp, pp_rank = mesh.dims.pp, mesh.coords["pp"]
+    ranges = stage_layer_ranges(cfg.num_layers, pp, opts["pipeline_layout"])
+    stage = build_model(model_config, tp_group=mesh.tp, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
+                        layer_range=ranges[pp_rank], dtype=DTYPES[opts["dtype"]], device=device,
+                        make_vocab_size_divisible_by=opts["make_vocab_size_divisible_by"])
+    return cfg, stage.eval()
+
+
+def run_evaluate(argv: list[str] | None = None) -> dict:
+    """Everything but the process exit: returns the result dict on every rank (collective)."""
+    from models.convert import model_param_spec
+
+    args = build_parser().parse_args(argv)
+    opts = resolve_options(args)
+    init_distributed()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    tp, pp = opts["tp"], opts["pp"]
+    if world != tp * pp:
+        raise ValueError(f"world size {world} != tp*pp = {tp}*{pp}; launch {tp * pp} processes (torchrun "
+                         "--nproc-per-node) or change --tp/--pp (evaluation runs with dp=1)")
+    mesh = Mesh.build(ParallelDims(dp=1, pp=pp, tp=tp))
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    step_dir = resolve_checkpoint(args.ckpt)
+    meta = read_metadata(step_dir)
+    if args.config is not None:
+        with open(args.config) as f:
+            model_config = json.load(f)
+    elif meta.get("model_config"):
+        model_config = meta["model_config"]
+    else:
+        raise ValueError(f"checkpoint {step_dir} stores no model_config; pass --config CONFIG.JSON")
+    cfg, stage = build_stage(model_config, mesh, opts, device=device)
+    tensors = module_sharded_tensors(stage, ctx=ShardingContext.from_mesh(mesh), hook=model_param_spec)
+    load_checkpoint(step_dir, tensors=tensors, group=world_group(ledger=mesh.ledger), strict=True,
+                    verify=not args.no_verify, allow_dtype_cast=True)
+
+    flat = False
+    if args.tokens:
+        seqs, flat = read_token_file(args.tokens, vocab_size=cfg.vocab_size)
+        samples = [(s, s[1:] + [-100]) for s in seqs]  # the last position has no target
+    else:
+        seq_length = opts["seq_length"] or min(1024, cfg.max_position_embeddings)
+        ids = _stream_tokens(args, opts, step_dir=step_dir, vocab_size=cfg.vocab_size)
+        samples = windows(ids, seq_length=seq_length)
+    too_long = [len(s) for s, _ in samples if len(s) > cfg.max_position_embeddings]
+    if too_long:
+        raise ValueError(f"a sequence of {max(too_long)} tokens exceeds max_position_embeddings="
+                         f"{cfg.max_position_embeddings}; lower --seq-length or split the --tokens lists")
+    nll, count, logits = forward_all(stage, mesh, samples, opts, device=device, want_logits=bool(args.dump_logits))
+    result = {"checkpoint": str(step_dir), "tp": tp, "pp": pp, "sequences": len(samples), "tokens": int(count),
+              "loss": nll / count if count else float("nan"),
+              "perplexity": math.exp(min(nll / count, 700.0)) if count else float("nan")}
+    writer = mesh.coords["pp"] == pp - 1 and mesh.coords["tp"] == 0
+    if args.dump_logits and writer:
+        _write_logits(args.dump_logits, logits, flat=flat)
+    if mesh.rank == 0:
+        print(f"evaluate: {result['tokens']} tokens in {result['sequences']} sequences: loss {result['loss']:.6f}, "
+              f"perplexity {result['perplexity']:.4f} (tp={tp}, pp={pp}, {step_dir})")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+    if dist.is_initialized():
+        dist.barrier()  # the logits file and JSON exist once every rank returns
+    return result
+
+
+@torch.no_grad()
+def forward_all(stage, mesh: Mesh, samples, opts: dict, *, device, want_logits: bool):
+    """Run every sample through the pipeline; returns (summed NLL, predicted tokens, logits per sample).
+
+    Every rank knows every batch's shape, so stages exchange (s, b, h) activations with plain send/recv.
+    The sums are known on every rank; logits only on the last stage.
+    """
+    pp, pp_rank = mesh.dims.pp, mesh.coords["pp"]
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    h = stage.config.hidden_size
+    dtype = next(stage.parameters()).dtype
+    nll = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of NLL, predicted tokens)
+    logits_out: list[torch.Tensor] = [None] * len(samples)
+    for idx in _batches(samples, opts["batch_size"]):
+        tokens = torch.tensor([samples[i][0] for i in idx], dtype=torch.int64, device=device)  # (b, s)
+        labels = torch.tensor([samples[i][1] for i in idx], dtype=torch.int64, device=device)  # (b, s)
+        b, s = tokens.shape
+        x = tokens if first else comm.recv(torch.empty((s, b, h), dtype=dtype, device=device), mesh.pp,
+                                           src=pp_rank - 1)
+        if not last:
+            comm.send(stage(x), mesh.pp, dst=pp_rank + 1)  # (s, b, h)
+            continue
+        valid = labels != -100
+        if want_logits:
+            full = stage.gather_logits(stage(x)).float()  # (b, s, vocab)
+            loss = F.cross_entropy(full.reshape(b * s, -1), labels.reshape(-1), ignore_index=-100,
+                                   reduction="sum")
+            for j, i in enumerate(idx):
+                logits_out[i] = full[j].cpu()
+        else:
+            loss = stage(x, labels=labels).sum()  # (b, s) per-token loss, 0 where the label is -100
+        nll[0] += loss.double()
+        nll[1] += valid.sum()
+    comm.all_reduce(nll, mesh.pp)  # only the last stage contributed; every TP rank holds the same sums
+    return float(nll[0]), int(nll[1]), logits_out
+
+
+def _write_logits(path: str, logits: list[torch.Tensor], *, flat: bool) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {"logits": logits[0].contiguous()} if flat else {f"logits.{i}": t.contiguous() for i, t in enumerate(logits)}
+    tmp = f"{path}.tmp.{os.getpid()}"
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        run_evaluate(argv)
+    except (ValueError, CheckpointError, FileNotFoundError) as e:
+        print(f"evaluate.py (rank {rank}): error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized() and "TORCHELASTIC_RUN_ID" in os.environ:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,7 +7,7 @@
 #include <torch/extension.h>
 
 #ifdef TESSEL_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
@@ -86,7 +86,7 @@ void fused_adamw(const std::vector<at::Tensor>& params, const std::vector<at::Te
 #ifdef TESSEL_WITH_CUDA
     const c10::cuda::CUDAGuard guard(device);
     const int err = aw::adamw_cuda(refs.data(), static_cast<int64_t>(n), s,
-                                   at::cuda::getCurrentCUDAStream(device.index()).stream());
+                                   c10::cuda::getCurrentCUDAStream(device.index()).stream());
     if (err != 0) throw std::runtime_error(std::string("fused_adamw_: CUDA launch failed: ") + aw::cuda_error_string(err));
     return;
 #else

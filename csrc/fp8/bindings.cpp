@@ -5,7 +5,7 @@
 #include <torch/extension.h>
 
 #ifdef TESSEL_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
@@ -46,7 +46,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& 
     const at::Tensor scale_c = scale.contiguous();
     const int err = tessel::fp8::cast_transpose_cuda(
         input.data_ptr(), bf16, rows, cols, scale_c.data_ptr<float>(), out_ptr, out_t_ptr,
-        amax.data_ptr<float>(), at::cuda::getCurrentCUDAStream(input.device().index()).stream());
+        amax.data_ptr<float>(), c10::cuda::getCurrentCUDAStream(input.device().index()).stream());
     if (err != 0) throw std::runtime_error(std::string("fp8 cast_transpose: CUDA launch failed: ") +
                                            tessel::fp8::cuda_error_string(err));
     return {out, out_t, amax};

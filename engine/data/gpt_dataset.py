@@ -171,9 +171,10 @@ class GPTDataset:
                 "larger split weight"
             )
         target = per_epoch if num_samples is None else num_samples
-        num_epochs = 1
-        while (num_epochs * tokens_per_epoch - extra) // self.seq_length < target:
-            num_epochs += 1
+        # Fewest epochs whose stream holds target samples: num_epochs * T - extra >= target * seq_length.
+        num_epochs = max(1, -(-(target * self.seq_length + extra) // tokens_per_epoch))
+        assert (num_epochs * tokens_per_epoch - extra) // self.seq_length >= target
+        assert num_epochs == 1 or ((num_epochs - 1) * tokens_per_epoch - extra) // self.seq_length < target
         separate_final_epoch = False
         sans_final = 0
         if num_epochs > 1:

@@ -154,3 +154,19 @@ def test_pickles_small_and_reopens_from_cache(random_dataset, tmp_path):
     again = pickle.loads(blob)
     assert again.built_from_cache and len(again) == len(ds)
     assert all(np.array_equal(again.get_tokens(i), ds.get_tokens(i)) for i in range(0, len(ds), 37))
+
+
+def test_partly_used_final_epoch_is_shuffled_last(random_dataset, tmp_path):
+    prefix, docs = random_dataset
+    tokens = sum(len(d) for d in docs)
+    per_epoch = (tokens - 1) // 16
+    want = 2 * per_epoch + per_epoch // 10  # the third epoch only 10% used: shuffled on its own, at the end
+    ds = GPTDataset(IndexedDataset(prefix), document_range=(0, 200), num_samples=want, seq_length=16, seed=0,
+                    cache_dir=str(tmp_path))
+    assert len(ds.document_index) == 3 * 200
+    sans_final = (2 * tokens - 1) // 16
+    assert sorted(ds.shuffle_index[:sans_final].tolist()) == list(range(sans_final))
+    # Mostly used final epoch (>= 80%): one shuffle over every sample.
+    full = GPTDataset(IndexedDataset(prefix), document_range=(0, 200), num_samples=3 * per_epoch - 5,
+                      seq_length=16, seed=0, cache_dir=str(tmp_path))
+    assert int(np.max(full.shuffle_index[:sans_final])) >= sans_final

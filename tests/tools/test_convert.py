@@ -358,3 +358,71 @@ def test_tessel_to_hf_errors(hf_dirs, tmp_path):
         tessel_to_hf(ck, tmp_path / "o")
     assert not (tmp_path / "o").exists()
     assert main(["tessel-to-hf", "--ckpt", str(ck), "--out", str(tmp_path / "o")]) == 2
+
+
+# -- the pread reader ---------------------------------------------------------------------------------
+
+def test_pread_reader_matches_safe_open(tmp_path, monkeypatch):
+    import models.convert as mc
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(6, 10, 4, generator=gen), "b": torch.randn(7, generator=gen).to(torch.bfloat16),
+               "c": torch.randn(5, 12, generator=gen).half()}
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    st = mc.PreadSafetensors(tmp_path / "m.safetensors")
+    assert sorted(st) == ["a", "b", "c"] and len(st) == 3 and "a" in st and "z" not in st
+    with safe_open(str(tmp_path / "m.safetensors"), "pt") as ref:
+        for small_run in (1 << 30, 0):  # whole-tensor read + narrow, and one read per leading index
+            monkeypatch.setattr(mc, "SMALL_RUN_BYTES", small_run)
+            for k in tensors:
+                assert torch.equal(st[k], ref.get_tensor(k)) and st.get_slice(k).get_shape() == list(tensors[k].shape)
+                for dim in range(tensors[k].dim()):
+                    n = tensors[k].shape[dim]
+                    index = tuple([slice(None)] * dim + [slice(1, n - 1)])
+                    got = st.get_slice(k)[index]
+                    assert got.is_contiguous() and torch.equal(got, ref.get_slice(k)[index]), (k, dim, small_run)
+    with pytest.raises(KeyError):
+        st.get_slice("z")
+    with pytest.raises(ValueError, match="unsupported index"):
+        st.get_slice("a")[0]
+    st.close()
+    (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+    with pytest.raises(ValueError, match="is not a safetensors file"):
+        mc.PreadSafetensors(tmp_path / "bad.safetensors")
+    data = (tmp_path / "m.safetensors").read_bytes()
+    (tmp_path / "short.safetensors").write_bytes(data[:-8])
+    with pytest.raises(ValueError, match="ends early"):
+        mc.PreadSafetensors(tmp_path / "short.safetensors")["c"]
+    (tmp_path / "dup").mkdir()
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "dup" / "x.safetensors"))
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "dup" / "y.safetensors"))
+    with pytest.raises(ValueError, match="appears in more than one file"):
+        mc.PreadSafetensors(tmp_path / "dup")
+
+
+def test_streaming_writer_checks_its_plan(tmp_path):
+    from safetensors.torch import load_file
+
+    from models.convert import StreamingSafetensorsWriter
+
+    plan = [("x", torch.float32, (2, 3)), ("y", torch.bfloat16, (4,))]
+    w = StreamingSafetensorsWriter(tmp_path / "w.safetensors", plan, metadata={"k": "v"})
+    with pytest.raises(ValueError, match="expected tensor"):
+        w.write("y", torch.zeros(4, dtype=torch.bfloat16))
+    w.write("x", torch.arange(6.0).reshape(2, 3).t().t())
+    with pytest.raises(ValueError, match="never written"):
+        w.close()
+    w = StreamingSafetensorsWriter(tmp_path / "w.safetensors", plan)
+    w.write("x", torch.arange(6.0).reshape(3, 2).t())  # non-contiguous input
+    w.write("y", torch.ones(4, dtype=torch.bfloat16))
+    digest, size = w.close()
+    import hashlib
+
+    assert digest == hashlib.sha256((tmp_path / "w.safetensors").read_bytes()).hexdigest()
+    assert size == (tmp_path / "w.safetensors").stat().st_size
+    got = load_file(str(tmp_path / "w.safetensors"))
+    assert torch.equal(got["x"], torch.arange(6.0).reshape(3, 2).t()) and torch.equal(got["y"], torch.ones(4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="planned twice"):
+        StreamingSafetensorsWriter(tmp_path / "z.safetensors", plan + plan[:1])

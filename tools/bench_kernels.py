@@ -273,19 +273,25 @@ def run_case(case: Case, device, ceilings, *, warmup, reps, use_compile) -> list
     return rows
 
 
+def _rate(r: dict) -> str:
+    if "total_TFLOPs" in r:
+        return f"{r['total_TFLOPs']:.3g} TFLOP/s"
+    return f"{r['total_GBps']:.3g} GB/s"
+
+
 def print_table(rows: list[dict]) -> None:
-    head = f"{'op':<17}{'size':<10}{'impl':<9}{'fwd ms':>9}{'bwd ms':>9}{'tot ms':>9}{'rate':>16}{'%ceil':>7}{'x eager':>8}{'peak MiB':>10}"
+    head = (f"{'op':<17}{'size':<6}{'impl':<9}{'fwd ms':>11}{'bwd ms':>11}{'total ms':>11}"
+            f"{'rate':>17}{'%ceil':>8}{'x eager':>9}{'peak MiB':>10}")
     print(head)
     print("-" * len(head))
     for r in rows:
         if "error" in r:
-            print(f"{r['op']:<17}{r['size']:<10}{r['impl']:<9}  {r['error']}")
+            print(f"{r['op']:<17}{r['size']:<6}{r['impl']:<9}  {r['error']}")
             continue
-        rate = (f"{r['total_TFLOPs']:.1f} TFLOP/s" if "total_TFLOPs" in r else f"{r['total_GBps']:.1f} GB/s")
         peak = "n/a" if r["peak_extra_MiB"] is None else f"{r['peak_extra_MiB']:.0f}"
-        print(f"{r['op']:<17}{r['size']:<10}{r['impl']:<9}{r['fwd_ms']:>9.3f}{r['bwd_ms']:>9.3f}"
-              f"{r['total_ms']:>9.3f}{rate:>16}{r['total_pct_ceiling']:>6.1f}%"
-              f"{r.get('speedup_vs_eager', float('nan')):>8.2f}{peak:>10}")
+        print(f"{r['op']:<17}{r['size']:<6}{r['impl']:<9}{r['fwd_ms']:>11.3f}{r['bwd_ms']:>11.3f}"
+              f"{r['total_ms']:>11.3f}{_rate(r):>17}{r['total_pct_ceiling']:>7.1f}%"
+              f"{r.get('speedup_vs_eager', float('nan')):>9.2f}{peak:>10}")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -322,7 +328,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
           f" ({'GPU' if gpu else 'CPU reduced mode'}), torch {torch.__version__}, tokens {tokens}")
     print(f"load average (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(f"ceilings: copy {ceilings['copy_GBps']:.1f} GB/s, bf16 matmul "
-          f"{ceilings['matmul_bf16_TFLOPs']:.2f} TFLOP/s (n={ceilings['matmul_n']})\n")
+          f"{ceilings['matmul_bf16_TFLOPs']:.3g} TFLOP/s (n={ceilings['matmul_n']})\n")
     rows = []
     for model in models:
         for op in args.ops:

@@ -14,4 +14,5 @@ function shadows its module's name (``engine.ops.swiglu`` is the module).
     engine.ops.fused_linear_ce  fused_linear_cross_entropy, FusedLinearCrossEntropy,
                                 linear_cross_entropy_reference
     engine.ops.fused_adamw      fused_adamw_, fused_adamw_reference_
+    engine.ops.fp8_cast_transpose  fp8_cast_transpose, fp8_cast_transpose_reference
 """

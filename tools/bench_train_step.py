@@ -1,4 +1,4 @@
-"""Benchmark: one-process training-step throughput of Tessel vs Hugging Face transformers (CPU or GPU).
+"""Benchmark: one-process CPU training-step throughput of Tessel vs Hugging Face transformers.
 
 Both sides train the same tiny Llama (the CPU preset's shapes by default: hidden 128, 4 layers,
 4 heads over 2 kv heads, ffn 352, vocab 4096) on the same batch (8 x 128 tokens), fp32, in the same
@@ -12,18 +12,21 @@ first step's losses are printed side by side to show both compute the same funct
 * ``hf``: ``LlamaForCausalLM`` (SDPA attention) + ``torch.optim.AdamW`` (its default foreach
   implementation), cross-entropy of the logits over the same labels, ``clip_grad_norm_(1.0)``.
 
-Configurations are timed round-robin, alternating which goes first, after warm-up steps; the
-median (and min) of ``--steps`` steps is reported, by wall clock and by this process's CPU time
-(which other processes on a shared machine do not inflate). Also measured here, as ceilings:
+The two sides and two ceilings are timed round-robin (alternating which side goes first) after
+warm-up steps; medians (and the min) of ``--steps`` rounds are reported by wall clock and by this
+process's CPU time, which other processes on a shared machine inflate far less than wall time.
+The ceilings, timed in the same rotation so load spikes hit them alike:
 
-* the dense fp32 matmul rate (``engine.metrics.measure_matmul_tflops``, 1024^3, same threads);
+* the dense fp32 matmul rate (1024^3, same threads: what ``engine.metrics.peak_tflops`` measures
+  on CPU at start-up);
 * the GEMMs of one training step at the model's own shapes (forward, input-grad and weight-grad
   of every linear and the logit layer) run back to back: the matmul-only time of a step, a tighter
   bound for a model this small than the 1024^3 rate.
 
 MFU of each = model FLOPs per step (``engine.metrics.model_flops_per_step``, docs/metrics.md) /
-step time / the 1024^3 matmul rate. ``--profile`` adds a torch.profiler table of where each
-side's step time goes.
+step time / the 1024^3 matmul rate, by wall clock and by CPU time. Then each side's step is run
+unrolled (zero_grad / forward / backward / clip+update) to time the phases on their own (CPU
+medians), and ``--profile`` adds torch.profiler's top operators of each side's step.
 
     .venv/bin/python tools/bench_train_step.py --threads 1 --json docs/benchmarks/train_step.json
 """
@@ -56,7 +59,8 @@ def _tessel_trainer(args):
 
     overrides = [
         "parallel.tp=1", "parallel.pp=1", "parallel.dp=1", "parallel.sequence_parallel=false",
-        f"model.hidden_size={args.hidden}", f"model.num_layers={args.layers}", f"model.num_attention_heads={args.heads}",
+        f"model.hidden_size={args.hidden}", f"model.num_layers={args.layers}",
+        f"model.num_attention_heads={args.heads}",
         f"model.num_key_value_heads={args.kv_heads}", f"model.ffn_hidden_size={args.ffn}",
         f"model.vocab_size={args.vocab}", f"model.max_position_embeddings={max(256, args.seq)}",
         "model.dtype=fp32", f"train.seq_length={args.seq}", f"train.global_batch_size={args.batch}",
@@ -67,7 +71,7 @@ def _tessel_trainer(args):
     cfg = load_config("tiny_llama_cpu", overrides)
     cfg.validate_world(1)
     hf = hf_config_dict(cfg.model, vocab_size=args.vocab)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cpu"  # the HF side runs on CPU too
 
     def build_stage(mesh, *, pre_process, post_process, layer_range):
         return build_model(hf, tp_group=mesh.tp, sequence_parallel=False, pre_process=pre_process,
@@ -169,43 +173,29 @@ def _linear_shapes(args) -> list[tuple[int, int]]:
     return per_layer * args.layers + [(args.hidden, args.vocab)]
 
 
-def _best(fn, *, repeats: int) -> tuple[float, float]:
-    """(best wall seconds, best CPU seconds of this process) of ``repeats`` calls after one warm-up."""
-    fn()
-    wall = cpu = float("inf")
-    for _ in range(repeats):
-        c0, t0 = time.process_time(), time.perf_counter()
-        fn()
-        wall, cpu = min(wall, time.perf_counter() - t0), min(cpu, time.process_time() - c0)
-    return wall, cpu
+MATMUL_N = 1024
 
 
-def _matmul_ceiling(*, n: int, repeats: int) -> tuple[float, float]:
-    """Dense fp32 n^3 matmul rate in FLOP/s: (by wall clock, by process CPU time), best of ``repeats``.
-
-    The wall-clock figure is what ``engine.metrics.measure_matmul_tflops`` measures at start-up."""
+def _matmul_fn(n: int = MATMUL_N):
+    """One dense fp32 n^3 matmul (what ``engine.metrics.measure_matmul_tflops`` times at start-up)."""
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
-    wall, cpu = _best(lambda: torch.matmul(a, b), repeats=repeats)
-    return 2.0 * n ** 3 / wall, 2.0 * n ** 3 / cpu
+    return lambda: torch.matmul(a, b)
 
 
-def _gemm_ceiling(args, *, repeats: int) -> tuple[float, float]:
-    """(wall, CPU) seconds of the step's GEMMs alone: y = x W^T, dx = dy W, dW = dy^T x for every linear."""
+def _gemms_fn(args):
+    """The step's GEMMs alone: y = x W^T, dx = dy W, dW = dy^T x for every linear, back to back."""
     tokens = args.batch * args.seq
     g = torch.Generator().manual_seed(0)
-    mats = []
-    for k, n in _linear_shapes(args):
-        mats.append((torch.randn(tokens, k, generator=g), torch.randn(n, k, generator=g),
-                     torch.randn(tokens, n, generator=g)))
+    mats = [(torch.randn(tokens, k, generator=g), torch.randn(n, k, generator=g), torch.randn(tokens, n, generator=g))
+            for k, n in _linear_shapes(args)]
 
     def run():
         for x, w, dy in mats:
             torch.matmul(x, w.t())
             torch.matmul(dy, w)
             torch.matmul(dy.t(), x)
-
-    return _best(run, repeats=repeats)
+    return run
 
 
 def _gemm_flops(args) -> float:
@@ -222,8 +212,8 @@ def _profile(step, *, steps: int, top: int) -> list[dict]:
     rows = []
     total = sum(e.self_cpu_time_total for e in prof.key_averages())
     for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]:
-        rows.append({"op": e.key, "calls_per_step": e.count / steps, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
-                     "share": e.self_cpu_time_total / total})
+        rows.append({"op": e.key, "calls_per_step": e.count / steps,
+                     "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps, "share": e.self_cpu_time_total / total})
     return rows
 
 
@@ -295,9 +285,16 @@ def measure(args) -> dict:
     for _ in range(args.warmup - 1):
         for fn in steps.values():
             fn()
-    wall, cpu = _time_steps(steps, n=args.steps)
-    mm_wall, mm_cpu = _matmul_ceiling(n=1024, repeats=10)
-    gemm_wall, gemm_cpu = _gemm_ceiling(args, repeats=10)
+    # The ceilings run inside the same rotation, so a load spike on a shared machine hits them too.
+    ceilings = {"matmul": _matmul_fn(), "gemms": _gemms_fn(args)}
+    for fn in ceilings.values():
+        fn()
+    wall, cpu = _time_steps({**steps, **ceilings}, n=args.steps)
+    med = {k: statistics.median(v) for k, v in wall.items()}
+    cmed = {k: statistics.median(v) for k, v in cpu.items()}
+    mm_flops = 2.0 * MATMUL_N ** 3
+    mm_wall, mm_cpu = mm_flops / med["matmul"], mm_flops / cmed["matmul"]
+    gemm_wall, gemm_cpu = med["gemms"], cmed["gemms"]
     phases = _time_phases({"tessel": _tessel_phases(trainer, batch), "hf": _hf_phases(hf_model, hf_opt, batch)},
                           steps=max(3, args.steps // 2))
     flops = trainer.flops_per_step
@@ -305,14 +302,16 @@ def measure(args) -> dict:
     res = {"date": datetime.date.today().isoformat(), "machine": _machine(), "torch": torch.__version__,
            "threads": torch.get_num_threads(), "load_average_1m": os.getloadavg()[0], "args": vars(args),
            "first_step_loss": first, "model_flops_per_step": flops, "matmul_1024_fp32_flops_wall": mm_wall,
-           "matmul_1024_fp32_flops_cpu": mm_cpu, "step_gemms_wall_s": gemm_wall, "step_gemms_cpu_s": gemm_cpu,
+           "matmul_1024_fp32_flops_cpu": mm_cpu,
+           "matmul_1024_fp32_flops_best_wall": mm_flops / min(wall["matmul"]), "step_gemms_wall_s": gemm_wall,
+           "step_gemms_cpu_s": gemm_cpu,
            "step_gemm_flops": _gemm_flops(args), "sides": {}, "phases_cpu_median_s": phases}
     for name in steps:
-        med, lo, cmed = statistics.median(wall[name]), min(wall[name]), statistics.median(cpu[name])
-        res["sides"][name] = {"wall_median_s": med, "wall_min_s": lo, "cpu_median_s": cmed,
-                              "tokens_per_s_median": tokens_per_step / med, "tokens_per_s_best": tokens_per_step / lo,
-                              "mfu_wall_median": flops / med / mm_wall, "mfu_cpu_median": flops / cmed / mm_cpu,
-                              "gemm_share_cpu": gemm_cpu / cmed}
+        w, lo, c = med[name], min(wall[name]), cmed[name]
+        res["sides"][name] = {"wall_median_s": w, "wall_min_s": lo, "cpu_median_s": c,
+                              "tokens_per_s_median": tokens_per_step / w, "tokens_per_s_best": tokens_per_step / lo,
+                              "mfu_wall_median": flops / w / mm_wall, "mfu_cpu_median": flops / c / mm_cpu,
+                              "gemm_share_cpu": gemm_cpu / c}
     t, h = res["sides"]["tessel"], res["sides"]["hf"]
     res["ratio_tessel_over_hf"] = {"wall_median": h["wall_median_s"] / t["wall_median_s"],
                                    "wall_min": h["wall_min_s"] / t["wall_min_s"],
@@ -345,7 +344,8 @@ def _print(res: dict) -> None:
     print(f"{'side':8} {'wall med ms':>12} {'wall min ms':>12} {'cpu med ms':>11} {'tokens/s med':>13} "
           f"{'MFU wall':>9} {'MFU cpu':>8} {'GEMM share':>11}")
     for name, s in res["sides"].items():
-        print(f"{name:8} {s['wall_median_s'] * 1e3:12.2f} {s['wall_min_s'] * 1e3:12.2f} {s['cpu_median_s'] * 1e3:11.2f} "
+        print(f"{name:8} {s['wall_median_s'] * 1e3:12.2f} {s['wall_min_s'] * 1e3:12.2f} "
+              f"{s['cpu_median_s'] * 1e3:11.2f} "
               f"{s['tokens_per_s_median']:13,.0f} {100 * s['mfu_wall_median']:8.2f}% {100 * s['mfu_cpu_median']:7.2f}% "
               f"{100 * s['gemm_share_cpu']:10.1f}%")
     r = res["ratio_tessel_over_hf"]

@@ -148,8 +148,10 @@ def _chunk_grad(logits: Tensor, target: Tensor, lse: Tensor, grad: Tensor, smoot
     dz = torch.exp(logits.float() - lse[:, None]) - smooth  # (c, V_local)
     local = target - vocab_start
     in_shard = (local >= 0) & (local < n_vocab)
-    rows_in = torch.nonzero(in_shard).squeeze(1)
-    dz[rows_in, local[rows_in]] -= 1.0 - label_smoothing
+    # Subtract (1 - eps) at each in-shard target; a scatter rather than indexing by nonzero()
+    # keeps this free of host syncs and data-dependent shapes.
+    hit = torch.where(in_shard, -(1.0 - label_smoothing), 0.0).to(dz.dtype)[:, None]  # (c, 1)
+    dz.scatter_add_(1, torch.where(in_shard, local, 0)[:, None], hit)
     g = torch.where(target == ignore_index, 0.0, grad.float())
     logits.copy_(dz * g[:, None])
 

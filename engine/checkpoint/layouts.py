@@ -55,12 +55,15 @@ class ParamSpec:
     gate/up case); by default ``partition_stride`` blocks of one logical tensor. ``dim``: the local
     dim ``parts`` cut along (default: the partition dim, 0 for a replicated parameter). ``extra_replica``:
     > 0 marks this copy as a replica beyond dp/cp/tp (the last pipeline stage's tied lm head).
+    ``allow_shape_mismatch``: dim 0 is padded by a layout-dependent amount (vocab padding); see
+    :class:`engine.checkpoint.sharded.ShardedTensor`.
     """
 
     key: str
     parts: tuple[tuple[str, int], ...] | None = None
     dim: int | None = None
     extra_replica: int = 0
+    allow_shape_mismatch: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class ParamLayout:
     parts: tuple[ParamPart, ...]
     replica_id: int
     tp_replica_id: int
+    allow_shape_mismatch: bool = False
 
     def sharded(self, tensor: torch.Tensor, *, prefix: str = "", replica_id: int | None = None) -> list[ShardedTensor]:
         """Pieces of ``tensor`` (shape ``local_shape``: the parameter or a same-shaped state); views of it."""
@@ -97,7 +101,8 @@ class ParamLayout:
         for p in self.parts:
             view = tensor.narrow(p.dim, p.local_start, p.local_end - p.local_start) if tensor.dim() else tensor
             out.append(ShardedTensor(key=prefix + p.key, data=view, global_shape=p.global_shape,
-                                     global_offset=p.global_offset, replica_id=rid))
+                                     global_offset=p.global_offset, replica_id=rid,
+                                     allow_shape_mismatch=self.allow_shape_mismatch))
         return out
 
     def sharded_flat(self, flat: torch.Tensor, *, start: int, end: int, prefix: str = "",
@@ -128,7 +133,7 @@ class ParamLayout:
                     out.append(ShardedTensor(key=prefix + p.key, data=flat[s - start:e - start],
                                              global_shape=p.global_shape, global_offset=p.global_offset,
                                              local_shape=tuple(part_shape), flat_range=(s - ps, e - ps),
-                                             replica_id=rid))
+                                             replica_id=rid, allow_shape_mismatch=self.allow_shape_mismatch))
                 continue
             # A block along dim > 0 is strided in the flat order: walk the contiguous boxes of the
             # range and cut each with the block.
@@ -142,7 +147,8 @@ class ParamLayout:
                 off = [go + bo for go, bo in zip(p.global_offset, box.offset)]
                 off[p.dim] = p.global_offset[p.dim] + s - p.local_start
                 out.append(ShardedTensor(key=prefix + p.key, data=view, global_shape=p.global_shape,
-                                         global_offset=tuple(off), replica_id=rid))
+                                         global_offset=tuple(off), replica_id=rid,
+                                         allow_shape_mismatch=self.allow_shape_mismatch))
         return out
 
 
@@ -194,7 +200,7 @@ def param_layout(name: str, param: torch.Tensor, *, ctx: ShardingContext, spec: 
     tp_replica_id = spec.extra_replica * tp_copies + tp_replica
     replica_id = tp_replica_id + ctx.replica_rank * tp_copies * (spec.extra_replica + 1)
     return ParamLayout(name=name, local_shape=shape, parts=tuple(parts), replica_id=replica_id,
-                       tp_replica_id=tp_replica_id)
+                       tp_replica_id=tp_replica_id, allow_shape_mismatch=spec.allow_shape_mismatch)
 
 
 HookFn = Callable[[str, torch.Tensor], "ParamSpec | str | None"]

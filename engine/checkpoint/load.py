@@ -92,9 +92,13 @@ def _check_targets(meta: dict, tensors: Sequence[ShardedTensor], *, strict: bool
             if t.key not in missing:
                 missing.append(t.key)
             continue
-        if tuple(entry["shape"]) != t.global_shape:
-            problems.append(f"tensor {t.key!r}: checkpoint has global shape {tuple(entry['shape'])}, the model "
-                            f"expects {t.global_shape}")
+        saved_shape = tuple(entry["shape"])
+        padded_only = (t.allow_shape_mismatch and len(saved_shape) == len(t.global_shape) > 0
+                       and saved_shape[1:] == t.global_shape[1:])
+        if saved_shape != t.global_shape and not padded_only:
+            hint = " (only dim 0, the padding, may differ)" if t.allow_shape_mismatch else ""
+            problems.append(f"tensor {t.key!r}: checkpoint has global shape {saved_shape}, the model "
+                            f"expects {t.global_shape}{hint}")
         elif entry["dtype"] != dtype_name(t.dtype) and not allow_dtype_cast:
             problems.append(f"tensor {t.key!r}: checkpoint has dtype {entry['dtype']}, the model expects "
                             f"{dtype_name(t.dtype)} (pass allow_dtype_cast=True to convert)")
@@ -118,8 +122,17 @@ def _plan_reads(meta: dict, tensors: Sequence[ShardedTensor], missing: list[str]
             entry = meta["tensors"][t.key]
             saved_boxes[t.key] = [(b, pc) for pc in entry["pieces"]
                                   for b in piece_boxes(pc["offset"], pc["local_shape"], pc["flat_range"])]
+        saved_shape = tuple(meta["tensors"][t.key]["shape"])
         for dst in t.boxes():
             covered = 0
+            expected = dst.numel
+            if saved_shape != t.global_shape:  # padded dim 0 (allow_shape_mismatch): zero the rows the save lacks
+                rows = saved_shape[0]
+                expected = max(0, min(dst.end[0], rows) - dst.offset[0]) * (dst.numel // dst.shape[0])
+                if dst.end[0] > rows:
+                    lo = (max(dst.offset[0], rows), *dst.offset[1:])
+                    reads.append(_Read(file="", name="", src_offset=(), src_shape=(), src_box=None, lo=lo,
+                                       hi=dst.end, target=t, dst_box=dst))
             for src, pc in saved_boxes[t.key]:
                 hit = intersect(src, dst)
                 if hit is None:
@@ -129,8 +142,8 @@ def _plan_reads(meta: dict, tensors: Sequence[ShardedTensor], missing: list[str]
                 reads.append(_Read(file=pc["file"], name=pc["name"], src_offset=tuple(pc["offset"]),
                                    src_shape=tuple(pc["local_shape"]), src_box=src if pc["flat_range"] is not None else None, lo=lo, hi=hi,
                                    target=t, dst_box=dst))
-            if covered != dst.numel:
-                raise CheckpointError(f"tensor {t.key!r}: the checkpoint's pieces cover {covered} of the {dst.numel} "
+            if covered != expected:
+                raise CheckpointError(f"tensor {t.key!r}: the checkpoint's pieces cover {covered} of the {expected} "
                                       f"elements at offset {dst.offset}; the metadata is corrupt")
     return reads
 
@@ -244,6 +257,9 @@ def _execute(step_dir: Path, reads: list[_Read]) -> None:
     anything else goes through ``safe_open(...).get_slice``."""
     by_file: dict[str, list[_Read]] = {}
     for r in reads:
+        if not r.file:  # padding rows the checkpoint does not have
+            _target_view(r).zero_()
+            continue
         by_file.setdefault(r.file, []).append(r)
     for fname, rs in sorted(by_file.items()):
         p = step_dir / fname
@@ -302,7 +318,7 @@ def load_checkpoint(path: str | os.PathLike, *, tensors: Sequence[ShardedTensor]
         others = [f"rank {r}: {'; '.join(p)}" for r, p in enumerate(everyone) if p and r != rank]
         raise CheckpointError("; ".join(mine) if mine else "load aborted: " + " | ".join(others))
     if verify:
-        _verify_files(step_dir, meta, {r.file for r in reads}, group)
+        _verify_files(step_dir, meta, {r.file for r in reads if r.file}, group)
     error = None
     try:
         _execute(step_dir, reads)

@@ -8,7 +8,10 @@ Every tensor a rank saves or loads is described by
 * optionally ``flat_range = (start, end)``: the piece holds only elements ``[start, end)`` of the
   row-major flattening of that rectangular slice (a distributed optimizer's share of a parameter);
 * ``replica_id``: identical copies (data-parallel replicas, a TP-replicated norm on every TP rank)
-  share their placement; only ``replica_id == 0`` is written, every copy is filled on load.
+  share their placement; only ``replica_id == 0`` is written, every copy is filled on load;
+* ``allow_shape_mismatch``: the logical tensor is padded along dim 0 by an amount that depends on
+  the layout (a vocab padded to a multiple of ``128 * tp``): on load, rows present in both are
+  read, target rows beyond the saved ones are zeroed, saved rows beyond the target are skipped.
 
 Internally a piece is a list of :class:`Box` es: axis-aligned boxes in global coordinates, each
 contiguous in the piece's storage. A rectangular piece is one box; a flat range decomposes into at
@@ -114,6 +117,7 @@ class ShardedTensor:
     local_shape: tuple[int, ...] | None = None
     flat_range: tuple[int, int] | None = None
     replica_id: int = 0
+    allow_shape_mismatch: bool = False
 
     def __post_init__(self):
         key = self.key

@@ -254,3 +254,27 @@ def test_checkpointer_auto_resume_one_save_in_flight_and_buffer_reuse(tmp_path):
     assert res.step == 3 and torch.equal(target, torch.full((64, 64), 2.0))
     with pytest.raises(ValueError, match="keep_last=0"):
         Checkpointer(tmp_path, keep_last=0)
+
+
+def test_vocab_padding_may_differ_with_allow_shape_mismatch(tmp_path):
+    # Saved at a layout padding 10 rows to 12; loaded at layouts padding to 16 (rows zeroed) and to 8
+    # (a shorter table: saved rows beyond it skipped) - as a flat optimizer shard, too.
+    full = torch.randn(12, 4)
+    full[10:] = 0
+    save_checkpoint(tmp_path, step=1, tensors=[ShardedTensor(key="emb", data=full[:6].clone(), global_shape=(12, 4)),
+                                               ShardedTensor(key="emb", data=full[6:].clone(), global_shape=(12, 4),
+                                                             global_offset=(6, 0))])
+    big = ShardedTensor(key="emb", data=torch.full((8, 4), 7.0), global_shape=(16, 4), global_offset=(8, 0),
+                        allow_shape_mismatch=True)
+    flat = ShardedTensor(key="emb", data=torch.full((20,), 7.0), global_shape=(16, 4), global_offset=(8, 0),
+                         local_shape=(8, 4), flat_range=(2, 22), allow_shape_mismatch=True)
+    small = ShardedTensor(key="emb", data=torch.zeros(8, 4), global_shape=(8, 4), allow_shape_mismatch=True)
+    load_checkpoint(tmp_path, tensors=[big, flat, small])
+    padded = torch.cat([full, torch.zeros(4, 4)])
+    assert torch.equal(big.data, padded[8:]) and torch.equal(flat.data, padded[8:].reshape(-1)[2:22])
+    assert torch.equal(small.data, full[:8])
+    with pytest.raises(CheckpointError, match=r"expects \(16, 8\) \(only dim 0, the padding, may differ\)"):
+        load_checkpoint(tmp_path, tensors=[ShardedTensor(key="emb", data=torch.zeros(16, 8), global_shape=(16, 8),
+                                                         allow_shape_mismatch=True)])
+    with pytest.raises(CheckpointError, match=r"global shape \(12, 4\), the model expects \(16, 4\);"):
+        load_checkpoint(tmp_path, tensors=[ShardedTensor(key="emb", data=torch.zeros(16, 4), global_shape=(16, 4))])

@@ -375,6 +375,7 @@ class StreamingSafetensorsWriter:
         prefix = len(hjson).to_bytes(8, "little") + hjson
         self._total = len(prefix) + offset
         self._file = open(self.path, "wb")
+        _preallocate(self._file.fileno(), self._total)
         self._hash = hashlib.sha256()
         # sha256 on a second thread, in order, while this one writes (both release the GIL).
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tessel-convert-sha256")
@@ -421,6 +422,20 @@ class StreamingSafetensorsWriter:
         self._hasher.shutdown(wait=True)
         if not self._file.closed:
             self._file.close()
+
+
+def _preallocate(fd: int, size: int) -> None:
+    """Reserve the file's blocks up front (Linux ``fallocate``; nothing where unsupported). On ext4 under
+    concurrent writeback, plain appends now and then ran 3-4x slower than into a preallocated file.
+    ``posix_fallocate`` is not used: where the filesystem lacks support it writes zeros, doubling the I/O."""
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.fallocate(ctypes.c_int(fd), ctypes.c_int(0), ctypes.c_longlong(0), ctypes.c_longlong(size))
+    except (OSError, AttributeError):
+        pass
 
 
 def _numel(shape: Sequence[int]) -> int:

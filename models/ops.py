@@ -1,8 +1,10 @@
-"""The element-wise ops of the models, one function each, in plain PyTorch.
+"""The element-wise ops of the models, one function each.
 
-These are the seams where engine/ops' fused kernels (rms_norm, swiglu, apply_rope, ...) plug in
-later: same signature, same numerics contract. The references here follow Hugging Face's
-arithmetic order exactly so fp32 logits match transformers to rounding.
+On CUDA tensors RMSNorm and SwiGLU run engine/ops' fused Triton kernels (same fp32 statistics;
+RMSNorm rounds once after the weight multiply, so bf16 results may differ from Hugging Face by one
+ulp). Everywhere else, and for the ops not yet switched (RoPE keeps this layout's cos/sin tables),
+the plain-PyTorch references below run; they follow Hugging Face's arithmetic order exactly so fp32
+logits match transformers to rounding.
 """
 from __future__ import annotations
 
@@ -12,6 +14,10 @@ import torch.nn.functional as F
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim; statistics in fp32, output in x's dtype."""
+    if x.is_cuda:
+        from engine.ops.rmsnorm import rms_norm as fused_rms_norm
+
+        return fused_rms_norm(x, weight, eps)
     dtype = x.dtype
     xf = x.to(torch.float32)
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -24,6 +30,10 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dim: (..., 2f) -> (..., f)."""
+    if gate_up.is_cuda:
+        from engine.ops.swiglu import swiglu as fused_swiglu
+
+        return fused_swiglu(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

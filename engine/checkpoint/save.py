@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import shutil
+import threading
 import uuid
 import warnings
 from pathlib import Path
@@ -112,6 +113,7 @@ class SaveHandle:
         self._tmp_dir, self._meta, self._keep_last = tmp_dir, meta, keep_last
         self._writer, self._result, self._error = writer, result, error
         self._staged, self._pool = staged, pool
+        self._async = writer is not None
         self._state = "pending"  # -> "committed" | "failed"
 
     def done(self) -> bool:
@@ -191,24 +193,37 @@ class SaveHandle:
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
         if self._keep_last is not None:
-            apply_retention(self.root, keep_last=self._keep_last, protect=self.path)
+            apply_retention(self.root, keep_last=self._keep_last, protect=self.path,
+                            background=self._async)
 
 
-def apply_retention(root: Path, *, keep_last: int, protect: Path) -> list[Path]:
+def apply_retention(root: Path, *, keep_last: int, protect: Path, background: bool = False) -> list[Path]:
     """Delete complete checkpoints beyond the newest ``keep_last`` (by step); never ``protect``.
 
     Incomplete directories and temporary ones are never touched. Each victim is first renamed to a
-    trash name (atomic), so a crash mid-delete cannot leave a half-deleted "complete" checkpoint.
+    trash name (atomic), so a crash mid-delete cannot leave a half-deleted "complete" checkpoint;
+    trash left by an earlier interrupted deletion is removed too. ``background=True`` (async
+    saves) unlinks the trash in a daemon thread, off the training loop.
     """
     complete = list_checkpoints(root)
     victims = [p for _, p in complete[:max(0, len(complete) - keep_last)] if p.resolve() != protect.resolve()]
+    trash = [p for p in root.iterdir() if p.name.startswith(TRASH_PREFIX)]
     for p in victims:
-        trash = root / f"{TRASH_PREFIX}{p.name}_{uuid.uuid4().hex[:8]}"
+        t = root / f"{TRASH_PREFIX}{p.name}_{uuid.uuid4().hex[:8]}"
         try:
-            os.rename(p, trash)
-            shutil.rmtree(trash)
+            os.rename(p, t)
+            trash.append(t)
         except OSError as e:
             warnings.warn(f"retention could not delete {p}: {e}", CheckpointWarning, stacklevel=2)
+
+    def delete() -> None:
+        for t in trash:
+            shutil.rmtree(t, ignore_errors=True)
+
+    if background and trash:
+        threading.Thread(target=delete, name="tessel-ckpt-retention", daemon=True).start()
+    else:
+        delete()
     return victims
 
 

@@ -121,6 +121,7 @@ def test_keep_last_retention_never_touches_incomplete_or_new(tmp_path):
     t = [ShardedTensor.replicated("w", torch.zeros(4))]
     (tmp_path / "step_00000000").mkdir()  # incomplete: no metadata
     (tmp_path / ".tmp_step_00000099_abc").mkdir()  # a crashed save
+    (tmp_path / ".trash_step_00000000_abc").mkdir()  # an interrupted deletion: removed by the next pass
     for step in (1, 2, 3, 4):
         save_checkpoint(tmp_path, step=step, tensors=t, keep_last=2)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [3, 4]
@@ -129,6 +130,15 @@ def test_keep_last_retention_never_touches_incomplete_or_new(tmp_path):
     save_checkpoint(tmp_path, step=2, tensors=t, keep_last=1)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 4]
     assert (tmp_path / "latest").read_text() == "step_00000002\n"
+    assert not any(p.name.startswith(".trash") for p in tmp_path.iterdir())
+    # Async saves delete in a background thread, off the training loop.
+    import time
+    for step in (5, 6):
+        save_checkpoint(tmp_path, step=step, tensors=t, keep_last=1, async_save=True).wait()
+    deadline = time.monotonic() + 10
+    while any(p.name.startswith(".trash") for p in tmp_path.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [6]
     assert not any(p.name.startswith(".trash") for p in tmp_path.iterdir())
 
 

@@ -104,10 +104,11 @@ class Trainer:
         self.schedule = build_schedule(p.schedule, pp=p.pp, vp=p.vp, microbatches=self.num_micro)
         sp = p.sequence_parallel and p.tp > 1
         self.act_shape = (t.seq_length // p.tp if sp else t.seq_length, t.micro_batch_size, hidden_size)
-        first, last = self.my_stages[0], self.my_stages[-1]
-        check_stage_shapes(self.mesh.pp, in_shape=None if first == 0 else self.act_shape,
+        # A rank receives activations if any of its virtual stages is not stage 0 (with vp > 1,
+        # pipeline rank 0 also runs stage pp, fed by the last rank).
+        receives = any(s > 0 for s in self.my_stages)
+        check_stage_shapes(self.mesh.pp, in_shape=self.act_shape if receives else None,
                            out_shape=self.act_shape, vp=p.vp)
-        del last
         self.train_data, self.valid_data = train_data, valid_data
         self.step = 0
         self.consumed_samples = 0

@@ -3,7 +3,8 @@
 One small Llama (hidden 64, 4 layers, GQA) on a byte-tokenized corpus built in the test, same seed
 and global batch (4 sequences of 32 tokens), 20 steps, fp32. The loss curves of TP=2xPP=2, TP=4,
 DP=4, PP=4 and the 1-process run agree to 2e-4 absolute (different reduction orders in fp32,
-compounded over 20 AdamW steps); two 1-process runs agree bitwise.
+compounded over 20 AdamW steps), and so does the interleaved PP=2 x VP=2 run; two 1-process runs
+agree bitwise.
 """
 import os
 import subprocess
@@ -16,7 +17,9 @@ from parallel.testing import run_distributed
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 20
 LAYOUTS = {"tp2pp2": (4, ["parallel.tp=2", "parallel.pp=2"]), "tp4": (4, ["parallel.tp=4"]),
-           "dp4": (4, ["parallel.dp=4"]), "pp4": (4, ["parallel.pp=4"]), "single": (1, [])}
+           "dp4": (4, ["parallel.dp=4"]), "pp4": (4, ["parallel.pp=4"]),
+           "pp2vp2": (2, ["parallel.pp=2", "parallel.vp=2", "parallel.schedule=interleaved"]),
+           "single": (1, [])}
 
 
 def _overrides(prefix, run_dir):

@@ -107,6 +107,8 @@ def run(cfg, run_dir: str | None, *, rank: int, world: int) -> int:
 
 def train_from_config(cfg, run_dir: str | None, *, rank: int, world: int):
     """Build data, model stages and trainer from ``cfg`` and train; returns the step stats."""
+    from engine.checkpoint import Checkpointer, world_group
+    from engine.checkpoint.trainer_state import load_trainer, save_trainer
     from engine.data.blending import build_gpt_datasets
     from engine.data.loader import DataParallelLoader
     from engine.data.tokenizer import load_tokenizer
@@ -155,7 +157,24 @@ def train_from_config(cfg, run_dir: str | None, *, rank: int, world: int):
         cfg.to_json(os.path.join(run_dir, "config.json"))
         with open(os.path.join(run_dir, "model_config.json"), "w") as f:
             json.dump(hf, f, indent=2, sort_keys=True)
-    return trainer.train(train_loader, valid_loader)
+    ck = cfg.checkpoint
+    ckpt_root = ck.dir or os.path.join(run_dir, "checkpoints")
+    checkpointer = Checkpointer(ckpt_root, group=world_group(ledger=trainer.mesh.ledger), keep_last=ck.keep_last,
+                                async_save=ck.async_save)
+    latest = checkpointer.latest()
+    if latest is not None:  # a run directory with a complete checkpoint resumes from it
+        load_trainer(trainer, latest, group=world_group(ledger=trainer.mesh.ledger), loader=train_loader)
+        trainer.logger.info(f"tessel: resumed from {latest} at step {trainer.step}")
+    elif ck.load:  # initialise from another checkpoint (e.g. a converted Hugging Face model)
+        load_trainer(trainer, ck.load, group=world_group(ledger=trainer.mesh.ledger), model_only=True)
+        trainer.logger.info(f"tessel: initialised the weights from {ck.load} (model only)")
+
+    def save(tr) -> None:  # every checkpoint.interval steps, at the end, and on SIGTERM/SIGINT
+        save_trainer(checkpointer, tr, loader=train_loader, model_config=hf)
+
+    history = trainer.train(train_loader, valid_loader, save=save)
+    checkpointer.finalize()  # an async save must be committed before exit
+    return history
 
 
 if __name__ == "__main__":

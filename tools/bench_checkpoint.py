@@ -193,11 +193,13 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     work = Path(tempfile.mkdtemp(prefix="tessel_bench_ckpt_", dir=args.dir))
+    load_before = os.getloadavg()
     try:
         sl = bench_save_load(work, total_bytes=int(args.gib * (1 << 30)), repeat=args.repeat)
         st = bench_stall(work, train_bytes=int(args.train_mib * (1 << 20)), repeat=args.repeat)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    load_after = os.getloadavg()
     n = sl["bytes"]
     rows = [("save_checkpoint (sync, sha256, fsync, commit)", sl["save_sync_s"]),
             ("  baseline: write + fsync of the same bytes", sl["write_fsync_s"]),
@@ -225,9 +227,12 @@ def main() -> int:
     print(f"  steps while writing (async)    {st['async_step_during_write_s'] * 1e3:.0f} ms "
           f"(vs {st['baseline_step_s'] * 1e3:.0f} ms)")
     print(f"  wait at the end (async)        {st['async_tail_wait_s']:.3f} s")
+    print(f"\nload average before {load_before[0]:.1f}, after {load_after[0]:.1f} on {os.cpu_count()} cores "
+          "(other processes share the machine: figures are noisy)")
     if args.json:
         meta = {"date": datetime.date.today().isoformat(), "machine": platform.platform(),
-                "cpu_count": os.cpu_count(), "torch": torch.__version__, "args": vars(args)}
+                "cpu_count": os.cpu_count(), "torch": torch.__version__, "args": vars(args),
+                "loadavg_before": load_before, "loadavg_after": load_after}
         Path(args.json).write_text(json.dumps({"meta": meta, "save_load": sl, "stall": st}, indent=1))
     return 0
 

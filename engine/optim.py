@@ -138,7 +138,8 @@ def build_param_groups(module: torch.nn.Module, *, weight_decay: float,
     A parameter gets no weight decay if ``p.no_weight_decay`` is set (True; False forces decay, and
     the attribute wins over every rule), else if its owning module is a norm (``"norms"``: LayerNorm,
     RMSNorm, GroupNorm, BatchNorm or any class whose name contains "Norm"), an embedding
-    (``"embeddings"``: nn.Embedding or a class name containing "Embedding"), its name ends in "bias"
+    (``"embeddings"``: nn.Embedding or a class name containing "Embedding", and the last pipeline
+    stage's tied copy, marked ``shared_embedding``, so both tied copies step identically), its name ends in "bias"
     (``"biases"``), or its dotted name matches one of the fnmatch ``no_decay_patterns``.
     Returns ``[{"params", "names", "weight_decay"}, {"params", "names", "weight_decay": 0.0}]``
     (empty groups dropped); parameters shared between modules appear once.
@@ -163,7 +164,8 @@ def build_param_groups(module: torch.nn.Module, *, weight_decay: float,
                 exempt = bool(forced)
             else:
                 exempt = (("norms" in no_decay_on and _is_norm(mod))
-                          or ("embeddings" in no_decay_on and _is_embedding(mod))
+                          or ("embeddings" in no_decay_on
+                              and (_is_embedding(mod) or getattr(p, "shared_embedding", False)))
                           or ("biases" in no_decay_on and short.endswith("bias"))
                           or any(fnmatch.fnmatchcase(name, pat) for pat in no_decay_patterns))
             (no_decay if exempt else decay)[id(p)] = (name, p)

@@ -172,7 +172,9 @@ def train_from_config(cfg, run_dir: str | None, *, rank: int, world: int):
     def save(tr) -> None:  # every checkpoint.interval steps, at the end, and on SIGTERM/SIGINT
         save_trainer(checkpointer, tr, loader=train_loader, model_config=hf)
 
-    history = trainer.train(train_loader, valid_loader, save=save)
+    # Commit a finished async save at the first step boundary after its writes land (collective).
+    history = trainer.train(train_loader, valid_loader, save=save,
+                            on_step=lambda tr, st: checkpointer.maybe_finalize())
     checkpointer.finalize()  # an async save must be committed before exit
     return history
 

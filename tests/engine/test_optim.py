@@ -299,3 +299,15 @@ def test_fused_op_writes_bf16_params_in_the_update():
             assert torch.equal(pc.model, pc.master.bfloat16())
         masters[impl] = torch.cat([pc.master for pc in opt.dist.pieces])
     torch.testing.assert_close(masters["fused_op"], masters["torch_fused"], atol=1e-6, rtol=1e-5)
+
+
+def test_tied_embedding_copy_on_the_last_stage_is_not_decayed():
+    """The last stage's tied copy (a linear weight marked shared_embedding) must step like the
+    first stage's embedding, or the two copies drift apart under weight decay."""
+    head = nn.Linear(4, 8, bias=False)
+    head.weight.shared_embedding = True
+    other = nn.Linear(4, 4, bias=False)
+    groups = build_param_groups(nn.ModuleList([head, other]), weight_decay=0.1)
+    no_decay = next(g for g in groups if g["weight_decay"] == 0.0)
+    assert any(p is head.weight for p in no_decay["params"])
+    assert all(p is not other.weight for p in no_decay["params"])

@@ -29,7 +29,7 @@ import torch
 from engine.checkpoint import ParamSpec, ShardingContext, param_layout
 from engine.checkpoint.format import safetensors_code
 from models.config import TransformerConfig
-from models.hf_layout import HFEntry, hf_shapes, shape_of
+from models.hf_layout import HFEntry, describe_problems, hf_shapes, shape_of
 from models.registry import family
 
 MODEL_PREFIX = "model."
@@ -184,15 +184,8 @@ def check_hf_tensors(cfg: TransformerConfig, src: Mapping[str, Any], *, where: s
             if code is not None and code not in ST_DTYPES:
                 bad_dtype.append(f"{actual}: {code}")
     unexpected = sorted(k for k in available if k not in known and not fam.hf_ignored(k, cfg))
-    problems = []
-    if missing:
-        problems.append(f"missing tensors ({len(missing)}): {missing}")
-    if unexpected:
-        problems.append(f"unexpected tensors ({len(unexpected)}): {unexpected}")
-    if mismatched:
-        problems.append(f"shape mismatches ({len(mismatched)}): {mismatched}")
-    if bad_dtype:
-        problems.append(f"non-float tensors ({len(bad_dtype)}): {bad_dtype}")
+    problems = describe_problems(("missing tensors", missing), ("unexpected tensors", unexpected),
+                                 ("shape mismatches", mismatched), ("non-float tensors", bad_dtype))
     if problems:
         raise ValueError(f"{where} does not match its config.json ({cfg.model_type}, {cfg.num_layers} layers, "
                          f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}): " + "; ".join(problems)

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from models.config import TransformerConfig
-from models.hf_layout import HFEntry, hf_shapes, read_shard, shape_of, to_hf
+from models.hf_layout import HFEntry, describe_problems, hf_shapes, read_shard, shape_of, to_hf
 from models.registry import config_from_hf, family
 from parallel.tensor_parallel import full_param, unshard_tensors
 
@@ -79,13 +79,8 @@ def load_hf_state_dict(model, hf_state: Mapping[str, Any], *, tp_rank: int | Non
                 missing.append(key)
             elif shape_of(hf_state, actual_key) != want:
                 mismatched.append(f"{actual_key}: file {shape_of(hf_state, actual_key)}, model expects {want}")
-    problems = []
-    if missing:
-        problems.append(f"missing keys ({len(missing)}): {missing}")
-    if unexpected:
-        problems.append(f"unexpected keys ({len(unexpected)}): {unexpected}")
-    if mismatched:
-        problems.append(f"shape mismatches ({len(mismatched)}): {mismatched}")
+    problems = describe_problems(("missing keys", missing), ("unexpected keys", unexpected),
+                                 ("shape mismatches", mismatched))
     if problems:
         raise ValueError(f"cannot load the Hugging Face state into this {cfg.model_type} model: "
                          + "; ".join(problems) + ". Check that config.json belongs to these weights.")

@@ -191,3 +191,9 @@ def to_hf(entry: HFEntry, full: torch.Tensor, cfg: TransformerConfig) -> dict[st
     if entry.layout == "qkv":
         return {keys[0]: out(q), keys[1]: out(k), keys[2]: out(v)}
     return {keys[0]: out(torch.cat([q, k, v], dim=0))}
+
+
+def describe_problems(*groups: tuple[str, list]) -> list[str]:
+    """``"label (n): [items]"`` for each non-empty ``(label, items)`` group: the one format every
+    weight-matching error (missing / unexpected / mis-shaped tensors) uses."""
+    return [f"{label} ({len(items)}): {items}" for label, items in groups if items]

@@ -41,7 +41,7 @@ from engine.checkpoint.save import build_tensor_index  # noqa: E402
 from models.convert import (DTYPE_CHOICES, HF_DTYPE_NAMES, MODEL_PREFIX, PreadSafetensors,  # noqa: E402
                             StreamingSafetensorsWriter, check_hf_tensors, hf_dtype, placements, stage_layer_ranges, stage_params,
                             tessel_full_shape)
-from models.hf_layout import hf_shapes, read_shard, to_hf  # noqa: E402
+from models.hf_layout import describe_problems, hf_shapes, read_shard, to_hf  # noqa: E402
 from models.registry import config_from_hf, family  # noqa: E402
 
 HF_SUBDIR = "hf"
@@ -319,13 +319,8 @@ def _export_entries(cfg, saved: dict, *, where: str):
         out.append((e, key, shape))
     expected = {MODEL_PREFIX + e.name for e, _, _ in out}
     unexpected = sorted(k for k in saved if k.startswith(MODEL_PREFIX) and k not in expected)
-    problems = []
-    if missing:
-        problems.append(f"missing tensors ({len(missing)}): {missing}")
-    if unexpected:
-        problems.append(f"unexpected tensors ({len(unexpected)}): {unexpected}")
-    if mismatched:
-        problems.append(f"shape mismatches ({len(mismatched)}): {mismatched}")
+    problems = describe_problems(("missing tensors", missing), ("unexpected tensors", unexpected),
+                                 ("shape mismatches", mismatched))
     if problems:
         raise ValueError(f"{where} does not match its model config ({cfg.model_type}, {cfg.num_layers} layers): "
                          + "; ".join(problems))

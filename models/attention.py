@@ -112,14 +112,15 @@ class HeadNorm(nn.Module):
     """RMSNorm over each head's dim (Qwen3 q/k norm). Replicated across TP; each rank's gradient
     covers only its own heads, so the weight is marked ``sequence_parallel`` (TP partial sum)."""
 
-    def __init__(self, head_dim: int, *, eps: float, dtype, device):
+    def __init__(self, head_dim: int, *, eps: float, dtype, device, kernels: str = "auto"):
         super().__init__()
         self.eps = eps
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.ones(head_dim, dtype=dtype, device=device))
         mark_replicated(self.weight, sequence_parallel=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps, backend=self.kernels)
 
 
 class SelfAttention(nn.Module):
@@ -129,9 +130,11 @@ class SelfAttention(nn.Module):
     """
 
     def __init__(self, cfg: TransformerConfig, *, layer_number: int, tp_group: Group, sequence_parallel: bool,
-                 dtype, device, init, linear_impl: LinearImpl | None, rng: RNGTracker | None):
+                 dtype, device, init, linear_impl: LinearImpl | None, rng: RNGTracker | None,
+                 kernels: str = "auto"):
         super().__init__()
         tp = tp_group.size
+        self.kernels = kernels
         cfg.check_tensor_parallel(tp)
         self.head_dim = cfg.head_dim
         self.q_per_group = cfg.num_heads // cfg.num_kv_heads
@@ -147,8 +150,8 @@ class SelfAttention(nn.Module):
                                         sequence_parallel=sequence_parallel, dtype=dtype, device=device,
                                         init_method=init(prefix + "qkv.weight"), impl=linear_impl)
         if cfg.qk_norm:
-            self.q_norm = HeadNorm(cfg.head_dim, eps=cfg.norm_eps, dtype=dtype, device=device)
-            self.k_norm = HeadNorm(cfg.head_dim, eps=cfg.norm_eps, dtype=dtype, device=device)
+            self.q_norm = HeadNorm(cfg.head_dim, eps=cfg.norm_eps, dtype=dtype, device=device, kernels=kernels)
+            self.k_norm = HeadNorm(cfg.head_dim, eps=cfg.norm_eps, dtype=dtype, device=device, kernels=kernels)
         else:
             self.q_norm = self.k_norm = None
         self.out = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp_group=tp_group,
@@ -156,8 +159,7 @@ class SelfAttention(nn.Module):
                                      device=device, init_method=init(prefix + "out.weight", output=True),
                                      impl=linear_impl)
 
-    def forward(self, x: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                masks: AttentionMasks) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, rope: ops.RopeTables | None, masks: AttentionMasks) -> torch.Tensor:
         qkv = self.qkv(x)  # (s, b, groups_local * (q_per_group + 2) * hd)
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups_local, self.q_per_group + 2, self.head_dim)  # (s, b, g, qpg+2, hd)
@@ -167,7 +169,7 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            q, k = ops.apply_rope(q, *rope), ops.apply_rope(k, *rope)
+            q, k = ops.apply_rope(q, k, rope, backend=self.kernels)
         ctx = core_attention(q, k, v, mask=masks.get(self.window), scale=self.scale,
                              dropout_p=self.dropout_p if self.training else 0.0, rng=self.rng)
         return self.out(ctx)

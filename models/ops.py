@@ -1,40 +1,65 @@
-"""The element-wise ops of the models, one function each.
+"""The element-wise ops of the models, one function each, with the kernel dispatch.
 
-On CUDA tensors RMSNorm and SwiGLU run engine/ops' fused Triton kernels (same fp32 statistics;
-RMSNorm rounds once after the weight multiply, so bf16 results may differ from Hugging Face by one
-ulp). Everywhere else, and for the ops not yet switched (RoPE keeps this layout's cos/sin tables),
-the plain-PyTorch references below run; they follow Hugging Face's arithmetic order exactly so fp32
-logits match transformers to rounding.
+``backend`` (the ``kernels`` option of :func:`models.build_model`, ``model.kernels`` in the run config):
+
+* ``"auto"``      - engine/ops' fused Triton kernels on CUDA tensors, the references below elsewhere;
+* ``"triton"``    - always the Triton kernels (on CPU tensors they run in Triton's interpreter: slow,
+                    for tests on tiny models);
+* ``"reference"`` - always the plain-PyTorch references below.
+
+The references follow Hugging Face's arithmetic order exactly, so fp32 logits match transformers to
+rounding. The fused kernels compute the same fp32 statistics but round once at the end (RMSNorm
+after the weight multiply, RoPE after the rotation), so bf16 results may differ from Hugging Face by
+one ulp; fp32 results agree to rounding (tests/models/test_kernels_in_models.py).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+BACKENDS = ("auto", "triton", "reference")
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim; statistics in fp32, output in x's dtype."""
-    if x.is_cuda:
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"kernels={backend!r} is not one of {BACKENDS}: 'auto' runs the fused Triton "
+                         "kernels on CUDA and the PyTorch references elsewhere; 'triton' or 'reference' "
+                         "forces one of them")
+
+
+def fused(backend: str, x: torch.Tensor) -> bool:
+    """True when ``backend`` resolves to the fused kernels for tensors like ``x``."""
+    return backend == "triton" or (backend == "auto" and x.is_cuda)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None,
+             backend: str = "auto"):
+    """``weight * h / sqrt(mean(h^2) + eps)`` over the last dim, with ``h = x`` or, when ``residual``
+    is given, ``h = x + residual`` (then returns ``(y, h)``: the new residual stream too).
+    Statistics in fp32, output in x's dtype."""
+    if fused(backend, x):
         from engine.ops.rmsnorm import rms_norm as fused_rms_norm
 
-        return fused_rms_norm(x, weight, eps)
-    dtype = x.dtype
-    xf = x.to(torch.float32)
-    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * (xf * rstd).to(dtype)
+        return fused_rms_norm(x, weight, eps, residual=residual, backend="triton")
+    h = x if residual is None else residual + x
+    dtype = h.dtype
+    hf = h.to(torch.float32)
+    rstd = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * (hf * rstd).to(dtype)
+    return y if residual is None else (y, h)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+def swiglu(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dim: (..., 2f) -> (..., f)."""
-    if gate_up.is_cuda:
+    if fused(backend, gate_up):
         from engine.ops.swiglu import swiglu as fused_swiglu
 
-        return fused_swiglu(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
+        return fused_swiglu(gate_up, backend="triton")
+    gate, up = gate_up.chunk(2, dim=-1)  # (..., f) each
     return F.silu(gate) * up
 
 
@@ -43,21 +68,46 @@ def gelu(x: torch.Tensor, *, approximate: str) -> torch.Tensor:
     return F.gelu(x, approximate=approximate)
 
 
-def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, *, dtype: torch.dtype):
-    """cos and sin, (s, b, 1, head_dim), for ``position_ids`` (b, s); computed in fp32, cast to dtype."""
-    freqs = position_ids.t().to(torch.float32).unsqueeze(-1) * inv_freq.to(torch.float32)  # (s, b, hd/2)
-    emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(2)  # (s, b, 1, hd)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+class RopeTables:
+    """The rotary angles of one forward pass, shared by every layer.
+
+    ``cos``/``sin``: compact float32 ``(s, hd/2)`` (positions shared by the batch) or ``(s, b, hd/2)``,
+    what the fused kernel reads. :meth:`expanded` gives Hugging Face's repeated tables
+    ``(s, b|1, 1, hd)`` in the activation dtype for the reference, built once per dtype.
+    """
+
+    def __init__(self, position_ids: torch.Tensor, inv_freq: torch.Tensor):
+        from engine.ops.rope import rope_cos_sin
+
+        # position_ids (b, s) or (1, s) -> (s, b) or (s,)
+        positions = position_ids[0] if position_ids.shape[0] == 1 else position_ids.t()
+        self.cos, self.sin = rope_cos_sin(positions, inv_freq)  # (s[, b], hd/2) fp32 each
+        self._expanded: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def expanded(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if dtype not in self._expanded:
+            def full(t):
+                t = torch.cat([t, t], dim=-1)  # (s[, b], hd)
+                t = t[:, None, None, :] if t.dim() == 2 else t[:, :, None, :]  # (s, b|1, 1, hd)
+                return t.to(dtype)
+            self._expanded[dtype] = full(self.cos), full(self.sin)
+        return self._expanded[dtype]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
+    x1, x2 = x.chunk(2, dim=-1)  # (..., hd/2) each
     return torch.cat([-x2, x1], dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE: ``x * cos + rotate_half(x) * sin``; x (s, b, heads, hd), cos/sin (s, b, 1, hd)."""
-    return x * cos + _rotate_half(x) * sin
+def apply_rope(q: torch.Tensor, k: torch.Tensor, tables: RopeTables, *, backend: str = "auto"
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of q (s, b, nh, hd) and k (s, b, nkv, hd); one launch for both when fused."""
+    if fused(backend, q):
+        from engine.ops.rope import apply_rope as fused_apply_rope
+
+        return fused_apply_rope(q, k, tables.cos, tables.sin, backend="triton")
+    cos, sin = tables.expanded(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def dropout(x: torch.Tensor, p: float, *, training: bool) -> torch.Tensor:

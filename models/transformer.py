@@ -23,9 +23,10 @@ from models.init import Initializer
 from models.rope import inv_freq
 from parallel import comm
 from parallel.comm import Group
+from parallel.mappings import copy_to_tp, gather_from_sp
 from parallel.random import RNGTracker, make_tracker
 from parallel.tensor_parallel import (ColumnParallelLinear, DefaultLinearImpl, LinearImpl, RowParallelLinear,
-                                      VocabParallelEmbedding, check_ids, mark_replicated,
+                                      TPReduce, VocabParallelEmbedding, check_ids, mark_replicated,
                                       vocab_parallel_cross_entropy)
 
 
@@ -44,9 +45,10 @@ class Norm(nn.Module):
     Under SP each rank normalises its own sequence chunk, so the weight (and bias) gradients are
     partial sums over the TP group: marked ``sequence_parallel``."""
 
-    def __init__(self, kind: str, size: int, *, eps: float, sequence_parallel: bool, dtype, device):
+    def __init__(self, kind: str, size: int, *, eps: float, sequence_parallel: bool, dtype, device,
+                 kernels: str = "auto"):
         super().__init__()
-        self.kind, self.eps = kind, eps
+        self.kind, self.eps, self.kernels = kind, eps, kernels
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
         mark_replicated(self.weight, sequence_parallel=sequence_parallel)
         if kind == "layernorm":
@@ -55,20 +57,26 @@ class Norm(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)``; with ``residual``: ``(norm(residual + x), residual + x)`` (fused on the
+        Triton path: one pass over the residual stream instead of three)."""
         if self.kind == "rmsnorm":
-            return ops.rms_norm(x, self.weight, self.eps)
-        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+            return ops.rms_norm(x, self.weight, self.eps, residual=residual, backend=self.kernels)
+        if residual is None:
+            return ops.layer_norm(x, self.weight, self.bias, self.eps)
+        h = residual + x
+        return ops.layer_norm(h, self.weight, self.bias, self.eps), h
 
 
 class MLP(nn.Module):
     """fc1 (column-parallel; [gate_r | up_r] per rank for SwiGLU) -> activation -> fc2 (row-parallel)."""
 
     def __init__(self, cfg: TransformerConfig, *, layer_number: int, tp_group: Group, sequence_parallel: bool,
-                 dtype, device, init, linear_impl):
+                 dtype, device, init, linear_impl, kernels: str = "auto"):
         super().__init__()
         prefix = f"layers.{layer_number}.mlp."
         self.kind = cfg.mlp
+        self.kernels = kernels
         width = (2 if cfg.gated else 1) * cfg.ffn_hidden_size
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, width, tp_group=tp_group, bias=cfg.mlp_bias,
                                         sequence_parallel=sequence_parallel, dtype=dtype, device=device,
@@ -81,7 +89,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)  # (s, b, width/tp)
         if self.kind == "swiglu":
-            h = ops.swiglu(h)
+            h = ops.swiglu(h, backend=self.kernels)
         else:
             h = ops.gelu(h, approximate="tanh" if self.kind == "gelu_tanh" else "none")
         return self.fc2(h)
@@ -91,13 +99,13 @@ class TransformerLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). ``layer_number`` is global."""
 
     def __init__(self, cfg: TransformerConfig, *, layer_number: int, tp_group: Group, sequence_parallel: bool,
-                 dtype, device, init, linear_impl, rng: RNGTracker):
+                 dtype, device, init, linear_impl, rng: RNGTracker, kernels: str = "auto"):
         super().__init__()
         self.layer_number = layer_number
         self.sequence_parallel = sequence_parallel
         self.hidden_dropout = cfg.hidden_dropout
         self.rng = rng
-        kw = dict(sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        kw = dict(sequence_parallel=sequence_parallel, dtype=dtype, device=device, kernels=kernels)
         self.input_norm = Norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, **kw)
         self.attention = SelfAttention(cfg, layer_number=layer_number, tp_group=tp_group, init=init,
                                        linear_impl=linear_impl, rng=rng, **kw)
@@ -107,8 +115,8 @@ class TransformerLayer(nn.Module):
     def forward(self, x: torch.Tensor, *, rope, masks: AttentionMasks) -> torch.Tensor:
         drop = dict(training=self.training, partitioned=self.sequence_parallel, rng=self.rng)
         h = self.attention(self.input_norm(x), rope=rope, masks=masks)
-        x = x + _hidden_dropout(h, self.hidden_dropout, **drop)
-        h = self.mlp(self.post_attention_norm(x))
+        normed, x = self.post_attention_norm(_hidden_dropout(h, self.hidden_dropout, **drop), residual=x)
+        h = self.mlp(normed)
         return x + _hidden_dropout(h, self.hidden_dropout, **drop)
 
 
@@ -156,15 +164,23 @@ class TransformerStage(nn.Module):
 
     Attributes: ``config``, ``tp_group``, ``sequence_parallel``, ``layer_range``, ``pre_process``,
     ``post_process``, ``padded_vocab_size``, ``rng`` (the TP-aware RNG tracker; its states belong in
-    checkpoints), ``layers`` (a ModuleDict keyed by the GLOBAL layer index).
+    checkpoints), ``layers`` (a ModuleDict keyed by the GLOBAL layer index), ``kernels`` and
+    ``fused_cross_entropy`` (see :func:`build_model`).
     """
 
     def __init__(self, cfg: TransformerConfig, *, tp_group: Group, sequence_parallel: bool, pre_process: bool,
                  post_process: bool, layer_range: tuple[int, int], dtype, device, make_vocab_size_divisible_by: int,
-                 seed: int, linear_impl: LinearImpl | None):
+                 seed: int, linear_impl: LinearImpl | None, kernels: str = "auto",
+                 fused_cross_entropy: bool | None = None):
         super().__init__()
         cfg.check_tensor_parallel(tp_group.size)
+        ops.check_backend(kernels)
+        if fused_cross_entropy not in (None, True, False):
+            raise ValueError(f"fused_cross_entropy={fused_cross_entropy!r} must be True, False or None "
+                             "(None: fused on CUDA, unfused elsewhere)")
         self.config = cfg
+        self.kernels = kernels
+        self.fused_cross_entropy = fused_cross_entropy
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel and tp_group.size > 1
         self.pre_process, self.post_process = pre_process, post_process
@@ -178,11 +194,12 @@ class TransformerStage(nn.Module):
         self.embedding = (Embedding(cfg, padded_vocab=self.padded_vocab_size, init=init, rng=self.rng, **kw)
                           if pre_process else None)
         self.layers = nn.ModuleDict({
-            str(i): TransformerLayer(cfg, layer_number=i, init=init, linear_impl=self.linear_impl, rng=self.rng, **kw)
+            str(i): TransformerLayer(cfg, layer_number=i, init=init, linear_impl=self.linear_impl, rng=self.rng,
+                                     kernels=kernels, **kw)
             for i in range(*layer_range)})
         self.final_norm = self.output_layer = None
         if post_process:
-            self.final_norm = Norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps,
+            self.final_norm = Norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, kernels=kernels,
                                    sequence_parallel=self.sequence_parallel, dtype=dtype, device=device)
             if not (cfg.tie_word_embeddings and pre_process):
                 # Tied on a last stage without the embedding: a separate copy, initialised like the
@@ -246,18 +263,22 @@ class TransformerStage(nn.Module):
             freq = self.inv_freq
             if freq.dtype != torch.float32:  # model.to(bf16) cast the buffer: recompute at full precision
                 freq = inv_freq(self.config.rope, head_dim=self.config.head_dim, device=freq.device)
-            rope = ops.rope_cos_sin(position_ids, freq, dtype=x.dtype)
+            rope = ops.RopeTables(position_ids, freq)
         for layer in self.layers.values():
             x = layer(x, rope=rope, masks=masks)
         if not self.post_process:
             return x
-        logits = self._logits(self.final_norm(x))  # (s, b, V_local)
+        x = self.final_norm(x)
         if labels is None:
-            return logits.transpose(0, 1)  # (b, s, V_local)
+            return self._logits(x).transpose(0, 1)  # (s, b, V_local) -> (b, s, V_local)
         if labels.shape != (b, s):
             raise ValueError(f"labels must be (b, s) = ({b}, {s}); got {tuple(labels.shape)}")
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.tp_group,
-                                            vocab_size=self.config.vocab_size)  # (s, b)
+        fuse = self.fused_cross_entropy if self.fused_cross_entropy is not None else x.is_cuda
+        if fuse:
+            loss = self._fused_loss(x, labels.t())  # (s, b)
+        else:
+            loss = vocab_parallel_cross_entropy(self._logits(x), labels.t(), tp_group=self.tp_group,
+                                                vocab_size=self.config.vocab_size)  # (s, b)
         loss = loss.t().contiguous()  # (b, s)
         if loss_mask is not None:
             if loss_mask.shape != (b, s):
@@ -283,10 +304,32 @@ class TransformerStage(nn.Module):
         return input, b, s_local * (tp if self.sequence_parallel else 1)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        weight = (self.output_layer.weight if self.output_layer is not None
-                  else self.embedding.word_embeddings.weight)
-        return self.linear_impl.column_forward(x, weight, None, group=self.tp_group,
+        return self.linear_impl.column_forward(x, self._output_weight(), None, group=self.tp_group,
                                                sequence_parallel=self.sequence_parallel, gather_output=False)
+
+    def _output_weight(self) -> torch.Tensor:
+        return (self.output_layer.weight if self.output_layer is not None
+                else self.embedding.word_embeddings.weight)
+
+    def _fused_loss(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Output layer + vocab-parallel cross-entropy in chunks (engine/ops/fused_linear_ce.py),
+        never materialising the (s, b, V_local) logits. ``x`` (s, b, h) or (s/tp, b, h) with SP;
+        ``target`` (s, b). Same loss as the unfused path; the output layer's ``linear_impl`` is
+        bypassed (the fused op owns that matmul)."""
+        from engine.ops.fused_linear_ce import fused_linear_cross_entropy
+
+        group = self.tp_group
+        # The input mapping of a column-parallel linear: identity forward, and in backward the sum of
+        # every rank's partial input gradient (all-reduce, or reduce-scatter back to the SP shard).
+        x = gather_from_sp(x, group) if self.sequence_parallel else copy_to_tp(x, group)  # (s, b, h)
+        weight = self._output_weight()  # (V_local, h)
+        v_local = weight.shape[0]
+        start = group.rank * v_local
+        valid = min(max(self.config.vocab_size - start, 0), v_local)  # padded rows take no part
+        return fused_linear_cross_entropy(
+            x, weight[:valid], target, vocab_start=start,
+            tp_reduce=TPReduce(group) if group.size > 1 else None,
+            backend="triton" if ops.fused(self.kernels, x) else "reference")
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """(b, s, V_local) -> (b, s, vocab_size): all TP shards, padding sliced off (collective)."""
@@ -302,12 +345,16 @@ def gather_logits(logits: torch.Tensor, tp_group: Group, *, vocab_size: int) -> 
 def build_model(hf_config: Mapping[str, Any] | TransformerConfig, *, tp_group: Group, sequence_parallel: bool = False,
                 pre_process: bool = True, post_process: bool = True, layer_range: tuple[int, int] | None = None,
                 dtype: torch.dtype | None = None, device=None, make_vocab_size_divisible_by: int = 128,
-                seed: int = 1234, linear_impl: LinearImpl | None = None) -> TransformerStage:
+                seed: int = 1234, linear_impl: LinearImpl | None = None, kernels: str = "auto",
+                fused_cross_entropy: bool | None = None) -> TransformerStage:
     """One pipeline stage of the model described by ``hf_config`` (a config.json dict).
 
     ``layer_range`` = (start, end) of GLOBAL layer indices (default all). Weights are initialised
     from ``seed`` per parameter name (see models/init.py): identical for any TP/PP layout.
     ``linear_impl`` replaces the matmul+collective strategy of every TP linear (FP8, overlap).
+    ``kernels``: "auto" (engine/ops' fused Triton kernels for RMSNorm, SwiGLU and RoPE on CUDA, the
+    PyTorch references elsewhere), "triton" or "reference" (forced). ``fused_cross_entropy``: compute
+    the loss with the chunked fused linear + cross-entropy (no logits tensor); None = on CUDA only.
     """
     from models.registry import config_from_hf
 
@@ -321,4 +368,4 @@ def build_model(hf_config: Mapping[str, Any] | TransformerConfig, *, tp_group: G
     return TransformerStage(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel, pre_process=pre_process,
                             post_process=post_process, layer_range=(start, end), dtype=dtype, device=device,
                             make_vocab_size_divisible_by=make_vocab_size_divisible_by, seed=seed,
-                            linear_impl=linear_impl)
+                            linear_impl=linear_impl, kernels=kernels, fused_cross_entropy=fused_cross_entropy)

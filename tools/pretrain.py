@@ -131,7 +131,8 @@ def train_from_config(cfg, run_dir: str | None, *, rank: int, world: int):
         return build_model(hf, tp_group=mesh.tp, sequence_parallel=cfg.parallel.sequence_parallel,
                            pre_process=pre_process, post_process=post_process, layer_range=layer_range,
                            dtype=dtype, device=device, seed=cfg.train.seed,
-                           make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+                           make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+                           kernels=cfg.model.kernels, fused_cross_entropy=cfg.model.fused_cross_entropy)
 
     model_cfg = config_from_hf(hf)
     trainer = Trainer(cfg, build_stage=build_stage, flops=flops_spec(model_cfg), num_layers=model_cfg.num_layers,

@@ -16,6 +16,7 @@ FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral")
 # Families with learned absolute positions and plain multi-head attention (no RoPE, no GQA).
 LEARNED_POSITION_FAMILIES = ("gpt2",)
 DTYPES = ("bf16", "fp32")
+KERNELS = ("auto", "triton", "reference")
 MESH_AXES = ("dp", "pp", "cp", "tp")
 SCHEDULES = ("1f1b", "interleaved", "gpipe")
 RECOMPUTE = ("none", "selective", "full")
@@ -73,6 +74,9 @@ class ModelConfig(Section):
     Without a preset or hf_config, hidden_size, num_layers and num_attention_heads are required.
     ``vocab_size=None`` with no other source means "the tokenizer's vocabulary size".
     ``head_dim=None`` means ``hidden_size // num_attention_heads``.
+    ``kernels``: "auto" runs engine/ops' fused Triton kernels (RMSNorm, SwiGLU, RoPE) on CUDA and the
+    PyTorch references elsewhere; "triton" or "reference" forces one. ``fused_cross_entropy``: the
+    loss by the chunked linear + cross-entropy (no logits tensor); unset = on CUDA only.
     """
 
     SECTION = "model"
@@ -93,10 +97,13 @@ class ModelConfig(Section):
     norm_eps: float | None = None
     make_vocab_size_divisible_by: int = 128
     dtype: str = "bf16"
+    kernels: str = "auto"
+    fused_cross_entropy: bool | None = None
 
     def _validate(self) -> None:
         check_choice(self, "family", FAMILIES)
         check_choice(self, "dtype", DTYPES)
+        check_choice(self, "kernels", KERNELS)
         check_nonempty(self, "preset")
         check_nonempty(self, "hf_config")
         for key in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",

@@ -171,7 +171,10 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, *, vocab_start: int
     """hidden (T, H), weight (V_local, H), target (T,) -> loss (T,), lse (T,), smooth (1,): fp32."""
     tokens, v_local = hidden.shape[0], weight.shape[0]
     stats = torch.empty(4, tokens, dtype=torch.float32, device=hidden.device)  # [m, S, z_t, Z]
-    for start in range(0, tokens, chunk_size):
+    if v_local == 0:  # a TP shard made only of vocab padding: contributes nothing to any token
+        stats[0].fill_(_NEG_BIG.value)
+        stats[1:].zero_()
+    for start in range(0, tokens if v_local else 0, chunk_size):
         end = min(start + chunk_size, tokens)
         logits = hidden[start:end] @ weight.t()  # (c, V_local): the only vocab-sized buffer
         _chunk_stats(logits, target[start:end], stats[:, start:end], vocab_start, triton_)
@@ -205,7 +208,9 @@ def _backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor,
         # Low-precision weights: accumulate chunk contributions in fp32, round once at the end.
         acc_dtype = torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
         grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
-    for start in range(0, tokens, chunk_size):
+    if need_hidden and weight.shape[0] == 0:  # an all-padding TP shard: no gradient to hidden
+        grad_hidden.zero_()
+    for start in range(0, tokens if weight.shape[0] else 0, chunk_size):
         end = min(start + chunk_size, tokens)
         h_chunk = hidden[start:end]  # (c, H)
         dz = h_chunk @ weight.t()  # (c, V_local): recomputed logits, overwritten by their grad
@@ -322,6 +327,8 @@ def _check(hidden, weight, target, vocab_start, tp_reduce, label_smoothing, chun
     if tp_reduce is None and vocab_start != 0:
         raise ValueError(f"{_OP}: vocab_start={vocab_start} needs tp_reduce (the shard's group "
                          "collectives); a single shard holds the whole vocab at offset 0.")
+    if tp_reduce is None and weight.shape[0] == 0:
+        raise ValueError(f"{_OP}: weight has no rows; a single shard must hold the whole vocabulary.")
     if vocab_start < 0:
         raise ValueError(f"{_OP}: vocab_start={vocab_start} must be >= 0.")
     if tp_reduce is not None and not all(callable(getattr(tp_reduce, name, None))

@@ -94,3 +94,19 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     check_ids(target, vocab_size, what="target", ignore_index=ignore_index)
     return _VocabParallelCrossEntropy.apply(logits_shard, target, tp_group, ignore_index, float(label_smoothing),
                                             vocab_size)
+
+
+class TPReduce:
+    """The in-place TP-group collectives that engine/ops' fused linear + cross-entropy needs (its
+    ``tp_reduce`` argument), through parallel/comm so the ledger records them. The fused op calls
+    each once per forward: a MAX all-reduce of the per-token max (T fp32) and a SUM all-reduce of
+    the packed per-token statistics (3T + 1 fp32)."""
+
+    def __init__(self, group: Group):
+        self.group = group
+
+    def all_reduce_max(self, t: torch.Tensor) -> None:
+        comm.all_reduce(t, self.group, op="max")
+
+    def all_reduce_sum(self, t: torch.Tensor) -> None:
+        comm.all_reduce(t, self.group)

@@ -301,6 +301,7 @@ def test_toml_error_names_the_file(tmp_path):
     (["model.family=bert"],
      "model.family='bert' is not valid; choose one of: gpt2, llama, qwen2, qwen3, mistral"),
     (["model.dtype=fp16"], "model.dtype='fp16' is not valid; choose one of: bf16, fp32"),
+    (["model.kernels=cuda"], "model.kernels='cuda' is not valid; choose one of: auto, triton, reference"),
     (["model.norm_eps=0"], "model.norm_eps=0.0 must be > 0"),
     (["model.preset="], "model.preset is an empty string"),
     (["model.make_vocab_size_divisible_by=0"], "model.make_vocab_size_divisible_by=0 must be >= 1"),

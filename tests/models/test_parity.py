@@ -75,7 +75,7 @@ def saved_bytes_per_module(layer, x, *, rope, masks) -> dict[str, int]:
     when each tensor was saved; storages deduplicated (a view counts its whole storage once);
     parameters and the shared RoPE tables excluded."""
     exclude = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    exclude |= {t.untyped_storage().data_ptr() for t in rope}
+    exclude |= {t.untyped_storage().data_ptr() for t in (rope.cos, rope.sin, *rope.expanded(x.dtype))}
     stack, seen, out = ["layer"], set(), {}
     hooks = []
 
@@ -115,7 +115,7 @@ def _memory(tp_group, *, sp):
     s_local = S // tp_group.size if sp else S
     x = torch.randn(s_local, B, 64, requires_grad=True)
     pos = torch.arange(S)[None]
-    rope = ops.rope_cos_sin(pos, model.inv_freq, dtype=x.dtype)
+    rope = ops.RopeTables(pos, model.inv_freq)
     masks = AttentionMasks(seq_len=S, doc_ids=None, device=x.device)
     return saved_bytes_per_module(model.layers["0"], x, rope=rope, masks=masks)
 

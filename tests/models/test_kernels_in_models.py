@@ -166,3 +166,42 @@ def test_fused_cross_entropy_communication(dist_results, tp_size):
         for key in fused:
             if key != "all_reduce@tp":
                 assert fused[key] == unfused[key], key
+
+
+# -- on a GPU (compiled kernels) -------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_cuda_auto_kernels_equal_reference_fp32(name):
+    """kernels="auto" on CUDA = compiled Triton kernels + the fused loss; fp32 as the CPU tests."""
+    tp1 = Group.trivial("tp")
+    ids, labels, loss_mask = (t.cuda() for t in _batch())
+    out = {}
+    for kernels, fused in (("reference", False), ("auto", None)):
+        model = build_model(config(name), tp_group=tp1, seed=SEED, device="cuda", kernels=kernels,
+                            fused_cross_entropy=fused)
+        loss = model(ids, labels=labels, loss_mask=loss_mask)
+        loss.sum().backward()
+        out[kernels] = loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()}
+    _assert_same(out["auto"], out["reference"])
+
+
+@pytest.mark.gpu
+def test_cuda_auto_kernels_bf16_error_within_twice_reference_error():
+    """bf16 model: the fused path's loss error against an fp64 CPU model is at most twice the bf16
+    reference path's error, plus one bf16 ulp of the loss."""
+    cfg = config("llama", hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                 num_key_value_heads=4, vocab_size=1000)
+    tp1 = Group.trivial("tp")
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 1000, (4, 64), generator=g)
+    labels = torch.randint(0, 1000, (4, 64), generator=g)
+    exact = build_model(cfg, tp_group=tp1, seed=SEED, dtype=torch.float64)(ids, labels=labels)
+    errs = {}
+    for kernels, fused in (("reference", False), ("auto", None)):
+        model = build_model(cfg, tp_group=tp1, seed=SEED, device="cuda", dtype=torch.bfloat16,
+                            kernels=kernels, fused_cross_entropy=fused)
+        loss = model(ids.cuda(), labels=labels.cuda()).double().cpu()
+        errs[kernels] = (loss - exact.detach()).abs().max().item()
+    ulp = 2.0 ** -7 * exact.abs().max().item()
+    assert errs["auto"] <= 2 * errs["reference"] + ulp, errs

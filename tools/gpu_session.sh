@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# All of Tessel's GPU work in one command, for a lent GPU machine (docs/benchmarks/gpu.md):
+#
+#   OUT=/some/folder bash tools/gpu_session.sh [STEP ...]      (from the repository root)
+#
+# STEP: info build test train kernels (default: all, in that order). Each step is time-boxed, a
+# failing step does not stop the next ones, and the whole script keeps within $GPU_SESSION_BUDGET_S
+# (default 560 s, under the device tool's 600 s per command): a step gets min(its cap, time left)
+# and is skipped when less than 20 s are left. The expensive benchmark with no bound of its own
+# (bench_kernels: torch.compile baselines of four ops at two sizes) runs last, with what is left.
+#
+# Files written under $OUT (7, the device tool brings back at most 8):
+#   session.log        this script's own output: machine, versions, each step's command, exit
+#                      status, duration and the tail of its log, and a final summary
+#   build.log          python3 setup.py build_ext --inplace (csrc/ extensions, CUDA parts with nvcc)
+#   pytest_gpu.log     python3 -m pytest -q -m gpu tests/
+#   train_step.log     tools/bench_train_step.py --device cuda --preset gpu-1b --compare-kernels
+#   train_step.json    its results
+#   bench_kernels.log  tools/bench_kernels.py (GPU defaults)
+#   bench_kernels.json its results
+#
+# Extra arguments: TRAIN_ARGS and KERNELS_ARGS are appended to the two benchmarks' command lines
+# (e.g. KERNELS_ARGS=--no-compile when the torch.compile baselines do not fit in the time left).
+set -u -o pipefail
+export PYTHONUNBUFFERED=1
+
+if [[ -z "${OUT:-}" ]]; then
+    echo "gpu_session.sh: set OUT to the folder for the results (the device tool sets it)" >&2
+    exit 2
+fi
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+mkdir -p "$OUT" || exit 2
+PY=${PYTHON:-python3}
+BUDGET=${GPU_SESSION_BUDGET_S:-560}
+TAIL_LINES=${TAIL_LINES:-40}
+ALL_STEPS=(info build test train kernels)
+STEPS=("$@")
+[[ ${#STEPS[@]} -eq 0 ]] && STEPS=("${ALL_STEPS[@]}")
+for s in "${STEPS[@]}"; do
+    if [[ ! " ${ALL_STEPS[*]} " == *" $s "* ]]; then
+        echo "gpu_session.sh: unknown step '$s'; steps are: ${ALL_STEPS[*]}" >&2
+        exit 2
+    fi
+done
+SUMMARY=()
+
+wanted() { [[ " ${STEPS[*]} " == *" $1 "* ]]; }
+
+# run_step NAME CAP_S LOG CMD...: CMD under `timeout`, its output in LOG, the tail echoed here.
+run_step() {
+    local name=$1 cap=$2 log=$3
+    shift 3
+    local left=$((BUDGET - SECONDS))
+    local limit=$((cap < left ? cap : left))
+    if ((limit < 20)); then
+        echo "== $name: skipped (${left} s left of the ${BUDGET} s budget)"
+        SUMMARY+=("$name: skipped, no time left")
+        return
+    fi
+    echo "== $name (time box ${limit} s): $*"
+    local t0=$SECONDS rc=0
+    timeout -k 10 "$limit" "$@" >"$log" 2>&1 || rc=$?
+    local what="rc=$rc"
+    ((rc == 124 || rc == 137)) && what="TIMED OUT after ${limit} s (rc=$rc)"
+    echo "-- $name: $what, $((SECONDS - t0)) s; last lines of $(basename "$log"):"
+    tail -n "$TAIL_LINES" "$log" | sed 's/^/   | /'
+    SUMMARY+=("$name: $what, $((SECONDS - t0)) s")
+}
+
+session() {
+    echo "tessel gpu_session $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')" \
+        "$(git status --porcelain 2>/dev/null | grep -q . && echo '(with uncommitted changes)')"
+    echo "steps: ${STEPS[*]}; budget ${BUDGET} s; OUT=$OUT"
+    if wanted info; then
+        echo "== info"
+        timeout 30 nvidia-smi || echo "(nvidia-smi failed: rc=$?)"
+        timeout 60 "$PY" - <<'EOF' || echo "(python version check failed: rc=$?)"
+import platform, sys
+import torch
+print(f"python {sys.version.split()[0]} ({platform.platform()})")
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, available {torch.cuda.is_available()}, "
+      f"devices {torch.cuda.device_count()}")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"device 0: {p.name}, {p.total_memory / 2**30:.1f} GiB, {p.multi_processor_count} SMs, "
+          f"capability {p.major}.{p.minor}")
+for mod in ("triton", "transformers", "numpy", "safetensors", "tokenizers", "pybind11", "ninja"):
+    try:
+        print(f"{mod} {__import__(mod).__version__}")
+    except Exception as e:  # report, do not stop the session
+        print(f"{mod}: not importable ({type(e).__name__}: {e})")
+EOF
+        echo "nvcc: $(command -v nvcc || echo 'not on PATH') $(nvcc --version 2>/dev/null | tail -n 2 | head -n 1)"
+        echo "cpus $(nproc), $(free -g 2>/dev/null | awk '/Mem:/ {print $2 " GiB memory"}'), disk $(df -h . | awk 'NR==2 {print $4 " free"}')"
+        SUMMARY+=("info: done")
+    fi
+    if wanted build; then
+        # build_ext does not check setup.py's install_requires pins (torch==2.13.0): the image's
+        # torch builds the extensions; CUDA parts only where nvcc and CUDA torch are found.
+        MAX_JOBS=${MAX_JOBS:-$(nproc)} run_step build 200 "$OUT/build.log" "$PY" setup.py build_ext --inplace
+        ls -l engine/_*.so 2>/dev/null | sed 's/^/   built: /'
+    fi
+    if wanted test; then
+        run_step test 180 "$OUT/pytest_gpu.log" "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+            --continue-on-collection-errors tests/
+    fi
+    if wanted train; then
+        # shellcheck disable=SC2086  # TRAIN_ARGS is a list of words
+        run_step train 240 "$OUT/train_step.log" "$PY" tools/bench_train_step.py --device cuda --preset gpu-1b \
+            --compare-kernels --json "$OUT/train_step.json" ${TRAIN_ARGS:-}
+    fi
+    if wanted kernels; then
+        # shellcheck disable=SC2086
+        run_step kernels 600 "$OUT/bench_kernels.log" "$PY" tools/bench_kernels.py --json "$OUT/bench_kernels.json" \
+            ${KERNELS_ARGS:-}
+    fi
+    echo "== summary ($SECONDS s in all)"
+    printf '   %s\n' "${SUMMARY[@]}"
+    echo "files in \$OUT:"
+    ls -l "$OUT" | sed 's/^/   /'
+}
+
+session 2>&1 | tee "$OUT/session.log"

@@ -6,22 +6,27 @@ For every op and size it times forward, backward and forward+backward of:
   * ``compile`` - torch.compile of that reference (inductor), compiled outside the timed region;
   * ``liger``   - Liger-Kernel's op, when ``liger_kernel`` is importable (GPU only).
 Each row reports achieved GB/s of the op's minimum traffic (memory-bound ops) or model TFLOP/s
-(linear + cross-entropy: 2*T*H*V forward, 4*T*H*V backward), the fraction of this machine's
-ceiling measured in the same run (a device-to-device copy; a large bf16 matmul), the speed-up over
-``eager``, and the peak extra memory of forward+backward (CUDA only).
+(linear + cross-entropy: 2*T*H*V forward, 4*T*H*V backward) per phase, the fraction of this
+machine's ceiling measured in the same run (a device-to-device copy; a large bf16 matmul), the
+speed-up over ``eager``, and the peak extra memory of forward+backward, gradients of the inputs
+included: on CUDA from the caching allocator's statistics, on CPU from the profiler's record of
+every allocation and free of PyTorch's CPU allocator (``CPUMemoryPeak``).
 
 CPU machines (no CUDA, or ``--cpu``) run a reduced mode: Llama-3 8B layer widths, 256 tokens, a
-32768 vocab, and only the reference paths (``tessel`` only where its CPU path differs from
-``eager``: the chunked linear + cross-entropy). CPU times are the calling thread's CPU time with one
-torch thread (ceilings measured the same way), so a busy shared machine does not distort them.
+32768 vocab, linear + CE in 16 chunks (as 8192 tokens in chunks of 512 on the GPU), and only the
+reference paths (``tessel`` only where its CPU path differs from ``eager``: the chunked linear +
+cross-entropy). CPU times are the calling thread's CPU time with one torch thread (ceilings
+measured the same way), so a busy shared machine does not distort them.
 
     python tools/bench_kernels.py [--cpu] [--models 8b 70b] [--ops rmsnorm swiglu rope linear_ce]
-                                  [--tokens N] [--reps N] [--json PATH]
+                                  [--tokens N] [--vocab N] [--ce-chunk N] [--reps N] [--warmup N]
+                                  [--no-compile] [--json PATH]
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -42,6 +47,7 @@ MODELS = {  # Llama-3 layer shapes (per device, no tensor parallelism)
     "70b": dict(hidden=8192, ffn=28672, heads=64, kv_heads=8, head_dim=128, vocab=128256),
 }
 CPU_VOCAB = 32768
+CPU_CE_CHUNKS = 16  # linear + CE chunks on CPU: the GPU default splits 8192 tokens into 16 of 512
 OPS = ("rmsnorm", "swiglu", "rope", "linear_ce")
 
 
@@ -93,11 +99,59 @@ def measure_ceilings(device: torch.device, *, reps: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
+# Peak memory on CPU
+# ----------------------------------------------------------------------------------------------
+class CPUMemoryPeak:
+    """Peak and net bytes allocated by PyTorch's CPU allocator inside a ``with`` block.
+
+    With ``torch.profiler.profile(profile_memory=True)`` every allocation (+bytes) and free
+    (-bytes) of the CPU allocator is recorded as a ``[memory]`` event; ``peak_bytes`` is the maximum
+    of their running sum in time order (from 0 at ``__enter__``), ``end_bytes`` its final value -
+    what ``torch.cuda.max_memory_allocated() - base`` is on a GPU. It sees allocations wherever
+    they happen: inside custom ops (a TorchDispatchMode sees a torch.library op as one call and
+    misses its temporaries), in autograd, in inductor-compiled code. Not seen: memory that
+    libraries allocate themselves (BLAS / oneDNN scratch) and Python objects. A block allocated
+    before the window and freed inside it is not subtracted (the allocator's reporter does not know
+    its size), so such frees can only make the peak larger, never smaller. Counts every thread of
+    the process.
+    """
+
+    def __init__(self):
+        if not torch.autograd.kineto_available():
+            raise RuntimeError("CPUMemoryPeak needs the Kineto profiler, which this torch build lacks.")
+        self.peak_bytes: Optional[int] = None
+        self.end_bytes: Optional[int] = None
+        self._prof = None
+
+    def __enter__(self) -> "CPUMemoryPeak":
+        gc.collect()  # free unreachable cycles now, not inside the window
+        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                            profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._prof.__exit__(*exc)
+        cpu = torch._C._autograd.DeviceType.CPU
+        # (time, arrival order, signed bytes): arrival order breaks ties at equal timestamps
+        events = sorted((e.start_ns(), i, e.nbytes())
+                        for i, e in enumerate(self._prof.profiler.kineto_results.events())
+                        if e.name() == "[memory]" and e.device_type() == cpu)
+        current = peak = 0
+        for _, _, nbytes in events:
+            current += nbytes
+            peak = max(peak, current)
+        self.peak_bytes, self.end_bytes = peak, current
+        self._prof = None
+
+
+# ----------------------------------------------------------------------------------------------
 # Cases: inputs, implementations, and the traffic / FLOP model of each op
 # ----------------------------------------------------------------------------------------------
 @dataclass
 class Case:
-    op: str
+    op: str  # the --ops name
+    label: str  # what the table shows
     size: str
     inputs: list  # tensors that receive gradients
     grads: list  # upstream gradients, one per output
@@ -121,7 +175,7 @@ def _rand(*shape, device, dtype=torch.bfloat16, scale=1.0):
     return (torch.randn(*shape, device=device) * scale).to(dtype)
 
 
-def case_rmsnorm(m, tokens, device, gpu):
+def case_rmsnorm(m, tokens, device, gpu, **_):
     h = m["hidden"]
     x, r = _rand(tokens, h, device=device), _rand(tokens, h, device=device)
     w = _rand(h, device=device, scale=0.1) + 1
@@ -139,11 +193,11 @@ def case_rmsnorm(m, tokens, device, gpu):
                 hsum = x + r  # Liger has no fused residual add: add, then normalise
                 return liger_norm(hsum), hsum
             impls["liger"] = run_liger
-    return Case("rmsnorm+residual", "", [x, r, w], [torch.randn_like(x), torch.randn_like(x)], impls,
-                bytes_fwd=4 * tokens * h * e, bytes_bwd=4 * tokens * h * e)
+    return Case("rmsnorm", "rmsnorm+residual", "", [x, r, w], [torch.randn_like(x), torch.randn_like(x)],
+                impls, bytes_fwd=4 * tokens * h * e, bytes_bwd=4 * tokens * h * e)
 
 
-def case_swiglu(m, tokens, device, gpu):
+def case_swiglu(m, tokens, device, gpu, **_):
     i = m["ffn"]
     x = _rand(tokens, 2 * i, device=device)
     e = x.element_size()
@@ -154,11 +208,11 @@ def case_swiglu(m, tokens, device, gpu):
             from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
             impls["liger"] = lambda x: LigerSiLUMulFunction.apply(x[:, :i], x[:, i:])
-    return Case("swiglu", "", [x], [_rand(tokens, i, device=device)], impls,
+    return Case("swiglu", "swiglu", "", [x], [_rand(tokens, i, device=device)], impls,
                 bytes_fwd=3 * tokens * i * e, bytes_bwd=5 * tokens * i * e)
 
 
-def case_rope(m, tokens, device, gpu):
+def case_rope(m, tokens, device, gpu, **_):
     s, b = tokens, 1
     nh, nkv, hd = m["heads"], m["kv_heads"], m["head_dim"]
     q, k = _rand(s, b, nh, hd, device=device), _rand(s, b, nkv, hd, device=device)
@@ -176,25 +230,30 @@ def case_rope(m, tokens, device, gpu):
             impls["liger"] = lambda q, k: liger_rotary_pos_emb(
                 q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), hf_cos, hf_sin)
     traffic = 2 * s * b * (nh + nkv) * hd * e + 2 * s * (hd // 2) * 4
-    return Case("rope(q+k)", "", [q, k], [torch.randn_like(q), torch.randn_like(k)], impls,
+    return Case("rope", "rope(q+k)", "", [q, k], [torch.randn_like(q), torch.randn_like(k)], impls,
                 bytes_fwd=traffic, bytes_bwd=traffic)
 
 
-def case_linear_ce(m, tokens, device, gpu):
-    h, v = m["hidden"], (m["vocab"] if gpu else CPU_VOCAB)
+def case_linear_ce(m, tokens, device, gpu, *, vocab=None, ce_chunk=None):
+    """``vocab``: None = the model's (GPU) or CPU_VOCAB (CPU). ``ce_chunk``: tokens per chunk of
+    the fused path; None = its own choice on GPU (~64M logits per chunk), tokens / CPU_CE_CHUNKS on CPU."""
+    h = m["hidden"]
+    v = vocab or (m["vocab"] if gpu else CPU_VOCAB)
+    chunk = ce_chunk or (None if gpu else max(1, tokens // CPU_CE_CHUNKS))
     x = _rand(tokens, h, device=device)
     w = _rand(v, h, device=device, scale=h ** -0.5)
     t = torch.randint(0, v, (tokens,), device=device)
     impls = {"eager": lambda x, w: fused_linear_ce.linear_cross_entropy_reference(x, w, t),
-             "tessel": lambda x, w: fused_linear_ce.fused_linear_cross_entropy(x, w, t)}
+             "tessel": lambda x, w: fused_linear_ce.fused_linear_cross_entropy(x, w, t, chunk_size=chunk)}
     if gpu and _liger() is not None:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
         loss_fn = LigerFusedLinearCrossEntropyLoss(reduction="none")
         impls["liger"] = lambda x, w: loss_fn(w, x, t)
     flops = 2.0 * tokens * h * v
-    return Case("linear+ce", "", [x, w], [torch.randn(tokens, device=device)], impls,
-                flops_fwd=flops, flops_bwd=2 * flops, extra={"vocab": v})
+    return Case("linear_ce", "linear+ce", "", [x, w], [torch.randn(tokens, device=device)], impls,
+                flops_fwd=flops, flops_bwd=2 * flops,
+                extra={"vocab": v, "chunk_size": chunk or fused_linear_ce._auto_chunk(tokens, v)})
 
 
 BUILDERS = {"rmsnorm": case_rmsnorm, "swiglu": case_swiglu, "rope": case_rope, "linear_ce": case_linear_ce}
@@ -205,6 +264,24 @@ BUILDERS = {"rmsnorm": case_rmsnorm, "swiglu": case_swiglu, "rope": case_rope, "
 # ----------------------------------------------------------------------------------------------
 def _as_tuple(out):
     return out if isinstance(out, tuple) else (out,)
+
+
+def peak_extra_bytes(fwd_bwd: Callable[[], None], leaves: list, device: torch.device) -> int:
+    """Peak bytes allocated above the state before one forward+backward (the inputs' gradients it
+    creates included; they are cleared first so the old ones are not in the baseline)."""
+    for t in leaves:
+        t.grad = None
+    gc.collect()
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fwd_bwd()
+        _sync(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    with CPUMemoryPeak() as mem:
+        fwd_bwd()
+    return mem.peak_bytes
 
 
 def run_impl(case: Case, fn, device, *, warmup, reps) -> dict:
@@ -224,38 +301,34 @@ def run_impl(case: Case, fn, device, *, warmup, reps) -> dict:
     fwd_ms = time_ms(fwd, device, warmup=warmup, reps=reps)
     bwd_ms = time_ms(bwd, device, warmup=warmup, reps=reps, setup=fwd)
     total_ms = time_ms(fwd_bwd, device, warmup=warmup, reps=reps)
-    peak_mib = None
-    if device.type == "cuda":
-        _sync(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        fwd_bwd()
-        _sync(device)
-        peak_mib = (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
+    peak = peak_extra_bytes(fwd_bwd, leaves, device)
     return {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "total_ms": total_ms,
-            "peak_extra_MiB": peak_mib}
+            "peak_extra_bytes": peak, "peak_extra_MiB": peak / 2 ** 20}
 
 
 def add_rates(row: dict, case: Case, ceilings: dict) -> None:
+    """Per phase: the achieved rate and its percentage of the ceiling named in ``row["ceiling"]``."""
     if case.flops_fwd:
-        for phase, flops in (("fwd", case.flops_fwd), ("bwd", case.flops_bwd),
-                             ("total", case.flops_fwd + case.flops_bwd)):
-            row[f"{phase}_TFLOPs"] = flops / row[f"{phase}_ms"] / 1e9 if row[f"{phase}_ms"] > 0 else None
-        row["total_pct_ceiling"] = 100 * (row["total_TFLOPs"] or 0) / ceilings["matmul_bf16_TFLOPs"]
+        unit, ceiling, scale, work = "TFLOPs", "matmul_bf16_TFLOPs", 1e9, (case.flops_fwd, case.flops_bwd)
     else:
-        for phase, nbytes in (("fwd", case.bytes_fwd), ("bwd", case.bytes_bwd),
-                              ("total", case.bytes_fwd + case.bytes_bwd)):
-            row[f"{phase}_GBps"] = nbytes / row[f"{phase}_ms"] / 1e6 if row[f"{phase}_ms"] > 0 else None
-        row["total_pct_ceiling"] = 100 * (row["total_GBps"] or 0) / ceilings["copy_GBps"]
+        unit, ceiling, scale, work = "GBps", "copy_GBps", 1e6, (case.bytes_fwd, case.bytes_bwd)
+    row["ceiling"] = ceiling
+    for phase, amount in zip(("fwd", "bwd", "total"), (*work, sum(work))):
+        ms = row[f"{phase}_ms"]
+        rate = amount / ms / scale if ms > 0 else None  # bytes/ms/1e6 = GB/s; flop/ms/1e9 = TFLOP/s
+        row[f"{phase}_{unit}"] = rate
+        row[f"{phase}_pct_ceiling"] = None if rate is None else 100 * rate / ceilings[ceiling]
 
 
 def run_case(case: Case, device, ceilings, *, warmup, reps, use_compile) -> list[dict]:
     impls = dict(case.impls)
     if use_compile:
         impls["compile"] = torch.compile(case.impls["eager"])
+    grad_bytes = sum(t.numel() * t.element_size() for t in case.inputs)  # what every impl returns
     rows = []
     for name, fn in impls.items():
-        row = {"op": case.op, "size": case.size, "impl": name, **case.extra}
+        row = {"op": case.op, "label": case.label, "size": case.size, "impl": name, **case.extra,
+               "input_grad_bytes": grad_bytes}
         try:
             if name == "compile":  # compile (forward and backward graphs) outside the timed region
                 t0 = time.perf_counter()
@@ -270,28 +343,69 @@ def run_case(case: Case, device, ceilings, *, warmup, reps, use_compile) -> list
     for r in rows:
         if eager is not None and "error" not in r:
             r["speedup_vs_eager"] = eager["total_ms"] / r["total_ms"]
+            r["peak_vs_eager"] = r["peak_extra_bytes"] / eager["peak_extra_bytes"]
     return rows
+
+
+def goals(rows: list[dict], gpu: bool) -> list[dict]:
+    """The issue's targets, checked on this run's rows: fused linear + CE peak <= 10% of the unfused
+    (eager) peak; on GPU, the Triton RMSNorm / SwiGLU / RoPE fwd+bwd at >= 90% of copy bandwidth."""
+    out = []
+    by_key = {(r["op"], r["size"], r["impl"]): r for r in rows if "error" not in r}
+    for (op, size, impl), r in by_key.items():
+        if op == "linear_ce" and impl == "tessel" and (op, size, "eager") in by_key:
+            e = by_key[(op, size, "eager")]
+            excl = ((r["peak_extra_bytes"] - r["input_grad_bytes"])
+                    / max(e["peak_extra_bytes"] - e["input_grad_bytes"], 1))
+            out.append({"goal": "linear+ce peak <= 10% of unfused", "size": size,
+                        "value_pct": 100 * r["peak_vs_eager"], "excluding_input_grads_pct": 100 * excl,
+                        "met": r["peak_vs_eager"] <= 0.10})
+        if gpu and impl == "tessel" and op in ("rmsnorm", "swiglu", "rope"):
+            out.append({"goal": f"{op} fwd+bwd >= 90% of copy bandwidth", "size": size,
+                        "value_pct": r["total_pct_ceiling"], "met": (r["total_pct_ceiling"] or 0) >= 90})
+    return out
 
 
 def _rate(r: dict) -> str:
     if "total_TFLOPs" in r:
-        return f"{r['total_TFLOPs']:.3g} TFLOP/s"
-    return f"{r['total_GBps']:.3g} GB/s"
+        return "n/a" if r["total_TFLOPs"] is None else f"{r['total_TFLOPs']:.3g} TFLOP/s"
+    return "n/a" if r["total_GBps"] is None else f"{r['total_GBps']:.3g} GB/s"
 
 
 def print_table(rows: list[dict]) -> None:
     head = (f"{'op':<17}{'size':<6}{'impl':<9}{'fwd ms':>11}{'bwd ms':>11}{'total ms':>11}"
-            f"{'rate':>17}{'%ceil':>8}{'x eager':>9}{'peak MiB':>10}")
+            f"{'rate':>17}{'%ceil':>8}{'x eager':>9}{'peak MiB':>10}{'peak/eager':>11}")
     print(head)
     print("-" * len(head))
     for r in rows:
         if "error" in r:
-            print(f"{r['op']:<17}{r['size']:<6}{r['impl']:<9}  {r['error']}")
+            print(f"{r['label']:<17}{r['size']:<6}{r['impl']:<9}  {r['error']}")
             continue
-        peak = "n/a" if r["peak_extra_MiB"] is None else f"{r['peak_extra_MiB']:.0f}"
-        print(f"{r['op']:<17}{r['size']:<6}{r['impl']:<9}{r['fwd_ms']:>11.3f}{r['bwd_ms']:>11.3f}"
-              f"{r['total_ms']:>11.3f}{_rate(r):>17}{r['total_pct_ceiling']:>7.1f}%"
-              f"{r.get('speedup_vs_eager', float('nan')):>9.2f}{peak:>10}")
+        pct = "n/a" if r["total_pct_ceiling"] is None else f"{r['total_pct_ceiling']:.1f}%"
+        print(f"{r['label']:<17}{r['size']:<6}{r['impl']:<9}{r['fwd_ms']:>11.3f}{r['bwd_ms']:>11.3f}"
+              f"{r['total_ms']:>11.3f}{_rate(r):>17}{pct:>8}"
+              f"{r.get('speedup_vs_eager', float('nan')):>9.2f}{r['peak_extra_MiB']:>10.1f}"
+              f"{100 * r.get('peak_vs_eager', float('nan')):>10.1f}%")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -300,15 +414,23 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None,
                    help="layer sizes (default: 8b 70b on GPU, 8b on CPU)")
     p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
-    p.add_argument("--tokens", type=int, default=None, help="tokens per microbatch (default 8192 GPU, 256 CPU)")
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20 GPU, 5 CPU)")
+    p.add_argument("--tokens", type=_positive, default=None,
+                   help="tokens per microbatch (default 8192 GPU, 256 CPU)")
+    p.add_argument("--vocab", type=_positive, default=None,
+                   help=f"linear + CE vocabulary (default: the model's on GPU, {CPU_VOCAB} on CPU)")
+    p.add_argument("--ce-chunk", type=_positive, default=None,
+                   help="tokens per chunk of the fused linear + CE (default: its own choice on GPU, "
+                        f"tokens / {CPU_CE_CHUNKS} on CPU)")
+    p.add_argument("--reps", type=_positive, default=None, help="timed repetitions (default 20 GPU, 5 CPU)")
+    p.add_argument("--warmup", type=_non_negative, default=None,
+                   help="untimed repetitions before timing (default 3 GPU, 1 CPU)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--json", type=str, default=None, help="write the results as JSON to this path")
     args = p.parse_args(argv)
-    if args.tokens is not None and args.tokens <= 0:
-        p.error(f"--tokens={args.tokens} must be positive")
-    if args.reps is not None and args.reps <= 0:
-        p.error(f"--reps={args.reps} must be positive")
+    if args.json is not None:  # fail now, not after minutes of benchmarking
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder):
+            p.error(f"--json {args.json}: folder {folder} does not exist; create it or pick another path")
     return args
 
 
@@ -318,30 +440,44 @@ def main(argv: Optional[list[str]] = None) -> dict:
     device = torch.device("cuda" if gpu else "cpu")
     tokens = args.tokens or (8192 if gpu else 256)
     reps = args.reps or (20 if gpu else 5)
-    warmup = 3 if gpu else 1
+    warmup = args.warmup if args.warmup is not None else (3 if gpu else 1)
     models = args.models or (["8b", "70b"] if gpu else ["8b"])
     if not gpu:
         torch.set_num_threads(1)  # thread CPU time then measures all of the op's work
     torch.manual_seed(0)
     ceilings = measure_ceilings(device, reps=reps)
-    print(f"device: {torch.cuda.get_device_name(device) if gpu else platform.processor() or 'cpu'}"
-          f" ({'GPU' if gpu else 'CPU reduced mode'}), torch {torch.__version__}, tokens {tokens}")
+    device_name = torch.cuda.get_device_name(device) if gpu else platform.processor() or "cpu"
+    print(f"device: {device_name} ({'GPU' if gpu else 'CPU reduced mode'}), torch {torch.__version__}, "
+          f"tokens {tokens}")
     print(f"load average (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(f"ceilings: copy {ceilings['copy_GBps']:.1f} GB/s, bf16 matmul "
           f"{ceilings['matmul_bf16_TFLOPs']:.3g} TFLOP/s (n={ceilings['matmul_n']})\n")
     rows = []
     for model in models:
         for op in args.ops:
-            case = BUILDERS[op](MODELS[model], tokens, device, gpu)
+            case = BUILDERS[op](MODELS[model], tokens, device, gpu, vocab=args.vocab, ce_chunk=args.ce_chunk)
             case.size = model
             rows += run_case(case, device, ceilings, warmup=warmup, reps=reps, use_compile=not args.no_compile)
             del case
     print_table(rows)
+    checks = goals(rows, gpu)
+    if checks:
+        print()
+    for g in checks:
+        extra = (f" ({g['excluding_input_grads_pct']:.1f}% excluding the input gradients)"
+                 if "excluding_input_grads_pct" in g else "")
+        value = "n/a" if g["value_pct"] is None else f"{g['value_pct']:.1f}%"
+        print(f"goal {g['goal']} [{g['size']}]: {value}{extra} -> {'met' if g['met'] else 'NOT met'}")
     result = {
-        "date": datetime.date.today().isoformat(), "command": " ".join(["python", "tools/bench_kernels.py"] + (argv if argv is not None else sys.argv[1:])),
-        "mode": "gpu" if gpu else "cpu-reduced", "device": torch.cuda.get_device_name(device) if gpu else platform.processor() or "cpu",
-        "cpu_count": os.cpu_count(), "load_average_1_5_15": list(os.getloadavg()), "torch": torch.__version__, "tokens": tokens, "reps": reps,
-        "ceilings": ceilings, "liger_available": _liger() is not None, "rows": rows,
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join(["python", "tools/bench_kernels.py", *(argv if argv is not None else sys.argv[1:])]),
+        "mode": "gpu" if gpu else "cpu-reduced", "device": device_name, "cpu_count": os.cpu_count(),
+        "load_average_1_5_15": list(os.getloadavg()), "torch": torch.__version__, "tokens": tokens,
+        "reps": reps, "warmup": warmup,
+        "timing": "CUDA events" if gpu else "thread CPU time, 1 torch thread",
+        "peak_memory": ("torch.cuda.max_memory_allocated - allocated before" if gpu else
+                        "profiler CPU allocator events (CPUMemoryPeak)"),
+        "ceilings": ceilings, "liger_available": _liger() is not None, "rows": rows, "goals": checks,
     }
     if args.json:
         with open(args.json, "w") as f:

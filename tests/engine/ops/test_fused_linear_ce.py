@@ -109,6 +109,53 @@ def test_opcheck_and_compile():
     torch.testing.assert_close(gw, w.grad)
 
 
+
+def _peak_bytes_fwd_bwd(fn, h, w, t, g, **kwargs):
+    """Peak extra CPU bytes of one forward + backward (the grads of h and w included)."""
+    from tools.bench_kernels import CPUMemoryPeak
+
+    h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
+    with CPUMemoryPeak() as mem:
+        loss = fn(h, w, t, **kwargs)
+        torch.autograd.backward(loss, g)  # no (loss * g).sum() temporaries
+        del loss
+    return mem.peak_bytes
+
+
+def test_peak_memory_is_one_chunk_not_all_logits():
+    """Fused (reference backend) vs unfused peak memory, fp32, T=2048, H=64, V=8192, chunk c=128.
+
+    Measured with the profiler's CPU allocator events (tools.bench_kernels.CPUMemoryPeak), which
+    see the allocations inside the torch.library op as well. Bound on the fused path, from the
+    code (e = 4 bytes, fp32):
+
+    * forward, per chunk: the logits (c, V) from the matmul, then ``z - m`` and ``exp(z - m)`` in
+      ``_chunk_stats``: at most 3 (c, V) fp32 buffers live; the (4, T) stats and the (T,) loss and
+      lse, plus the input check's (T,) masks;
+    * backward: grad_hidden (T, H) and grad_weight (V, H) (fp32 weight: accumulated in place with
+      addmm_, no separate accumulator, no final cast), and per chunk the recomputed logits (c, V)
+      with at most two (c, V) fp32 temporaries of ``_chunk_grad`` beside it (``logits - lse``,
+      ``exp``, ``- smooth``, ``dz * g``: each freed once the next exists);
+
+      fused peak <= 3*c*V*e + (T*H + V*H)*e + 64*T + 64 KiB
+
+    where 64*T bytes is slack for 16 fp32 (T,) vectors (stats, loss, lse, the lse's zero grad,
+    masks) and 64 KiB for small per-chunk vectors. Here: 12 MiB + 2.5 MiB + 192 KiB (~14.7 MiB).
+    Lower bound (the tracker is not blind to the op's insides): one (c, V) chunk and both grads.
+    The unfused path holds the (T, V) fp32 logits at least (64 MiB here), and also their
+    log-softmax and its gradients, so fused / unfused <= 10%.
+    """
+    tokens, hidden, vocab, chunk, e = 2048, 64, 8192, 128, 4
+    h, w, t, g = _inputs(tokens, hidden, vocab, seed=11)
+    fused = _peak_bytes_fwd_bwd(fused_linear_cross_entropy, h, w, t, g, chunk_size=chunk, backend="reference")
+    unfused = _peak_bytes_fwd_bwd(linear_cross_entropy_reference, h, w, t, g)
+    grads = (tokens * hidden + vocab * hidden) * e
+    bound = 3 * chunk * vocab * e + grads + 64 * tokens + 64 * 1024
+    assert chunk * vocab * e + grads <= fused <= bound, (fused, bound)
+    assert unfused >= tokens * vocab * e, unfused
+    assert fused / unfused <= 0.10, (fused, unfused)
+
+
 # ----------------------------------------------------------------------------------------------
 # Vocab-parallel: 2 gloo ranks, uneven shards, compared with the unsharded oracle
 # ----------------------------------------------------------------------------------------------

@@ -196,36 +196,61 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, *, vocab_start: int
     return loss, lse, smooth
 
 
+def _vocab_block(tokens: int, v_local: int, chunk_size: int) -> int:
+    """Weight rows per backward block: the (T, block) gradient tile holds as many elements as the
+    forward's (chunk_size, V_local) logits chunk."""
+    return max(1, min(v_local, (chunk_size * v_local) // max(tokens, 1)))
+
+
+def _add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` with the product kept at ``acc``'s precision (fp32 for bf16/fp16 operands)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif a.is_cuda:
+        # cuBLAS accumulates in fp32 and can return the fp32 result (torch >= 2.8); else upcast.
+        try:
+            acc += torch.mm(a, b, out_dtype=acc.dtype)
+        except (TypeError, RuntimeError, NotImplementedError):
+            acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
 def _backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, lse: Tensor,
               smooth: Tensor, *, vocab_start: int, ignore_index: int, label_smoothing: float,
               chunk_size: int, triton_: bool, need_hidden: bool, need_weight: bool):
-    """Returns (grad_hidden (T, H) or None, grad_weight (V_local, H) or None)."""
-    tokens = hidden.shape[0]
+    """Returns (grad_hidden (T, H) or None, grad_weight (V_local, H) or None).
+
+    Vocab blocks outside, all tokens inside: for each block of ``Vb`` weight rows the logits
+    ``(T, Vb)`` are recomputed and turned in place into d loss / d logits; then
+    ``grad_weight[block] = dz.T @ hidden`` is written once, in the weight's dtype (no (V, H)
+    accumulator and no per-chunk (V, H) temporaries), and ``grad_hidden += dz @ w_block`` goes into
+    a (T, H) accumulator (fp32 for bf16/fp16, rounded once at the end). Extra memory: one (T, Vb)
+    tile (the size of a forward chunk) plus the (T, H) accumulator.
+    """
+    tokens, v_local = hidden.shape[0], weight.shape[0]
     grad_loss = grad_loss.contiguous()
-    grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
-    grad_weight = None
-    if need_weight:
-        # Low-precision weights: accumulate chunk contributions in fp32, round once at the end.
-        acc_dtype = torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
-        grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
-    if need_hidden and weight.shape[0] == 0:  # an all-padding TP shard: no gradient to hidden
-        grad_hidden.zero_()
-    for start in range(0, tokens if weight.shape[0] else 0, chunk_size):
-        end = min(start + chunk_size, tokens)
-        h_chunk = hidden[start:end]  # (c, H)
-        dz = h_chunk @ weight.t()  # (c, V_local): recomputed logits, overwritten by their grad
-        _chunk_grad(dz, target[start:end], lse[start:end], grad_loss[start:end], smooth,
-                    vocab_start, ignore_index, label_smoothing, triton_)
-        if need_hidden:
-            torch.mm(dz, weight, out=grad_hidden[start:end])
+    low = hidden.dtype in (torch.bfloat16, torch.float16)
+    acc = (torch.zeros(hidden.shape, dtype=torch.float32 if low else hidden.dtype, device=hidden.device)
+           if need_hidden else None)  # (T, H)
+    grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_weight else None
+    block = _vocab_block(tokens, v_local, chunk_size)
+    for v0 in range(0, v_local if tokens else 0, block):
+        v1 = min(v0 + block, v_local)
+        w_block = weight[v0:v1]  # (Vb, H)
+        dz = hidden @ w_block.t()  # (T, Vb): recomputed logits, overwritten by their gradient
+        _chunk_grad(dz, target, lse, grad_loss, smooth, vocab_start + v0, ignore_index,
+                    label_smoothing, triton_)
         if need_weight:
-            if grad_weight.dtype == dz.dtype:
-                grad_weight.addmm_(dz.t(), h_chunk)
-            else:
-                grad_weight += dz.t() @ h_chunk
+            torch.mm(dz.t(), hidden, out=grad_weight[v0:v1])
+        if need_hidden:
+            _add_product(acc, dz, w_block)
         del dz
-    if grad_weight is not None:
-        grad_weight = grad_weight.to(weight.dtype)
+    if need_weight and tokens == 0:
+        grad_weight.zero_()
+    grad_hidden = None
+    if need_hidden:
+        grad_hidden = acc.to(hidden.dtype) if acc.dtype != hidden.dtype else acc
     return grad_hidden, grad_weight
 
 

@@ -19,9 +19,12 @@ Then, with ``eps = label_smoothing`` and ``V`` the full vocab size:
 
 which equals ``F.cross_entropy(..., label_smoothing=eps, reduction="none")`` on the full logits.
 
-Backward recomputes each chunk's logits (one more matmul; nothing of size tokens x vocab is
-stored), turns them in place into ``dz = g * (softmax - eps / V - (1 - eps) * onehot)`` and
-accumulates ``grad_hidden = dz @ W`` and ``grad_weight += dz.T @ h``. Under TP, ``grad_hidden`` is
+Backward recomputes the logits block by block (one more matmul; nothing of size tokens x vocab is
+stored): vocab blocks of ``Vb`` weight rows outside, all tokens inside, each (T, Vb) tile the size of
+a forward chunk. It turns each tile in place into ``dz = g * (softmax - eps / V - (1 - eps) *
+onehot)``, writes the block's ``grad_weight = dz.T @ h`` once in the weight dtype (no (V, H)
+accumulator) and adds ``dz @ W_block`` into a (T, H) accumulator for ``grad_hidden`` (fp32 for
+bf16/fp16, rounded once). Under TP, ``grad_hidden`` is
 this shard's partial sum over its vocab slice: the caller's ``copy_to_tp`` (the identity whose
 backward all-reduces) sums it over the group, as for any column-parallel linear. The backward needs
 no communication of its own.

@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from engine.checkpoint import ParamSpec, ShardingContext, param_layout
-from engine.checkpoint.format import safetensors_code
+from engine.checkpoint.format import pread_exact, safetensors_code
 from models.config import TransformerConfig
 from models.hf_layout import HFEntry, describe_problems, hf_shapes, shape_of
 from models.registry import family
@@ -323,17 +323,8 @@ class _PreadSlice:
         flat = out.reshape(outer, -1).view(torch.uint8) if out.numel() else out  # (outer, run bytes)
         for o in range(outer if out.numel() else 0):
             pos = self.offset + (o * (self.shape[dim] if self.shape else 1) + start) * inner
-            _pread_into(self.fd, memoryview(flat[o].numpy()), pos, self.key)
+            pread_exact(self.fd, memoryview(flat[o].numpy()), pos, what=f"tensor {self.key!r}")
         return out
-
-
-def _pread_into(fd: int, buf: memoryview, offset: int, key: str) -> None:
-    done = 0
-    while done < len(buf):
-        got = os.preadv(fd, [buf[done:]], offset + done)
-        if got <= 0:
-            raise ValueError(f"tensor {key!r}: the file ends early (truncated?)")
-        done += got
 
 
 # -- a safetensors file written tensor by tensor ---------------------------------------------------

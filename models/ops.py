@@ -17,7 +17,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("auto", "triton", "reference")
+from engine.ops import BACKENDS
+from engine.ops._triton import use_triton
+from engine.ops.rmsnorm import rms_norm as fused_rms_norm
+from engine.ops.rope import apply_rope as fused_apply_rope, rope_cos_sin
+from engine.ops.swiglu import swiglu as fused_swiglu
 
 
 def check_backend(backend: str) -> None:
@@ -27,19 +31,12 @@ def check_backend(backend: str) -> None:
                          "forces one of them")
 
 
-def fused(backend: str, x: torch.Tensor) -> bool:
-    """True when ``backend`` resolves to the fused kernels for tensors like ``x``."""
-    return backend == "triton" or (backend == "auto" and x.is_cuda)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None,
              backend: str = "auto"):
     """``weight * h / sqrt(mean(h^2) + eps)`` over the last dim, with ``h = x`` or, when ``residual``
     is given, ``h = x + residual`` (then returns ``(y, h)``: the new residual stream too).
     Statistics in fp32, output in x's dtype."""
-    if fused(backend, x):
-        from engine.ops.rmsnorm import rms_norm as fused_rms_norm
-
+    if use_triton(backend, x, op="rms_norm"):
         return fused_rms_norm(x, weight, eps, residual=residual, backend="triton")
     h = x if residual is None else residual + x
     dtype = h.dtype
@@ -55,9 +52,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def swiglu(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dim: (..., 2f) -> (..., f)."""
-    if fused(backend, gate_up):
-        from engine.ops.swiglu import swiglu as fused_swiglu
-
+    if use_triton(backend, gate_up, op="swiglu"):
         return fused_swiglu(gate_up, backend="triton")
     gate, up = gate_up.chunk(2, dim=-1)  # (..., f) each
     return F.silu(gate) * up
@@ -77,8 +72,6 @@ class RopeTables:
     """
 
     def __init__(self, position_ids: torch.Tensor, inv_freq: torch.Tensor):
-        from engine.ops.rope import rope_cos_sin
-
         # position_ids (b, s) or (1, s) -> (s, b) or (s,)
         positions = position_ids[0] if position_ids.shape[0] == 1 else position_ids.t()
         self.cos, self.sin = rope_cos_sin(positions, inv_freq)  # (s[, b], hd/2) fp32 each
@@ -102,9 +95,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(q: torch.Tensor, k: torch.Tensor, tables: RopeTables, *, backend: str = "auto"
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE of q (s, b, nh, hd) and k (s, b, nkv, hd); one launch for both when fused."""
-    if fused(backend, q):
-        from engine.ops.rope import apply_rope as fused_apply_rope
-
+    if use_triton(backend, q, op="apply_rope"):
         return fused_apply_rope(q, k, tables.cos, tables.sin, backend="triton")
     cos, sin = tables.expanded(q.dtype)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

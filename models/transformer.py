@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from engine.ops.fused_linear_ce import fused_linear_cross_entropy
 from models import ops
 from models.attention import (AttentionMasks, SelfAttention, document_ids_from_cu_seqlens,
                               document_ids_from_positions, positions_from_documents)
@@ -316,8 +317,6 @@ class TransformerStage(nn.Module):
         never materialising the (s, b, V_local) logits. ``x`` (s, b, h) or (s/tp, b, h) with SP;
         ``target`` (s, b). Same loss as the unfused path; the output layer's ``linear_impl`` is
         bypassed (the fused op owns that matmul)."""
-        from engine.ops.fused_linear_ce import fused_linear_cross_entropy
-
         group = self.tp_group
         # The input mapping of a column-parallel linear: identity forward, and in backward the sum of
         # every rank's partial input gradient (all-reduce, or reduce-scatter back to the SP shard).
@@ -329,7 +328,7 @@ class TransformerStage(nn.Module):
         return fused_linear_cross_entropy(
             x, weight[:valid], target, vocab_start=start,
             tp_reduce=TPReduce(group) if group.size > 1 else None,
-            backend="triton" if ops.fused(self.kernels, x) else "reference")
+            backend=self.kernels)
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """(b, s, V_local) -> (b, s, vocab_size): all TP shards, padding sliced off (collective)."""

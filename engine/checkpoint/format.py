@@ -126,6 +126,17 @@ def replace_file_atomic(path: str | os.PathLike, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def pread_exact(fd: int, buf: memoryview, offset: int, *, what: str) -> None:
+    """Fill ``buf`` from ``fd`` starting at byte ``offset`` (``os.preadv``, resumed after short
+    reads). Raises :class:`CheckpointError` ``"{what}: the file ends early (truncated?)"``."""
+    done = 0
+    while done < len(buf):
+        got = os.preadv(fd, [buf[done:]], offset + done)
+        if got <= 0:
+            raise CheckpointError(f"{what}: the file ends early (truncated?)")
+        done += got
+
+
 def sha256_file(path: str | os.PathLike, *, chunk: int = 8 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

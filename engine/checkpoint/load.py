@@ -26,8 +26,8 @@ import torch
 from safetensors import safe_open
 
 from engine.checkpoint import _dist
-from engine.checkpoint.format import (CheckpointError, dtype_name, from_json_state, read_metadata, resolve_checkpoint,
-                                      safetensors_code, sha256_file, to_json_state)
+from engine.checkpoint.format import (CheckpointError, dtype_name, from_json_state, pread_exact, read_metadata,
+                                      resolve_checkpoint, safetensors_code, sha256_file, to_json_state)
 from engine.checkpoint.sharded import Box, ShardedTensor, intersect, piece_boxes
 from parallel.comm import Group
 
@@ -242,13 +242,7 @@ def _read_header(fd: int, path: Path) -> tuple[int, dict]:
 
 
 def _pread_into(fd: int, view: torch.Tensor, offset: int, path: Path) -> None:
-    buf = memoryview(view.reshape(-1).view(torch.uint8).numpy())
-    done = 0
-    while done < len(buf):
-        got = os.preadv(fd, [buf[done:]], offset + done)
-        if got <= 0:
-            raise CheckpointError(f"cannot read {path}: file ends early (truncated?)")
-        done += got
+    pread_exact(fd, memoryview(view.reshape(-1).view(torch.uint8).numpy()), offset, what=f"cannot read {path}")
 
 
 def _execute(step_dir: Path, reads: list[_Read]) -> None:

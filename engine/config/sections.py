@@ -11,12 +11,13 @@ import math
 from dataclasses import dataclass, field
 
 from engine.config._fields import Section
+from engine.ops import BACKENDS
 
 FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral")
 # Families with learned absolute positions and plain multi-head attention (no RoPE, no GQA).
 LEARNED_POSITION_FAMILIES = ("gpt2",)
 DTYPES = ("bf16", "fp32")
-KERNELS = ("auto", "triton", "reference")
+KERNELS = BACKENDS  # model.kernels: engine/ops' backend choice
 MESH_AXES = ("dp", "pp", "cp", "tp")
 SCHEDULES = ("1f1b", "interleaved", "gpipe")
 RECOMPUTE = ("none", "selective", "full")

@@ -17,4 +17,9 @@ function shadows its module's name (``engine.ops.swiglu`` is the module).
     engine.ops.fp8_cast_transpose  fp8_cast_transpose, fp8_cast_transpose_reference
     engine.ops.cute_fp8_gemm    fp8_gemm, fp8_gemm_reference, compile_fp8_gemm  (CuTe DSL, optional
                                 extra ``cute``; cutlass is imported only when the kernel is used)
+
+The one constant defined here, ``BACKENDS``, is the ``backend=`` choice of the Triton ops, shared with
+the models' ``kernels=`` option and the run config's ``model.kernels`` (importable without Triton).
 """
+
+BACKENDS = ("auto", "triton", "reference")

@@ -26,7 +26,7 @@ try:  # The interpreter is how TRITON_INTERPRET=1 is implemented (triton >= 3.0)
 except ImportError:  # pragma: no cover - only on a Triton without the interpreter
     InterpretedFunction = _patch_lang = None
 
-BACKENDS = ("auto", "triton", "reference")
+from engine.ops import BACKENDS
 
 
 class Kernel:

@@ -249,8 +249,6 @@ def _backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor,
         if need_hidden:
             _add_product(acc, dz, w_block)
         del dz
-    if need_weight and tokens == 0:
-        grad_weight.zero_()
     grad_hidden = None
     if need_hidden:
         grad_hidden = acc.to(hidden.dtype) if acc.dtype != hidden.dtype else acc

@@ -9,7 +9,8 @@ from parallel.tensor_parallel.layers import (ColumnParallelLinear, DefaultLinear
 from parallel.tensor_parallel.sharding import (divide, full_param, gather_full, mark_replicated,
                                                set_tensor_parallel_attributes, shard_tensor, unshard_tensors)
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "TPReduce",
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
+           "TPReduce",
            "LinearImpl", "DefaultLinearImpl", "allreduce_sequence_parallel_grads", "sequence_parallel_params",
            "divide", "shard_tensor", "unshard_tensors", "gather_full", "full_param", "set_tensor_parallel_attributes",
            "mark_replicated", "check_ids", "default_init"]

@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from engine.checkpoint import ParamSpec, ShardingContext, param_layout
-from engine.checkpoint.format import pread_exact, safetensors_code
+from engine.checkpoint.format import pread_exact, read_safetensors_header, safetensors_code
 from models.config import TransformerConfig
 from models.hf_layout import HFEntry, describe_problems, hf_shapes, shape_of
 from models.registry import family
@@ -232,7 +232,7 @@ class PreadSafetensors(_MappingABC):
         for f in files:
             fd = os.open(f, os.O_RDONLY)
             self._fds.append(fd)
-            base, header = _read_header(fd, f)
+            base, header = read_safetensors_header(fd, f)
             for key, info in header.items():
                 if key == "__metadata__":
                     continue
@@ -268,18 +268,6 @@ class PreadSafetensors(_MappingABC):
 
     def __contains__(self, key) -> bool:
         return key in self._where
-
-
-def _read_header(fd: int, path) -> tuple[int, dict]:
-    head = os.pread(fd, 8, 0)
-    n = int.from_bytes(head, "little") if len(head) == 8 else -1
-    raw = os.pread(fd, n, 8) if n > 0 else b""
-    try:
-        header = json.loads(raw)
-        assert isinstance(header, dict)
-    except (ValueError, AssertionError):
-        raise ValueError(f"{path} is not a safetensors file (corrupt or truncated header)") from None
-    return 8 + n, header
 
 
 SMALL_RUN_BYTES = 16 << 10

@@ -14,7 +14,6 @@ is hashed by one rank only (the lowest rank that needs it).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +26,8 @@ from safetensors import safe_open
 
 from engine.checkpoint import _dist
 from engine.checkpoint.format import (CheckpointError, dtype_name, from_json_state, pread_exact, read_metadata,
-                                      resolve_checkpoint, safetensors_code, sha256_file, to_json_state)
+                                      read_safetensors_header, resolve_checkpoint, safetensors_code, sha256_file,
+                                      to_json_state)
 from engine.checkpoint.sharded import Box, ShardedTensor, intersect, piece_boxes
 from parallel.comm import Group
 
@@ -228,19 +228,6 @@ def _source_run(r: _Read) -> int | None:
     return None if inside is None else box.flat_start + inside
 
 
-def _read_header(fd: int, path: Path) -> tuple[int, dict]:
-    """(byte offset of the data section, header dict) of a safetensors file."""
-    head = os.pread(fd, 8, 0)
-    if len(head) != 8:
-        raise CheckpointError(f"cannot read {path}: shorter than a safetensors header")
-    n = int.from_bytes(head, "little")
-    raw = os.pread(fd, n, 8)
-    try:
-        return 8 + n, json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise CheckpointError(f"cannot read {path}: corrupt safetensors header") from None
-
-
 def _pread_into(fd: int, view: torch.Tensor, offset: int, path: Path) -> None:
     pread_exact(fd, memoryview(view.reshape(-1).view(torch.uint8).numpy()), offset, what=f"cannot read {path}")
 
@@ -260,7 +247,7 @@ def _execute(step_dir: Path, reads: list[_Read]) -> None:
         try:
             fd = os.open(p, os.O_RDONLY)
             try:
-                base, header = _read_header(fd, p)
+                base, header = read_safetensors_header(fd, p)
                 slow = []
                 for r in rs:
                     view, run = _target_view(r), _source_run(r)

@@ -1,6 +1,7 @@
 """Every user-facing checkpoint error, each with the message that names the problem and the fix."""
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -175,3 +176,37 @@ def test_leftover_temp_dir_is_ignored_with_a_warning(ckpt):
     with pytest.warns(CheckpointWarning, match="tmp_step_00000009_deadbeef: the temporary directory"):
         assert find_latest_checkpoint(root) == step_dir
     assert os.path.isdir(root / ".tmp_step_00000009_deadbeef")
+
+
+@pytest.mark.parametrize("raw,why", [
+    (b"\x01", "shorter than the 8-byte header length"),
+    ((2 ** 64 - 1).to_bytes(8, "little") + b"{}", "header length 18446744073709551615 does not fit"),
+    ((2 ** 62).to_bytes(8, "little") + b"{}", "header length 4611686018427387904 does not fit"),
+    ((4).to_bytes(8, "little") + b"[1] ", "the header is not a JSON object"),
+    ((6).to_bytes(8, "little") + b"{nope}", "the header is not JSON"),
+])
+def test_safetensors_header_garbage_is_named(tmp_path, raw, why):
+    from engine.checkpoint.format import read_safetensors_header
+
+    p = tmp_path / "x.safetensors"
+    p.write_bytes(raw)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        with pytest.raises(CheckpointError, match=re.escape(f"{p} is not a safetensors file ({why}")):
+            read_safetensors_header(fd, p)
+    finally:
+        os.close(fd)
+
+
+def test_safetensors_entry_without_offsets_is_named(tmp_path):
+    from engine.checkpoint.format import read_safetensors_header
+
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2]}}).encode()
+    p = tmp_path / "x.safetensors"
+    p.write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        with pytest.raises(CheckpointError, match="entry 'w' lacks a dtype, a shape or data_offsets"):
+            read_safetensors_header(fd, p)
+    finally:
+        os.close(fd)

@@ -91,6 +91,9 @@ class Trainer:
         self.chunks = torch.nn.ModuleList([
             build_stage(self.mesh, pre_process=s == 0, post_process=s == self.num_stages - 1, layer_range=self.stage_ranges[s])
             for s in self.my_stages])
+        # Everything this rank feeds the model or hands to a collective lives on the model's device
+        # (CUDA under NCCL); the data loaders produce CPU tensors.
+        self.device = next(self.chunks.parameters()).device
         o = cfg.optim
         self.ddp = DataParallel(self.chunks, dp_group=self.mesh.dp_cp, tp_group=self.mesh.tp,
                                 zero_stage=o.zero_stage if o.distributed else 0, bucket_size_mb=o.bucket_size_mb,
@@ -108,7 +111,7 @@ class Trainer:
         # pipeline rank 0 also runs stage pp, fed by the last rank).
         receives = any(s > 0 for s in self.my_stages)
         check_stage_shapes(self.mesh.pp, in_shape=self.act_shape if receives else None,
-                           out_shape=self.act_shape, vp=p.vp)
+                           out_shape=self.act_shape, vp=p.vp, device=self.device)
         self.train_data, self.valid_data = train_data, valid_data
         self.step = 0
         self.consumed_samples = 0
@@ -147,21 +150,26 @@ class Trainer:
         self.ddp.is_last_microbatch = False
         res = run_schedule(self.schedule, rank=self.pp_rank, pp_group=self.mesh.pp,
                            forward_step=self._forward_step(micro), act_shape=self.act_shape,
-                           dtype=next(self.chunks.parameters()).dtype, grad_sync=grad_sync)
+                           dtype=next(self.chunks.parameters()).dtype, device=self.device,
+                           grad_sync=grad_sync)
         self.ddp.is_last_microbatch = True
         return res.losses
 
     def _global_mean_loss(self, losses: list[float]) -> float:
         """Mean micro-batch loss over the global batch, known on every rank (sum over pp and dp)."""
-        t = torch.tensor([sum(losses), float(len(losses))], dtype=torch.float64)
+        t = torch.tensor([sum(losses), float(len(losses))], dtype=torch.float64, device=self.device)
         comm.all_reduce(t, self.mesh.pp)  # only the last stage has losses
         comm.all_reduce(t, self.mesh.dp_cp)
         return float(t[0] / t[1])
 
+    def _to_device(self, batch: dict) -> dict:
+        """A loader's micro-batch (CPU tensors) on the model's device."""
+        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
     def train_step(self, loader) -> StepStats:
         t0 = time.perf_counter()
         self.optimizer.zero_grad()
-        micro = [next(loader) for _ in range(self.num_micro)]
+        micro = [self._to_device(next(loader)) for _ in range(self.num_micro)]
         losses = self._pipeline(micro, train=True)
         allreduce_tied_embedding_grads(self.tied, self.mesh.embedding)
         result = self.optimizer.step()
@@ -179,7 +187,7 @@ class Trainer:
         losses = []
         try:
             for _ in range(iters):
-                micro = [next(loader) for _ in range(self.num_micro)]
+                micro = [self._to_device(next(loader)) for _ in range(self.num_micro)]
                 losses += self._forward_only(micro)
         finally:
             self.chunks.train()
@@ -197,7 +205,8 @@ class Trainer:
                 if owner != self.pp_rank:
                     continue
                 if s > 0 and (s - 1) % pp != self.pp_rank:
-                    x = comm.recv(torch.empty(self.act_shape, dtype=dtype), self.mesh.pp, src=(s - 1) % pp)
+                    x = comm.recv(torch.empty(self.act_shape, dtype=dtype, device=self.device), self.mesh.pp,
+                                  src=(s - 1) % pp)
                 out = step(self.my_stages.index(s), x, mb)
                 if s == last:
                     losses.append(float(out))
@@ -216,7 +225,7 @@ class Trainer:
 
     def _stop_requested(self) -> bool:
         """All ranks agree (max over the world) so they stop after the same step."""
-        flag = torch.tensor([1.0 if self._stop_signal is not None else 0.0])
+        flag = torch.tensor([1.0 if self._stop_signal is not None else 0.0], device=self.device)
         for g in (self.mesh.tp, self.mesh.pp, self.mesh.dp_cp):  # together they span the world
             comm.all_reduce(flag, g, op="max")
         return bool(flag.item())

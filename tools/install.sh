@@ -2,7 +2,7 @@
 # Create (or reuse) .venv and install Tessel into it, editable, with its native extensions.
 # torch is pinned and installed first: an unpinned torch would pull a multi-GB CUDA build,
 # and the build runs without isolation so it compiles against exactly this torch.
-# Usage: bash tools/install.sh [extra ...]   (extras: test, smollm2; default: test)
+# Usage: bash tools/install.sh [extra ...]   (extras: test, cute; default: test)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -2,7 +2,8 @@
 
 All communication goes through this module so that it is visible and countable. A :class:`Group`
 wraps one torch process group together with the name of the mesh axis it spans (``"tp"``,
-``"dp"``, ...) and the :class:`Ledger` of the process. Each call appends a :class:`CommRecord`.
+``"dp"``, ...) and the :class:`Ledger` of the process. Each call adds a :class:`CommRecord` to the
+ledger's per-(op, axis) totals (and to any open :meth:`Ledger.capture`).
 
 Cost model (per rank, bytes; ``p`` = group size, ``N`` = bytes of the tensor passed in):
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
@@ -42,19 +43,11 @@ class CommRecord:
     dtype: str
 
 
-@dataclass
-class Ledger:
-    """Append-only log of this rank's communication. Owned by the mesh; one per process."""
+class Records:
+    """A list of :class:`CommRecord` with queries; what :meth:`Ledger.capture` yields."""
 
-    records: list[CommRecord] = field(default_factory=list)
-    enabled: bool = True
-
-    def add(self, rec: CommRecord) -> None:
-        if self.enabled:
-            self.records.append(rec)
-
-    def reset(self) -> None:
-        self.records.clear()
+    def __init__(self, records: list[CommRecord] | None = None):
+        self.records: list[CommRecord] = records if records is not None else []
 
     def select(self, *, op: str | None = None, axis: str | None = None) -> list[CommRecord]:
         return [r for r in self.records
@@ -62,34 +55,97 @@ class Ledger:
 
     def total(self, what: str = "sent_bytes", *, op: str | None = None, axis: str | None = None) -> float:
         """Sum of ``what`` ("sent_bytes", "recv_bytes" or "payload_bytes") over matching records."""
-        if what not in ("sent_bytes", "recv_bytes", "payload_bytes"):
-            raise ValueError(f"what={what!r}: use 'sent_bytes', 'recv_bytes' or 'payload_bytes'")
+        _check_what(what)
         return sum(getattr(r, what) for r in self.select(op=op, axis=axis))
 
     def count(self, *, op: str | None = None, axis: str | None = None) -> int:
         return len(self.select(op=op, axis=axis))
 
+    def summary(self) -> dict[str, dict[str, float]]:
+        """{"op@axis": {"calls", "payload_bytes", "sent_bytes", "recv_bytes"}}."""
+        out: dict[str, dict[str, float]] = {}
+        for r in self.records:
+            _accumulate(out.setdefault(f"{r.op}@{r.axis}", _zero_totals()), r)
+        return out
+
+
+def _check_what(what: str) -> None:
+    if what not in ("sent_bytes", "recv_bytes", "payload_bytes"):
+        raise ValueError(f"what={what!r}: use 'sent_bytes', 'recv_bytes' or 'payload_bytes'")
+
+
+def _zero_totals() -> dict[str, float]:
+    return {"calls": 0, "payload_bytes": 0, "sent_bytes": 0.0, "recv_bytes": 0.0}
+
+
+def _accumulate(d: dict[str, float], r: CommRecord) -> None:
+    d["calls"] += 1
+    d["payload_bytes"] += r.payload_bytes
+    d["sent_bytes"] += r.sent_bytes
+    d["recv_bytes"] += r.recv_bytes
+
+
+class Ledger:
+    """This rank's communication, in constant memory. Owned by the mesh; one per process.
+
+    It keeps running totals per (op, axis) -- calls, payload, sent and received bytes -- however
+    long the run, so a million steps cost no more host memory than one. Individual records are
+    kept only inside a :meth:`capture` block (tests, and anything that needs the order of calls).
+    """
+
+    def __init__(self, *, enabled: bool = True):
+        self.enabled = enabled
+        self._totals: dict[tuple[str, str], dict[str, float]] = {}
+        self._captures: list[Records] = []
+
+    def add(self, rec: CommRecord) -> None:
+        if not self.enabled:
+            return
+        _accumulate(self._totals.setdefault((rec.op, rec.axis), _zero_totals()), rec)
+        for view in self._captures:
+            view.records.append(rec)
+
+    def reset(self) -> None:
+        """Zero the running totals (open captures keep their records)."""
+        self._totals.clear()
+
+    def _matching(self, op: str | None, axis: str | None):
+        return [d for (o, a), d in self._totals.items() if (op is None or o == op) and (axis is None or a == axis)]
+
+    def total(self, what: str = "sent_bytes", *, op: str | None = None, axis: str | None = None) -> float:
+        """Sum of ``what`` ("sent_bytes", "recv_bytes" or "payload_bytes") since the start (or reset)."""
+        _check_what(what)
+        return sum(d[what] for d in self._matching(op, axis))
+
+    def count(self, *, op: str | None = None, axis: str | None = None) -> int:
+        """Number of calls since the start (or reset)."""
+        return int(sum(d["calls"] for d in self._matching(op, axis)))
+
+    def by_axis(self, what: str = "sent_bytes") -> dict[str, float]:
+        """{axis: total ``what``} since the start: the per-step ``comm_bytes_<axis>`` metrics are its deltas."""
+        _check_what(what)
+        out: dict[str, float] = {}
+        for (_, axis), d in self._totals.items():
+            out[axis] = out.get(axis, 0.0) + d[what]
+        return out
+
+    def size(self) -> int:
+        """How many (op, axis) counters the ledger holds (bounded by ops x axes)."""
+        return len(self._totals)
+
     @contextlib.contextmanager
     def capture(self):
-        """Yield a fresh Ledger that receives this ledger's records made inside the block."""
-        start = len(self.records)
-        view = Ledger()
+        """Yield a :class:`Records` that receives, in order, every record made inside the block."""
+        view = Records()
+        self._captures.append(view)
         try:
             yield view
         finally:
-            view.records.extend(self.records[start:])
+            self._captures.remove(view)
 
     def summary(self) -> dict[str, dict[str, float]]:
         """{"op@axis": {"calls", "payload_bytes", "sent_bytes", "recv_bytes"}} for logging."""
-        out: dict[str, dict[str, float]] = {}
-        for r in self.records:
-            d = out.setdefault(f"{r.op}@{r.axis}", {"calls": 0, "payload_bytes": 0, "sent_bytes": 0.0,
-                                                     "recv_bytes": 0.0})
-            d["calls"] += 1
-            d["payload_bytes"] += r.payload_bytes
-            d["sent_bytes"] += r.sent_bytes
-            d["recv_bytes"] += r.recv_bytes
-        return out
+        return {f"{o}@{a}": dict(d) for (o, a), d in self._totals.items()}
 
 
 class Group:
@@ -122,6 +178,24 @@ class Group:
 
     def __repr__(self) -> str:
         return f"Group({self.axis}, rank {self.rank}/{self.size}, ranks={list(self.ranks)})"
+
+
+def as_group(group, *, axis: str, ledger: Ledger | None = None) -> Group:
+    """``group`` as a Tessel :class:`Group`: a Group is returned as is; a torch ``ProcessGroup`` (e.g.
+    from ``dist.new_group``) is wrapped under ``axis`` with its own ledger (or ``ledger``); ``None``
+    is a size-1 group. Anything else is a ValueError naming what was passed."""
+    if isinstance(group, Group):
+        return group
+    if group is None:
+        return Group.trivial(axis, ledger=ledger)
+    if isinstance(group, dist.ProcessGroup):
+        if not dist.is_initialized():
+            raise ValueError(f"{axis}_group is a torch ProcessGroup but torch.distributed is not initialised")
+        ranks = dist.get_process_group_ranks(group)
+        return Group(axis=axis, ranks=ranks, rank=dist.get_rank(group), pg=group if len(ranks) > 1 else None,
+                     ledger=ledger if ledger is not None else Ledger())
+    raise ValueError(f"{axis}_group={group!r} ({type(group).__name__}) is neither a parallel.comm.Group nor a "
+                     "torch ProcessGroup; pass mesh.<axis> from parallel.mesh.Mesh.build, or dist.new_group(...)")
 
 
 # torch >= 2.13 renamed the flat-tensor collectives; the GPU image (torch 2.11) has only the old names.

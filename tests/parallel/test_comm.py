@@ -20,6 +20,16 @@ def _exercise_all():
     g = _world_group(ledger)
     p, r = g.size, g.rank
     out = {}
+    with ledger.capture() as cap:
+        _run_each_op(g, p, r, out)
+    out["records"] = [(rec.op, rec.axis, rec.group_size, rec.payload_bytes, rec.sent_bytes, rec.recv_bytes)
+                      for rec in cap.records]
+    # The running totals agree with the captured records.
+    out["totals"] = (ledger.count(), ledger.total(), cap.total(), ledger.total("recv_bytes"), cap.total("recv_bytes"))
+    return out
+
+
+def _run_each_op(g, p, r, out):
 
     t = torch.full((12,), float(r + 1))
     comm.all_reduce(t, g)
@@ -61,10 +71,6 @@ def _exercise_all():
         w.wait()
     out["batch_p2p"] = z.tolist()
 
-    out["records"] = [(rec.op, rec.axis, rec.group_size, rec.payload_bytes, rec.sent_bytes, rec.recv_bytes)
-                      for rec in ledger.records]
-    return out
-
 
 @pytest.mark.parametrize("p", [2, 4])
 def test_ledger_and_values(p):
@@ -101,6 +107,8 @@ def test_ledger_and_values(p):
             expected += [("recv", "world", p, 7 * f32, 0.0, 7 * f32), ("send", "world", p, 7 * f32, 7 * f32, 0.0)]
         expected += [("send", "world", p, 6 * f64, 6 * f64, 0.0), ("recv", "world", p, 6 * f64, 0.0, 6 * f64)]
         assert out["records"] == expected, f"rank {r}"
+        calls, sent, cap_sent, recv, cap_recv = out["totals"]
+        assert calls == len(expected) and sent == cap_sent and recv == cap_recv
 
 
 def test_trivial_group_is_identity_and_silent():
@@ -112,7 +120,7 @@ def test_trivial_group_is_identity_and_silent():
     assert torch.equal(comm.reduce_scatter(t, g), t)
     assert torch.equal(comm.all_to_all(t, g), t)
     comm.broadcast(t, g)
-    assert ledger.records == []
+    assert ledger.count() == 0 and ledger.size() == 0
     with pytest.raises(ValueError, match="one rank, there is no peer"):
         comm.send(t, g, dst=0)
 
@@ -128,6 +136,8 @@ def test_ledger_queries_and_errors():
         ledger.add(comm.CommRecord("send", "pp", 2, 4, 4.0, 0.0, "torch.float32"))
     assert [r.op for r in cap.records] == ["send"]
     assert ledger.summary()["all_reduce@tp"]["calls"] == 1
+    assert ledger.by_axis() == {"tp": 100.0, "dp": 10.0, "pp": 4.0}
+    assert cap.summary() == {"send@pp": {"calls": 1, "payload_bytes": 4, "sent_bytes": 4.0, "recv_bytes": 0.0}}
     with pytest.raises(ValueError, match="use 'sent_bytes'"):
         ledger.total("bytes")
     with pytest.raises(ValueError, match="reduce op 'mean' unknown"):

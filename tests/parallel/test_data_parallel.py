@@ -78,8 +78,8 @@ def _mlp_reference():
     return reference_run(make_mlp(), lambda m: F.mse_loss(m(X), Y))
 
 
-def _records(ledger, start):
-    return [(r.op, r.axis, r.payload_bytes, r.sent_bytes, r.recv_bytes) for r in ledger.records[start:]]
+def _records(cap, start):
+    return [(r.op, r.axis, r.payload_bytes, r.sent_bytes, r.recv_bytes) for r in cap.records[start:]]
 
 
 def _pending_gathers(ddp):
@@ -93,7 +93,12 @@ def _layout(ddp):
 
 def _train(mesh, ddp, opt, xs, ys, *, steps, inject=None):
     """Run ``steps`` optimizer steps over this rank's micro-batches; record what the tests assert."""
-    ledger, m = mesh.ledger, len(xs)
+    with mesh.ledger.capture() as cap:
+        return _train_captured(cap, mesh, ddp, opt, xs, ys, steps=steps, inject=inject)
+
+
+def _train_captured(ledger, mesh, ddp, opt, xs, ys, *, steps, inject):
+    m = len(xs)
     marks = []  # dp reductions launched when the first layer's weight gradient is final
     start = [0]
     first = ddp.module[0].weight
@@ -411,15 +416,16 @@ def _pp_worker(configs):
 
         out = dict(norms=[], ledger=[])
         for _ in range(STEPS):
-            start = len(mesh.ledger.records)
-            opt.zero_grad()
-            ddp.is_last_microbatch = False  # the runtime re-enables it before each chunk's last backward
-            run_schedule(sched, rank=stage, pp_group=mesh.pp, forward_step=forward_step, act_shape=(cfg["mbs"], SEQ, H),
-                         dtype=torch.float32, grad_sync=lambda chunk: setattr(ddp, "is_last_microbatch", True))
-            allreduce_tied_embedding_grads(tied, mesh.embedding)
-            res = opt.step()
+            with mesh.ledger.capture() as cap:
+                opt.zero_grad()
+                ddp.is_last_microbatch = False  # the runtime re-enables it before each chunk's last backward
+                run_schedule(sched, rank=stage, pp_group=mesh.pp, forward_step=forward_step,
+                             act_shape=(cfg["mbs"], SEQ, H), dtype=torch.float32,
+                             grad_sync=lambda chunk: setattr(ddp, "is_last_microbatch", True))
+                allreduce_tied_embedding_grads(tied, mesh.embedding)
+                res = opt.step()
             out["norms"].append(res.grad_norm)
-            out["ledger"].append(_records(mesh.ledger, start))
+            out["ledger"].append(_records(cap, 0))
         out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         out["layout"] = _layout(ddp)
         out["state_bytes"] = opt.state_bytes()
@@ -516,13 +522,13 @@ def _tp_worker(configs):
                         tp_group=mesh.tp, pp_group=mesh.pp)
         norms, ledgers = [], []
         for _ in range(STEPS):
-            start = len(mesh.ledger.records)
-            opt.zero_grad()
-            for i in range(m):
-                with ddp.no_sync() if i < m - 1 else contextlib.nullcontext():
-                    (F.mse_loss(ddp(xs[i]), ys[i]) / m).backward()
-            norms.append(opt.step().grad_norm)
-            ledgers.append(_records(mesh.ledger, start))
+            with mesh.ledger.capture() as cap:
+                opt.zero_grad()
+                for i in range(m):
+                    with ddp.no_sync() if i < m - 1 else contextlib.nullcontext():
+                        (F.mse_loss(ddp(xs[i]), ys[i]) / m).backward()
+                norms.append(opt.step().grad_norm)
+            ledgers.append(_records(cap, 0))
         results[name] = dict(norms=norms, ledger=ledgers, layout=_layout(ddp),
                              params={n: full_param(p, mesh.tp).clone() for n, p in model.named_parameters()})
     return results

@@ -358,6 +358,7 @@ def build_model(hf_config: Mapping[str, Any] | TransformerConfig, *, tp_group: G
     from models.registry import config_from_hf
 
     cfg = config_from_hf(hf_config)
+    tp_group = comm.as_group(tp_group, axis="tp")
     if layer_range is None:
         layer_range = (0, cfg.num_layers)
     start, end = layer_range

@@ -19,7 +19,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group, ignore_index, label_smoothing, vocab_size):
         v_local = logits.shape[-1]
         start = group.rank * v_local
-        x = logits.to(torch.float32, copy=True)  # (..., V_local), becomes exp() then softmax in place
+        # fp64 stays fp64; half precisions and fp32 compute in fp32.
+        compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        x = logits.to(compute, copy=True)  # (..., V_local), becomes exp() then softmax in place
         n_valid_local = min(max(vocab_size - start, 0), v_local)  # columns below the true vocab size
         if n_valid_local < v_local:
             x[..., n_valid_local:] = float("-inf")  # padding never wins and gets zero gradient
@@ -72,16 +74,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, *, tp_group: Group,
                                  ignore_index: int = -100, label_smoothing: float = 0.0,
                                  vocab_size: int | None = None) -> torch.Tensor:
-    """Per-token cross-entropy, unreduced, float32, shape ``target.shape``.
+    """Per-token cross-entropy, unreduced, shape ``target.shape``: float64 for float64 logits, else float32.
 
-    ``logits_shard``: ``(..., V/tp)``, this rank's vocab shard (any float dtype; computed in fp32).
+    ``logits_shard``: ``(..., V/tp)``, this rank's vocab shard (any float dtype; computed in fp32,
+    or in fp64 for fp64 logits). ``tp_group``: a :class:`parallel.comm.Group` or a torch ProcessGroup.
     ``target``: ``(...)`` int64 global vocab ids, or ``ignore_index`` (loss and gradient 0 there).
     ``vocab_size``: the true vocabulary when the logits are padded (entries at or above it are
     excluded from the softmax and the smoothing average); default the full ``V``.
     Matches ``torch.nn.functional.cross_entropy(reduction="none")`` including label smoothing.
-    Communicates over ``tp_group`` only: one MAX all-reduce of ``target.numel()`` fp32 values and one
-    SUM all-reduce of 2x (3x with label smoothing) that many, stacked.
+    Communicates over ``tp_group`` only: one MAX all-reduce of ``target.numel()`` values (fp32, or
+    fp64) and one SUM all-reduce of 2x (3x with label smoothing) that many, stacked.
     """
+    tp_group = comm.as_group(tp_group, axis="tp")
     if logits_shard.shape[:-1] != target.shape:
         raise ValueError(f"logits shape {tuple(logits_shard.shape)} and target shape {tuple(target.shape)} "
                          "disagree: logits must be target.shape + (vocab_local,)")

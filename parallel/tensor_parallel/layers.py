@@ -119,10 +119,41 @@ def _check_dims(in_features: int, out_features: int) -> None:
 
 
 def _sharded_weight(shape_full, *, dim, stride, group, init_method, dtype, device) -> nn.Parameter:
-    full = torch.empty(shape_full, dtype=torch.float32, device=device)
-    init_method(full)
-    shard = shard_tensor(full, rank=group.rank, size=group.size, dim=dim, stride=stride)
-    return nn.Parameter(shard.to(dtype or torch.get_default_dtype()))
+    """This rank's shard of the weight ``init_method`` draws in full, as a Parameter of ``dtype``.
+
+    An ``init_method`` with ``blocks(shape, device=)`` (models' named initialisers) streams the full
+    tensor's rows and only this rank's part of each block is kept: the full weight never exists.
+    Otherwise (any plain ``init(full)`` callable) the full fp32 tensor is filled and sliced.
+    """
+    dtype = dtype or torch.get_default_dtype()
+    blocks = getattr(init_method, "blocks", None)
+    if blocks is None or group.size == 1:
+        full = torch.empty(shape_full, dtype=torch.float32, device=device)
+        init_method(full)
+        shard = shard_tensor(full, rank=group.rank, size=group.size, dim=dim, stride=stride)
+        return nn.Parameter(shard.to(dtype))
+    n = shape_full[dim]
+    if n % (group.size * stride):
+        raise ValueError(f"dim {dim} of size {n} cannot be split into {stride} block(s) x {group.size} ranks")
+    local_shape = list(shape_full)
+    local_shape[dim] //= group.size
+    shard = torch.empty(local_shape, dtype=dtype, device=device)
+    block_len = n // stride  # each logical block along `dim` is split over the ranks
+    part = block_len // group.size
+    # Full-tensor index ranges along `dim` this rank holds, and where they go in the shard.
+    mine = [(j * block_len + group.rank * part, j * part) for j in range(stride)]
+    with torch.no_grad():
+        for row0, block in blocks(tuple(shape_full), device=device):
+            row1 = row0 + block.shape[0]
+            if dim == 0:
+                for start, at in mine:
+                    a, b = max(start, row0), min(start + part, row1)
+                    if a < b:
+                        shard[at + a - start:at + b - start].copy_(block[a - row0:b - row0])
+            else:
+                for start, at in mine:  # (rows, cols): keep this rank's columns of every row
+                    shard[row0:row1].narrow(dim, at, part).copy_(block.narrow(dim, start, part))
+    return nn.Parameter(shard)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -137,6 +168,7 @@ class ColumnParallelLinear(nn.Module):
                  gather_output: bool = False, sequence_parallel: bool = False, dtype=None, device=None,
                  partition_stride: int = 1, init_method: InitMethod | None = None, impl: LinearImpl | None = None):
         super().__init__()
+        tp_group = comm.as_group(tp_group, axis="tp")
         _check_dims(in_features, out_features)
         divide(out_features, tp_group.size * partition_stride, what="ColumnParallelLinear out_features",
                fix=f"choose a tensor-parallel size dividing {out_features // max(partition_stride, 1)}")
@@ -177,6 +209,7 @@ class RowParallelLinear(nn.Module):
                  input_is_parallel: bool = True, sequence_parallel: bool = False, dtype=None, device=None,
                  init_method: InitMethod | None = None, impl: LinearImpl | None = None):
         super().__init__()
+        tp_group = comm.as_group(tp_group, axis="tp")
         _check_dims(in_features, out_features)
         divide(in_features, tp_group.size, what="RowParallelLinear in_features",
                fix=f"choose a tensor-parallel size dividing {in_features}")
@@ -221,6 +254,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: Group, sequence_parallel: bool = False,
                  dtype=None, device=None, init_method: InitMethod | None = None):
         super().__init__()
+        tp_group = comm.as_group(tp_group, axis="tp")
         _check_dims(num_embeddings, embedding_dim)
         divide(num_embeddings, tp_group.size, what="VocabParallelEmbedding num_embeddings",
                fix="pad the vocabulary to a multiple of the TP size (make_vocab_size_divisible_by)")

@@ -31,6 +31,7 @@ from engine.checkpoint.format import pread_exact, read_safetensors_header, safet
 from models.config import TransformerConfig
 from models.hf_layout import HFEntry, describe_problems, hf_shapes, shape_of
 from models.registry import family
+from parallel.pipeline.split import split_layers
 
 MODEL_PREFIX = "model."
 TIED_EMBEDDING = "embedding.word_embeddings.weight"
@@ -57,25 +58,11 @@ def model_param_spec(name: str, param: torch.Tensor) -> ParamSpec:
 
 
 def stage_layer_ranges(num_layers: int, pp: int, layout: Sequence[int] | None = None) -> list[tuple[int, int]]:
-    """Global layer range of each pipeline stage: ``layout`` (layer counts) if given, else an even split
-    with the remainder on the first stages (any split holds the same keys)."""
-    if not isinstance(pp, int) or pp < 1:
+    """Global layer range of each pipeline stage: :func:`parallel.pipeline.split.split_layers`, the
+    trainer's rule (``layout`` if given, else an even split with the remainder on the first stages)."""
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
         raise ValueError(f"pp={pp!r} must be an integer >= 1")
-    if layout is not None:
-        layout = [int(n) for n in layout]
-        if len(layout) != pp or sum(layout) != num_layers or min(layout) < 0:
-            raise ValueError(f"pipeline layout {layout} must give {pp} non-negative layer counts (one per pipeline "
-                             f"stage) summing to num_layers={num_layers}")
-        counts = layout
-    else:
-        if pp > num_layers:
-            raise ValueError(f"pp={pp} exceeds num_layers={num_layers}: every stage needs a layer; lower pp")
-        counts = [num_layers // pp + (1 if s < num_layers % pp else 0) for s in range(pp)]
-    out, start = [], 0
-    for c in counts:
-        out.append((start, start + c))
-        start += c
-    return out
+    return split_layers(num_layers, pp, layout)
 
 
 def tessel_full_shape(entry: HFEntry, cfg: TransformerConfig, *, padded_vocab: int) -> tuple[int, ...]:

@@ -415,3 +415,19 @@ class Optimizer:
     def state_bytes(self) -> int:
         """Optimizer-state bytes on this rank (fp32 masters when separate, exp_avg, exp_avg_sq)."""
         return self.dist.state_bytes()
+
+    # -- state (the checkpoint composes it) ------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The optimizer's counters (JSON); its tensors are :meth:`state_shards`."""
+        return {"steps": self.step_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.dist.step_count = int(state["steps"])
+
+    def state_shards(self) -> list[dict]:
+        """This rank's masters and moments as flat shards per buffer (see ``DistributedOptimizer.state_shards``)."""
+        return self.dist.state_shards()
+
+    def reset_masters_from_params(self) -> None:
+        """Re-derive the fp32 masters from the parameters (after loading weights only)."""
+        self.dist.load_masters_from_params()

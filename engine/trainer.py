@@ -1,62 +1,41 @@
-"""The training loop over TP x PP x DP: mesh, pipeline stages, data parallelism, data, metrics.
+"""The training loop: steps, evaluation, logging, and the save and stop policy.
 
-The engine is model-agnostic: the caller (tools/pretrain.py) passes ``build_stage``, which builds
-the module of one virtual pipeline stage, and a :class:`engine.metrics.FlopsSpec`. A stage module
-follows the models/ contract: ``forward(input, *, labels=None, position_ids=None, loss_mask=None)``
-takes token ids (b, s) on the first stage or the hidden state (s, b, h) (``(s/tp, b, h)`` with
-sequence parallelism) elsewhere, and returns the hidden state, or on the last stage the per-token
-loss (b, s) already multiplied by ``loss_mask``.
+The parts come from the assembly line (:func:`engine.assembly.build_run`): the mesh, this rank's model
+chunks (one per virtual pipeline stage), data parallelism, the optimizer and the schedule. A stage
+module follows the models/ contract: ``forward(input, *, labels=None, position_ids=None,
+loss_mask=None)`` takes token ids (b, s) on the first stage or the hidden state (s, b, h)
+(``(s/tp, b, h)`` with sequence parallelism) elsewhere, and returns the hidden state, or on the last
+stage the per-token loss (b, s) already multiplied by ``loss_mask``.
 
 One step: every pipeline rank loads the same ``m`` micro-batches of its dp slice, runs its action
 list (:func:`parallel.pipeline.runtime.run_schedule`), sums the tied embedding gradients over the
 embedding group, and the optimizer finishes the (bucketed, overlapped) data-parallel reduction,
-clips by the global norm and steps. The logged loss is the mean over the global batch.
+clips by the global norm and steps.
+
+The loss is normalised by the loss tokens of the GLOBAL batch (every micro-batch, pipeline and
+data-parallel rank): micro-batch ``i`` with ``n_i`` loss tokens backpropagates its token mean times
+``w_i = n_i * m * dp / N`` (the runtime divides by ``m``, data parallelism averages over ``dp``), so
+the gradient is that of ``sum(token losses) / N``; the logged loss is that same number. With equal
+counts every ``w_i`` is exactly 1.0.
 """
 from __future__ import annotations
 
 import math
-import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from engine import metrics as M
 from engine.config import TesselConfig
 from engine.optim import Optimizer
 from parallel import comm
 from parallel.data_parallel import DataParallel
-from parallel.mesh import Mesh, ParallelDims
-from parallel.pipeline import build_schedule
+from parallel.mesh import Mesh
+from parallel.pipeline import Schedule
 from parallel.pipeline.runtime import allreduce_tied_embedding_grads, check_stage_shapes, run_schedule
-
-BuildStage = Callable[..., torch.nn.Module]  # (mesh, *, pre_process, post_process, layer_range) -> module
-
-
-def split_layers(num_layers: int, num_stages: int, layout: list[int] | None = None) -> list[tuple[int, int]]:
-    """Global layer range (start, end) of each virtual stage: uniform, or an explicit layout."""
-    if layout:
-        if len(layout) != num_stages:
-            raise ValueError(f"parallel.pipeline_layout has {len(layout)} entries but the pipeline has "
-                             f"pp*vp = {num_stages} virtual stages; give one layer count per stage")
-        if sum(layout) != num_layers or min(layout) < 0:
-            raise ValueError(f"parallel.pipeline_layout={layout} must be non-negative and sum to "
-                             f"num_layers={num_layers}")
-        counts = list(layout)
-    else:
-        if num_layers % num_stages:
-            raise ValueError(f"num_layers={num_layers} does not divide across pp*vp = {num_stages} virtual stages; "
-                             f"set parallel.pipeline_layout (e.g. fewer layers on the first and last stage) or "
-                             f"change pp/vp")
-        counts = [num_layers // num_stages] * num_stages
-    out, start = [], 0
-    for c in counts:
-        out.append((start, start + c))
-        start += c
-    return out
 
 
 @dataclass
@@ -67,66 +46,89 @@ class StepStats:
     grad_norm: float
     applied: bool
     seconds: float
+    comm_bytes: dict[str, float] | None = None  # bytes this rank sent during the step, per mesh axis
 
 
 class Trainer:
-    """Builds everything from ``cfg`` for this rank and runs the loop (``train()``)."""
+    """Runs the loop over parts built by :func:`engine.assembly.build_run`; owns the step counters."""
 
-    def __init__(self, cfg: TesselConfig, *, build_stage: BuildStage, flops: M.FlopsSpec, num_layers: int,
-                 hidden_size: int, run_dir: str | None, train_data=None, valid_data=None,
-                 log_stream=None, extra_state: dict[str, Any] | None = None):
-        if cfg.parallel.cp != 1:
-            raise ValueError(f"parallel.cp={cfg.parallel.cp}: context parallelism is not implemented yet; use cp=1")
-        world = dist.get_world_size() if dist.is_initialized() else 1
+    def __init__(self, cfg: TesselConfig, *, mesh: Mesh, chunks: torch.nn.ModuleList, stages: list[int],
+                 num_stages: int, ddp: DataParallel, optimizer: Optimizer, schedule: Schedule,
+                 act_shape: tuple[int, int, int], flops_per_step: float, logger: M.MetricsLogger,
+                 peak: tuple[float, str], param_spec: Callable | None = None):
         self.cfg = cfg
-        self.dp = cfg.validate_world(world)
-        p = cfg.parallel
-        self.mesh = Mesh.build(ParallelDims(dp=self.dp, pp=p.pp, cp=p.cp, tp=p.tp, ep=p.ep), order=p.order)
-        self.rank = self.mesh.rank
-        self.pp_rank = self.mesh.coords["pp"]
-        self.num_stages = p.pp * p.vp
-        self.stage_ranges = split_layers(num_layers, self.num_stages, p.pipeline_layout)
-        self.my_stages = [s for s in range(self.num_stages) if s % p.pp == self.pp_rank]
-        torch.manual_seed(cfg.train.seed)
-        self.chunks = torch.nn.ModuleList([
-            build_stage(self.mesh, pre_process=s == 0, post_process=s == self.num_stages - 1, layer_range=self.stage_ranges[s])
-            for s in self.my_stages])
+        self.mesh = mesh
+        self.dp = mesh.dims.dp
+        self.rank = mesh.rank
+        self.pp_rank = mesh.coords["pp"]
+        self.chunks = chunks
+        self.my_stages = stages
+        self.num_stages = num_stages
+        self.ddp = ddp
+        self.optimizer = optimizer
+        self.schedule = schedule
+        self.num_micro = schedule.microbatches
+        self.act_shape = act_shape
+        self.flops_per_step = flops_per_step
+        self.logger = logger
+        self.peak_tflops, self.peak_source = peak
+        self.param_spec = param_spec  # checkpoint keys of the chunks' parameters (from models/)
         # Everything this rank feeds the model or hands to a collective lives on the model's device
         # (CUDA under NCCL); the data loaders produce CPU tensors.
-        self.device = next(self.chunks.parameters()).device
-        o = cfg.optim
-        self.ddp = DataParallel(self.chunks, dp_group=self.mesh.dp_cp, tp_group=self.mesh.tp,
-                                zero_stage=o.zero_stage if o.distributed else 0, bucket_size_mb=o.bucket_size_mb,
-                                overlap_grad_reduce=o.overlap_grad_reduce,
-                                overlap_param_gather=o.overlap_param_gather and o.distributed)
-        self.optimizer = Optimizer.from_config(self.ddp, o, total_steps=cfg.train.steps, tp_group=self.mesh.tp,
-                                               pp_group=self.mesh.pp)
-        self.tied = [q for q in self.chunks.parameters() if getattr(q, "shared_embedding", False)]
-        t = cfg.train
-        self.num_micro = cfg.num_microbatches(self.dp)
-        self.schedule = build_schedule(p.schedule, pp=p.pp, vp=p.vp, microbatches=self.num_micro)
-        sp = p.sequence_parallel and p.tp > 1
-        self.act_shape = (t.seq_length // p.tp if sp else t.seq_length, t.micro_batch_size, hidden_size)
+        self.device = next(chunks.parameters()).device
+        self.dtype = next(chunks.parameters()).dtype
+        self.tied = [q for q in chunks.parameters() if getattr(q, "shared_embedding", False)]
         # A rank receives activations if any of its virtual stages is not stage 0 (with vp > 1,
         # pipeline rank 0 also runs stage pp, fed by the last rank).
-        receives = any(s > 0 for s in self.my_stages)
-        check_stage_shapes(self.mesh.pp, in_shape=self.act_shape if receives else None,
-                           out_shape=self.act_shape, vp=p.vp, device=self.device)
-        self.train_data, self.valid_data = train_data, valid_data
+        receives = any(s > 0 for s in stages)
+        check_stage_shapes(mesh.pp, in_shape=act_shape if receives else None, out_shape=act_shape,
+                           vp=cfg.parallel.vp, device=self.device)
         self.step = 0
         self.consumed_samples = 0
-        self.flops_per_step = M.model_flops_per_step(flops, batch_size=t.global_batch_size, seq_length=t.seq_length)
-        self.run_dir = run_dir
-        self.extra_state = extra_state or {}
-        self.logger = M.MetricsLogger(run_dir, enabled=self.rank == 0, total_steps=t.steps,
-                                      jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
-                                      progress_bar=cfg.logging.progress_bar, stream=log_stream)
-        dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
-        self.peak_tflops, self.peak_source = M.peak_tflops(override=cfg.logging.peak_tflops, dtype=dtype)
         self._stop_signal: int | None = None
 
+    # -- state (the checkpoint composes it) ------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"step": self.step, "consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.consumed_samples = int(state["consumed_samples"])
+
+    def rng_state(self) -> dict:
+        """This rank's random streams: torch's generators and each chunk's TP-aware tracker."""
+        state = {"torch_cpu": torch.get_rng_state(),
+                 "trackers": [m.rng.get_states() if hasattr(m, "rng") else {} for m in self.chunks]}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["torch_cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_rng_state(self, state: dict) -> None:
+        torch.set_rng_state(state["torch_cpu"])
+        if "torch_cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["torch_cuda"])
+        for m, tracker_state in zip(self.chunks, state["trackers"]):
+            if hasattr(m, "rng") and tracker_state:
+                m.rng.set_states(tracker_state)
+
+    def layout(self) -> dict:
+        """The parallel layout that decides whether per-rank state (RNG) can be restored as is."""
+        d = self.mesh.dims
+        return {"dp": d.dp, "pp": d.pp, "tp": d.tp, "cp": d.cp, "ep": d.ep, "vp": self.cfg.parallel.vp,
+                "order": "-".join(self.mesh.order), "zero": bool(self.ddp.sharded), "world_size": self.mesh.world_size}
+
     # -- one step --------------------------------------------------------------------------------------
-    def _forward_step(self, micro: list[dict[str, torch.Tensor]]):
+    def _loss_weights(self, micro: list[dict[str, torch.Tensor]]) -> list[float]:
+        """``w_i = n_i * m * dp / N`` per micro-batch (see the module docstring); one SUM all-reduce of
+        one float64 over the data-parallel ranks (every pipeline rank of a dp slice loads the same data)."""
+        counts = [float(mb["loss_mask"].sum()) for mb in micro]
+        total = torch.tensor([sum(counts)], dtype=torch.float64, device=self.device)
+        comm.all_reduce(total, self.mesh.dp_cp)
+        n_global = float(total)
+        scale = len(micro) * self.mesh.dp_cp.size
+        return [c * scale / n_global if n_global > 0 else 0.0 for c in counts]
+
+    def _forward_step(self, micro: list[dict[str, torch.Tensor]], weights: list[float] | None = None):
         last = self.num_stages - 1
 
         def step(chunk: int, x, mb: int):
@@ -138,10 +140,12 @@ class Trainer:
                 return module(inp, position_ids=batch["position_ids"])
             loss = module(inp, labels=batch["labels"], position_ids=batch["position_ids"],
                           loss_mask=batch["loss_mask"])  # (b, s), masked
-            return loss.sum() / batch["loss_mask"].sum().clamp(min=1)
+            mean = loss.sum() / batch["loss_mask"].sum().clamp(min=1)
+            return mean if weights is None else mean * weights[mb]
         return step
 
     def _pipeline(self, micro, *, train: bool) -> list[float]:
+        weights = self._loss_weights(micro)
         grad_sync = None
         if train and self.cfg.parallel.vp == 1:
             # Reduce buckets during the last backward (overlap); earlier micro-batches only accumulate.
@@ -149,14 +153,14 @@ class Trainer:
                 self.ddp.is_last_microbatch = True
         self.ddp.is_last_microbatch = False
         res = run_schedule(self.schedule, rank=self.pp_rank, pp_group=self.mesh.pp,
-                           forward_step=self._forward_step(micro), act_shape=self.act_shape,
-                           dtype=next(self.chunks.parameters()).dtype, device=self.device,
-                           grad_sync=grad_sync)
+                           forward_step=self._forward_step(micro, weights), act_shape=self.act_shape,
+                           dtype=self.dtype, device=self.device, grad_sync=grad_sync)
         self.ddp.is_last_microbatch = True
         return res.losses
 
     def _global_mean_loss(self, losses: list[float]) -> float:
-        """Mean micro-batch loss over the global batch, known on every rank (sum over pp and dp)."""
+        """The global batch's token-weighted loss, known on every rank: the weighted micro-batch means
+        summed over pp and dp, divided by the number of micro-batches in the global batch."""
         t = torch.tensor([sum(losses), float(len(losses))], dtype=torch.float64, device=self.device)
         comm.all_reduce(t, self.mesh.pp)  # only the last stage has losses
         comm.all_reduce(t, self.mesh.dp_cp)
@@ -168,6 +172,7 @@ class Trainer:
 
     def train_step(self, loader) -> StepStats:
         t0 = time.perf_counter()
+        sent_before = self.mesh.ledger.by_axis()
         self.optimizer.zero_grad()
         micro = [self._to_device(next(loader)) for _ in range(self.num_micro)]
         losses = self._pipeline(micro, train=True)
@@ -176,12 +181,14 @@ class Trainer:
         loss = self._global_mean_loss(losses)
         self.step += 1
         self.consumed_samples += self.cfg.train.global_batch_size
+        sent = self.mesh.ledger.by_axis()
+        comm_bytes = {axis: sent[axis] - sent_before.get(axis, 0.0) for axis in sent}
         return StepStats(step=self.step, loss=loss, lr=result.lr, grad_norm=result.grad_norm,
-                         applied=result.applied, seconds=time.perf_counter() - t0)
+                         applied=result.applied, seconds=time.perf_counter() - t0, comm_bytes=comm_bytes)
 
     @torch.no_grad()
     def evaluate(self, loader, iters: int) -> float:
-        """Mean loss over ``iters`` global batches of ``loader`` (forward only, stage by stage)."""
+        """Mean over ``iters`` global batches of ``loader`` of each batch's token-weighted loss (forward only)."""
         self.ddp.finish_param_sync()
         self.chunks.eval()
         losses = []
@@ -195,8 +202,8 @@ class Trainer:
 
     def _forward_only(self, micro) -> list[float]:
         pp, last = self.cfg.parallel.pp, self.num_stages - 1
-        dtype = next(self.chunks.parameters()).dtype
-        step = self._forward_step(micro)
+        dtype = self.dtype
+        step = self._forward_step(micro, self._loss_weights(micro))
         losses = []
         for mb in range(len(micro)):
             x = None
@@ -226,15 +233,14 @@ class Trainer:
     def _stop_requested(self) -> bool:
         """All ranks agree (max over the world) so they stop after the same step."""
         flag = torch.tensor([1.0 if self._stop_signal is not None else 0.0], device=self.device)
-        for g in (self.mesh.tp, self.mesh.pp, self.mesh.dp_cp):  # together they span the world
-            comm.all_reduce(flag, g, op="max")
+        comm.all_reduce(flag, self.mesh.world, op="max")
         return bool(flag.item())
 
     def log_start(self) -> None:
         c = self.cfg
         self.logger.info(
             f"tessel: world {self.mesh.world_size} = dp {self.dp} x pp {c.parallel.pp} x tp {c.parallel.tp}"
-            f" (vp {c.parallel.vp}, schedule {c.parallel.schedule}, sp {c.parallel.sequence_parallel}),"
+            f" (vp {c.parallel.vp}, schedule {c.parallel.schedule}, sp {c.parallel.sequence_parallel and c.parallel.tp > 1}),"
             f" {self.num_micro} micro-batches of {c.train.micro_batch_size} x {c.train.seq_length} per rank per step")
         n_params = sum(q.numel() for q in self.chunks.parameters())
         self.logger.info(f"tessel: rank 0 holds {n_params:,} parameters; model FLOPs/step "
@@ -261,7 +267,8 @@ class Trainer:
                                  "tokens_per_s": tokens_per_step / st.seconds, "tflops_per_device": tflops,
                                  "mfu": tflops / self.peak_tflops, "mem_bytes": M.memory_bytes(),
                                  "step_time_s": st.seconds, "skipped": 0 if st.applied else 1,
-                                 "consumed_samples": self.consumed_samples})
+                                 "consumed_samples": self.consumed_samples,
+                                 **{f"comm_bytes_{axis}": b for axis, b in sorted((st.comm_bytes or {}).items())}})
             if on_step is not None:
                 on_step(self, st)
             if valid_loader is not None and c.eval_interval and self.step % c.eval_interval == 0:
@@ -281,11 +288,3 @@ class Trainer:
         self.logger.close()
         return history
 
-
-def barrier_all() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def env_world() -> tuple[int, int]:
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))

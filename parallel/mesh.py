@@ -103,6 +103,7 @@ class Mesh:
         dims = ParallelDims()
         ledger = Ledger()
         groups = {name: Group.trivial(name, ledger=ledger) for name in _GROUP_AXES}
+        groups["world"] = Group.trivial("world", ledger=ledger)
         return cls(dims, rank=0, groups=groups, ledger=ledger)
 
     @classmethod
@@ -133,6 +134,9 @@ class Mesh:
                     groups[name] = Group(axis=name, ranks=ranks, rank=ranks.index(rank), pg=pg, ledger=ledger)
             if name not in groups:  # e.g. a middle pipeline stage is in no embedding group
                 groups[name] = Group.trivial(name, ledger=ledger, global_rank=rank)
+        # Every rank (checkpoints, stop agreement): the default process group, no new one.
+        groups["world"] = Group(axis="world", ranks=range(world), rank=rank,
+                                pg=dist.group.WORLD if world > 1 else None, ledger=ledger)
         return cls(dims, rank=rank, order=order, groups=groups, ledger=ledger)
 
     # -- access ----------------------------------------------------------------------------------

@@ -87,10 +87,9 @@ def _side_kernels(name: str, args) -> tuple[str, str]:
 
 def _tessel_trainer(args, *, kernels: str = "auto", fused_ce: str = "auto"):
     """A Trainer for TP=PP=DP=1 from the CPU preset with the benchmark's shapes (as tools/pretrain.py)."""
+    from engine.assembly import build_run
     from engine.config import load_config
-    from engine.trainer import Trainer
-    from models import build_model, config_from_hf
-    from tools.pretrain import flops_spec, hf_config_dict
+    from models.hook import ModelHook, hf_config_from_run
 
     fce = FUSED_CE[fused_ce]
     overrides = [
@@ -108,19 +107,13 @@ def _tessel_trainer(args, *, kernels: str = "auto", fused_ce: str = "auto"):
     ]
     cfg = load_config("tiny_llama_cpu", overrides)
     cfg.validate_world(1)
-    hf = hf_config_dict(cfg.model, vocab_size=args.vocab)
+    hf = hf_config_from_run(cfg.model, vocab_size=args.vocab)
     device, dtype = args.device, DTYPES[args.dtype]  # the HF side runs on the same device
-
-    def build_stage(mesh, *, pre_process, post_process, layer_range):
-        return build_model(hf, tp_group=mesh.tp, sequence_parallel=False, pre_process=pre_process,
-                           post_process=post_process, layer_range=layer_range, dtype=dtype,
-                           device=device, seed=cfg.train.seed,
-                           make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
-                           kernels=kernels, fused_cross_entropy=fce)
-
-    mcfg = config_from_hf(hf)
-    trainer = Trainer(cfg, build_stage=build_stage, flops=flops_spec(mcfg), num_layers=mcfg.num_layers,
-                      hidden_size=mcfg.hidden_size, run_dir=None, log_stream=io.StringIO())
+    model = ModelHook.from_hf(hf, dtype=dtype, sequence_parallel=False, seed=cfg.train.seed,
+                              make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+                              kernels=kernels, fused_cross_entropy=fce)
+    trainer = build_run(cfg, model=model, world=1, data=False, checkpoints=False, log_stream=io.StringIO(),
+                        device=device).trainer
     return trainer, hf, cfg
 
 

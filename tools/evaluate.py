@@ -32,7 +32,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from engine.checkpoint import (CheckpointError, ShardingContext, load_checkpoint, module_sharded_tensors,  # noqa: E402
-                               read_metadata, resolve_checkpoint, world_group)
+                               read_metadata, resolve_checkpoint)
 from parallel import comm  # noqa: E402
 from parallel.mesh import Mesh, ParallelDims, init_distributed  # noqa: E402
 
@@ -227,7 +227,7 @@ def run_evaluate(argv: list[str] | None = None) -> dict:
         raise ValueError(f"checkpoint {step_dir} stores no model_config; pass --config CONFIG.JSON")
     cfg, stage = build_stage(model_config, mesh, opts, device=device)
     tensors = module_sharded_tensors(stage, ctx=ShardingContext.from_mesh(mesh), hook=model_param_spec)
-    load_checkpoint(step_dir, tensors=tensors, group=world_group(ledger=mesh.ledger), strict=True,
+    load_checkpoint(step_dir, tensors=tensors, group=mesh.world, strict=True,
                     verify=not args.no_verify, allow_dtype_cast=True)
 
     flat = False

@@ -2,7 +2,7 @@
 
 A trainer builds one :class:`Checkpointer` per run and calls, on every rank at the same points::
 
-    ckpt = Checkpointer(cfg.dir, group=world_group(ledger=mesh.ledger), keep_last=3, async_save=True)
+    ckpt = Checkpointer(cfg.dir, group=mesh.world, keep_last=3, async_save=True)
     result = ckpt.load(tensors=...)           # auto-resume: newest complete checkpoint, or None
     for step in ...:
         train_step()
@@ -39,7 +39,7 @@ class Checkpointer:
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last={keep_last!r} must be an int >= 1, or None to keep every checkpoint")
         self.root = Path(root)
-        self.group = group
+        self.group = group if group is not None and group.size > 1 else None  # one process: no collectives
         self.keep_last = keep_last
         self.async_save = bool(async_save)
         self._pool = StagingPool()

@@ -248,13 +248,15 @@ class FlatShard:
 
 
 def flat_buffer_sharded_tensors(placements: Sequence[tuple[ParamLayout, int, int]], shards: Sequence[FlatShard], *,
-                                prefix: str = "optimizer.") -> list[ShardedTensor]:
-    """ShardedTensors for a distributed optimizer's state.
+                                prefix: str = "optimizer.", dp_replicated: bool = False) -> list[ShardedTensor]:
+    """ShardedTensors for a data-parallel optimizer's state.
 
     ``placements``: each parameter's layout and its ``[start, end)`` in the flat buffer (padding
     between parameters is never saved). ``shards``: the ranges this rank owns (one per bucket) with
     a 1-D tensor per state name (``"exp_avg"``, ``"master"``...). Each saved key is
     ``f"{prefix}{state}.{logical key}"``; pieces carry ``flat_range`` into the parameter's local tensor.
+    ``dp_replicated``: the state is NOT sharded over data parallelism (the plain optimizer: every dp
+    rank holds all of it), so dp ranks other than the first hold replicas, like the weights.
     """
     out: list[ShardedTensor] = []
     for shard in shards:
@@ -273,5 +275,6 @@ def flat_buffer_sharded_tensors(placements: Sequence[tuple[ParamLayout, int, int
                 continue
             for state, t in shard.states.items():
                 out.extend(layout.sharded_flat(t[s - shard.start:e - shard.start], start=s - ps, end=e - ps,
-                                               prefix=f"{prefix}{state}."))
+                                               prefix=f"{prefix}{state}.",
+                                               replica_id=layout.replica_id if dp_replicated else None))
     return out

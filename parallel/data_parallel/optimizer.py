@@ -190,7 +190,8 @@ class DistributedOptimizer:
         """This rank's optimizer state for checkpointing, per parameter buffer (one per dtype).
 
         Each entry: ``{"dtype", "placements": [(name, start, end)], "shards": [(start, end, {"master",
-        "exp_avg", "exp_avg_sq"})]}``; offsets are in the flat buffer (padding between parameters is in
+        "exp_avg", "exp_avg_sq"})], "dp_replicated"}``; ``dp_replicated`` is True when the state is not
+        sharded over data parallelism (ZeRO off: every dp rank holds all of it); offsets are in the flat buffer (padding between parameters is in
         no placement), each shard is the owned range of one bucket and its state tensors are 1-D views
         of ``end - start`` fp32 elements: saving reads them, loading copies into them (then call
         :meth:`refresh_params`). Matches ``engine.checkpoint.flat_buffer_sharded_tensors``' inputs.
@@ -204,5 +205,6 @@ class DistributedOptimizer:
                 if obuf is buf:
                     lo, hi = self.ddp.owned_range(b)
                     shards.append((b.start + lo, b.start + hi, {"master": master, "exp_avg": m, "exp_avg_sq": v}))
-            out.append({"dtype": buf.dtype, "placements": placements, "shards": shards})
+            out.append({"dtype": buf.dtype, "placements": placements, "shards": shards,
+                        "dp_replicated": not self.ddp.sharded})
         return out

@@ -17,10 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint import Checkpointer, world_group
+from engine.checkpoint import Checkpointer
 from engine.checkpoint.trainer_state import load_trainer, save_trainer
 from engine.config.loader import load_config
-from engine.data.loader import DataParallelLoader
 from parallel.testing import run_distributed
 
 HF = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -43,9 +42,8 @@ class _Tokens:
 
 
 def _trainer(*, tp, pp, distributed, dropout=0.0):
-    from engine.trainer import Trainer
-    from models import build_model, config_from_hf
-    from tools.pretrain import flops_spec
+    from engine.assembly import build_run
+    from models.hook import ModelHook
 
     cfg = load_config("tiny_llama_cpu", [
         f"parallel.tp={tp}", f"parallel.pp={pp}", "parallel.dp=-1", "parallel.sequence_parallel=true",
@@ -59,17 +57,10 @@ def _trainer(*, tp, pp, distributed, dropout=0.0):
         "model.num_attention_heads=4", "model.num_key_value_heads=4", "model.ffn_hidden_size=64",
         "model.vocab_size=200", "model.tie_word_embeddings=true"])
 
-    def build_stage(mesh, *, pre_process, post_process, layer_range):
-        return build_model({**HF, "attention_dropout": dropout}, tp_group=mesh.tp, sequence_parallel=True, pre_process=pre_process,
-                           post_process=post_process, layer_range=layer_range, dtype=torch.float32, device="cpu",
-                           seed=cfg.train.seed)
-
-    mc = config_from_hf(HF)
-    trainer = Trainer(cfg, build_stage=build_stage, flops=flops_spec(mc), num_layers=mc.num_layers,
-                      hidden_size=mc.hidden_size, run_dir=None)
-    loader = DataParallelLoader(_Tokens(), global_batch_size=GBS, micro_batch_size=1,
-                                dp_rank=trainer.mesh.coords["dp"], dp_size=trainer.dp)
-    return trainer, loader
+    run = build_run(cfg, model=ModelHook.from_hf({**HF, "attention_dropout": dropout}, dtype=torch.float32,
+                                                 sequence_parallel=True, seed=cfg.train.seed),
+                    train_data=_Tokens(), checkpoints=False)
+    return run.trainer, run.train_loader
 
 
 def _params(trainer):
@@ -79,7 +70,7 @@ def _params(trainer):
 
 def _straight(root, tp, pp, distributed, dropout=0.0):
     trainer, loader = _trainer(tp=tp, pp=pp, distributed=distributed, dropout=dropout)
-    ckpt = Checkpointer(root, group=world_group(ledger=trainer.mesh.ledger), async_save=True)
+    ckpt = Checkpointer(root, group=trainer.mesh.world, async_save=True)
     losses = []
     for _ in range(STEPS):
         losses.append(trainer.train_step(loader).loss)
@@ -92,7 +83,7 @@ def _straight(root, tp, pp, distributed, dropout=0.0):
 
 def _resume(root, tp, pp, distributed, dropout=0.0):
     trainer, loader = _trainer(tp=tp, pp=pp, distributed=distributed, dropout=dropout)
-    res = load_trainer(trainer, root, group=world_group(ledger=trainer.mesh.ledger), loader=loader)
+    res = load_trainer(trainer, root, group=trainer.mesh.world, loader=loader)
     assert res.step == SAVE_AT and trainer.step == SAVE_AT and res.rank_state is not None
     assert loader.consumed_samples == SAVE_AT * GBS and trainer.optimizer.step_count == SAVE_AT
     loaded = _params(trainer)
@@ -104,12 +95,12 @@ def _resume_and_reshard(root):
     out = {"exact": _resume(root, 2, 2, True)}
     for name, (tp, pp, distributed) in {"tp4": (4, 1, False), "dp4": (1, 1, True), "pp4": (1, 4, False)}.items():
         trainer, loader = _trainer(tp=tp, pp=pp, distributed=distributed)
-        res = load_trainer(trainer, root, group=world_group(ledger=trainer.mesh.ledger), loader=loader)
+        res = load_trainer(trainer, root, group=trainer.mesh.world, loader=loader)
         assert res.rank_state is None  # another layout: RNG streams keep their fresh seeding
         out[name] = trainer.train_step(loader).loss
     # Model-only (fine-tuning) load at TP=2 x DP=2: weights only, counters untouched.
     trainer, _ = _trainer(tp=2, pp=1, distributed=True)
-    load_trainer(trainer, root, group=world_group(ledger=trainer.mesh.ledger), model_only=True)
+    load_trainer(trainer, root, group=trainer.mesh.world, model_only=True)
     assert trainer.step == 0 and trainer.optimizer.step_count == 0
     out["model_only_params"] = {n: p.detach().clone() for n, p in trainer.chunks.named_parameters()}
     dist.barrier()
@@ -170,3 +161,26 @@ def test_exact_resume_dp2_distributed_optimizer_with_dropout(tmp_path):
             assert torch.equal(params[n], r_params[n]), f"rank {rank}: {n}"
     meta_dir = sorted(Path(tmp_path).glob("step_*"))[-1]
     assert meta_dir.name == "step_00000010"
+
+
+def _resume_other_optimizer(root, tp, pp, distributed):
+    """Resume a checkpoint written by the OTHER optimizer mode: the next step's loss."""
+    trainer, loader = _trainer(tp=tp, pp=pp, distributed=distributed)
+    res = load_trainer(trainer, root, group=trainer.mesh.world, loader=loader)
+    assert res.step == SAVE_AT and trainer.optimizer.step_count == SAVE_AT
+    return trainer.train_step(loader).loss
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_dp2_resume_exact_and_across_optimizer_modes(tmp_path, distributed):
+    # The plain optimizer's masters and moments are dp replicas (saved once, by dp rank 0); they resume
+    # bitwise and load into the distributed optimizer's flat shards, and the other way round.
+    straight = run_distributed(_straight, 2, str(tmp_path), 1, 1, distributed, timeout=120)
+    resumed = run_distributed(_resume, 2, str(tmp_path), 1, 1, distributed, timeout=120)
+    for rank, ((losses, params), (r_losses, r_params, _)) in enumerate(zip(straight, resumed)):
+        assert r_losses == losses[SAVE_AT:], f"rank {rank}"
+        for n in params:
+            assert torch.equal(params[n], r_params[n]), f"rank {rank}: {n}"
+    other = run_distributed(_resume_other_optimizer, 2, str(tmp_path), 1, 1, not distributed, timeout=120)
+    for loss in other:
+        assert loss == pytest.approx(straight[0][0][SAVE_AT], rel=1e-6, abs=1e-7)

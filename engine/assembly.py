@@ -1,0 +1,188 @@
+"""The assembly line: one function that builds every part of one rank's run, in order, each once.
+
+    config  ->  Mesh (every group, the world included)  ->  model chunks (the model hook from models/)
+      ->  DataParallel  ->  Optimizer  ->  Schedule (data)  ->  loaders  ->  Checkpointer  ->  metrics
+      ->  Trainer (the loop only)
+
+:func:`build_run` returns a :class:`Run` holding the parts; tools/pretrain.py is parse, build, resume,
+train. The engine knows no model: ``model`` is any object with ``num_layers``, ``hidden_size``,
+``flops`` (a :class:`engine.metrics.FlopsSpec`), ``hf_config`` (the config.json dict recorded next to
+checkpoints), ``build_stage(mesh, *, pre_process, post_process, layer_range, device)`` and
+``param_spec(name, param)`` (checkpoint keys); models.hook.ModelHook is the one Tessel ships.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine import metrics as M
+from engine.config import TesselConfig
+from engine.optim import Optimizer
+from engine.trainer import StepStats, Trainer
+from parallel.data_parallel import DataParallel
+from parallel.mesh import Mesh, ParallelDims
+from parallel.pipeline import build_schedule
+from parallel.pipeline.split import split_layers
+
+
+def check_data_paths(paths: list[str]) -> None:
+    """Every data prefix has its .bin and .idx (checked before any process group exists)."""
+    if not paths:
+        raise ValueError("data.paths is empty: give the prefix of a preprocessed dataset "
+                         "(--set data.paths=PREFIX; make one with tools/preprocess_data.py)")
+    for p in paths:
+        missing = [p + ext for ext in (".bin", ".idx") if not os.path.exists(p + ext)]
+        if missing:
+            hint = ("run `.venv/bin/python tools/prepare_corpus.py` to build the bundled corpus"
+                    if "stdlib_corpus" in p else "make it with tools/preprocess_data.py --output-prefix " + p)
+            raise ValueError(f"data path {p!r} is missing {', '.join(missing)}; {hint}")
+
+
+@dataclass
+class Run:
+    """The parts of one rank's run, built by :func:`build_run`."""
+
+    cfg: TesselConfig
+    mesh: Mesh
+    model: Any  # the model hook
+    trainer: Trainer
+    train_loader: Any = None
+    valid_loader: Any = None
+    checkpointer: Any = None
+    run_dir: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    # -- the policy pretrain.py needs, in one place ---------------------------------------------------
+    def resume(self) -> str | None:
+        """Resume from the checkpoint directory's latest complete checkpoint, else initialise the weights
+        from ``checkpoint.load`` (model only); returns what was loaded (None: a fresh start)."""
+        from engine.checkpoint.trainer_state import load_trainer
+
+        latest = self.checkpointer.latest() if self.checkpointer is not None else None
+        if latest is not None:
+            load_trainer(self.trainer, latest, group=self.mesh.world, loader=self.train_loader)
+            self.trainer.logger.info(f"tessel: resumed from {latest} at step {self.trainer.step}")
+            return str(latest)
+        if self.cfg.checkpoint.load:
+            load_trainer(self.trainer, self.cfg.checkpoint.load, group=self.mesh.world, model_only=True)
+            self.trainer.logger.info(f"tessel: initialised the weights from {self.cfg.checkpoint.load} (model only)")
+            return self.cfg.checkpoint.load
+        return None
+
+    def save(self, trainer: Trainer | None = None):
+        """Save the run at its current step (collective over the world)."""
+        from engine.checkpoint.trainer_state import save_trainer
+
+        return save_trainer(self.checkpointer, self.trainer, loader=self.train_loader,
+                            model_config=self.model.hf_config)
+
+    def train(self) -> list[StepStats]:
+        """The loop, saving every ``checkpoint.interval`` steps, at the end and on SIGTERM/SIGINT."""
+        ck = self.checkpointer
+        history = self.trainer.train(
+            self.train_loader, self.valid_loader, save=self.save if ck is not None else None,
+            # Commit a finished async save at the first step boundary after its writes land (collective).
+            on_step=(lambda tr, st: ck.maybe_finalize()) if ck is not None else None)
+        if ck is not None:
+            ck.finalize()  # an async save must be committed before exit
+        return history
+
+
+def build_mesh(cfg: TesselConfig, *, world: int | None = None) -> Mesh:
+    """The mesh of ``cfg.parallel`` over ``world`` ranks (default: the initialised world); ``dp`` is
+    resolved here and nowhere else (``TesselConfig.validate_world``)."""
+    if world is None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+    p = cfg.parallel
+    if p.cp != 1:
+        raise ValueError(f"parallel.cp={p.cp}: context parallelism is not implemented yet; use cp=1")
+    dp = cfg.validate_world(world)
+    return Mesh.build(ParallelDims(dp=dp, pp=p.pp, cp=p.cp, tp=p.tp, ep=p.ep), order=p.order)
+
+
+def build_loaders(cfg: TesselConfig, mesh: Mesh, *, train_data=None, valid_data=None):
+    """Data-parallel loaders over ``cfg.data`` (or the given datasets): each dp rank its slice."""
+    from engine.data.blending import build_gpt_datasets
+    from engine.data.loader import DataParallelLoader
+
+    t = cfg.train
+    if train_data is None:
+        n_eval = (t.steps // t.eval_interval + 1) * t.eval_iters * t.global_batch_size if t.eval_interval else 0
+        cache = cfg.data.cache_dir or os.path.join(os.path.dirname(cfg.data.paths[0]) or ".", "index_cache")
+        train_data, valid_data, _ = build_gpt_datasets(
+            list(cfg.data.paths), weights=list(cfg.data.weights) if cfg.data.weights else None,
+            split=cfg.data.split, num_samples=[t.steps * t.global_batch_size, n_eval, 0],
+            seq_length=t.seq_length, seed=t.seed, cache_dir=cache)
+    kw = dict(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
+              dp_rank=mesh.coords["dp"], dp_size=mesh.dims.dp)
+    train_loader = DataParallelLoader(train_data, num_workers=cfg.data.num_workers, **kw)
+    valid_loader = DataParallelLoader(valid_data, **kw) if valid_data is not None else None
+    return train_loader, valid_loader
+
+
+def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: int | None = None,
+              train_data=None, valid_data=None, data: bool = True, checkpoints: bool = True,
+              log_stream=None, device: str | None = None) -> Run:
+    """Build every part of this rank's run from ``cfg`` and the model hook ``model`` (see the module
+    docstring). ``train_data``/``valid_data``: datasets to use instead of ``cfg.data``; ``data=False``
+    builds no loaders; ``checkpoints=False`` (or no ``run_dir`` and no ``checkpoint.dir``) no checkpointer;
+    ``device``: where the model lives (default CUDA when available, else CPU).
+    Collective: every rank calls it with the same arguments."""
+    mesh = build_mesh(cfg, world=world)
+    p, t, o = cfg.parallel, cfg.train, cfg.optim
+
+    # Model chunks: this rank's virtual stages s = pp_rank, pp_rank + pp, ...
+    num_stages = p.pp * p.vp
+    ranges = split_layers(model.num_layers, num_stages, p.pipeline_layout)
+    stages = [s for s in range(num_stages) if s % p.pp == mesh.coords["pp"]]
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(t.seed)
+    chunks = torch.nn.ModuleList([
+        model.build_stage(mesh, pre_process=s == 0, post_process=s == num_stages - 1, layer_range=ranges[s],
+                          device=device)
+        for s in stages])
+
+    ddp = DataParallel(chunks, dp_group=mesh.dp_cp, tp_group=mesh.tp,
+                       zero_stage=o.zero_stage if o.distributed else 0, bucket_size_mb=o.bucket_size_mb,
+                       overlap_grad_reduce=o.overlap_grad_reduce,
+                       overlap_param_gather=o.overlap_param_gather and o.distributed)
+    optimizer = Optimizer.from_config(ddp, o, total_steps=t.steps, tp_group=mesh.tp, pp_group=mesh.pp)
+    schedule = build_schedule(p.schedule, pp=p.pp, vp=p.vp, microbatches=cfg.num_microbatches(mesh.dims.dp))
+
+    train_loader = valid_loader = None
+    if data:
+        train_loader, valid_loader = build_loaders(cfg, mesh, train_data=train_data, valid_data=valid_data)
+
+    checkpointer = None
+    ck = cfg.checkpoint
+    if checkpoints and (run_dir or ck.dir):
+        from engine.checkpoint import Checkpointer
+
+        checkpointer = Checkpointer(ck.dir or os.path.join(run_dir, "checkpoints"), group=mesh.world,
+                                    keep_last=ck.keep_last, async_save=ck.async_save)
+
+    if run_dir and mesh.rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        cfg.to_json(os.path.join(run_dir, "config.json"))
+        with open(os.path.join(run_dir, "model_config.json"), "w") as f:
+            json.dump(model.hf_config, f, indent=2, sort_keys=True)
+    logger = M.MetricsLogger(run_dir, enabled=mesh.rank == 0, total_steps=t.steps, jsonl=cfg.logging.jsonl,
+                             tensorboard=cfg.logging.tensorboard, progress_bar=cfg.logging.progress_bar,
+                             stream=log_stream)
+    dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
+    sp = p.sequence_parallel and p.tp > 1
+    trainer = Trainer(cfg, mesh=mesh, chunks=chunks, stages=stages, num_stages=num_stages, ddp=ddp,
+                      optimizer=optimizer, schedule=schedule,
+                      act_shape=(t.seq_length // p.tp if sp else t.seq_length, t.micro_batch_size, model.hidden_size),
+                      flops_per_step=M.model_flops_per_step(model.flops, batch_size=t.global_batch_size,
+                                                            seq_length=t.seq_length),
+                      logger=logger, peak=M.peak_tflops(override=cfg.logging.peak_tflops, dtype=dtype),
+                      param_spec=model.param_spec)
+    return Run(cfg=cfg, mesh=mesh, model=model, trainer=trainer, train_loader=train_loader,
+               valid_loader=valid_loader, checkpointer=checkpointer, run_dir=run_dir)
+

@@ -1,0 +1,138 @@
+"""What the engine's assembly line needs to know about a model, in one object built once per run.
+
+The run config's ``[model]`` section (and the tokenizer's vocabulary) become ONE description, the
+Hugging Face ``config.json`` dict (``hf_config``); everything else is derived from it once:
+:class:`models.TransformerConfig` (``config``), the FLOP spec the metrics use (``flops``), the
+stage builder (``build_stage``) and the checkpoint keys of its parameters (``param_spec``: tied and
+vocab-padded tensors). The engine (engine/assembly.py) calls these and knows no model names.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from engine.checkpoint import ParamSpec
+from engine.metrics import FlopsSpec
+from models.config import TransformerConfig
+from models.convert import model_param_spec
+from models.registry import config_from_hf
+from models.transformer import TransformerStage, build_model
+
+_CHUNK_PREFIX = re.compile(r"^\d+\.")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+# The run config's names -> config.json's, per family kind (GPT-2 names its fields differently).
+_GPT2_NAMES = {"hidden_size": "n_embd", "num_layers": "n_layer", "num_attention_heads": "n_head",
+               "ffn_hidden_size": "n_inner", "max_position_embeddings": "n_positions",
+               "norm_eps": "layer_norm_epsilon", "tie_word_embeddings": "tie_word_embeddings"}
+_HF_NAMES = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
+             "num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_key_value_heads",
+             "head_dim": "head_dim", "ffn_hidden_size": "intermediate_size",
+             "max_position_embeddings": "max_position_embeddings", "rope_theta": "rope_theta",
+             "norm_eps": "rms_norm_eps", "tie_word_embeddings": "tie_word_embeddings"}
+
+
+def hf_config_from_run(model_cfg, *, vocab_size: int | None) -> dict:
+    """The Hugging Face config.json dict of the run config's ``[model]`` section: ``model.hf_config``
+    (a file) if given, overridden by every explicit field; ``vocab_size`` (the tokenizer's) fills a
+    vocabulary the section leaves unset."""
+    m = model_cfg
+    base: dict = {}
+    if m.hf_config:
+        if not os.path.exists(m.hf_config):
+            raise ValueError(f"model.hf_config={m.hf_config!r} does not exist; give the path of a config.json")
+        with open(m.hf_config) as f:
+            base = json.load(f)
+    family = base.get("model_type", m.family)
+    if family == "gpt2":
+        names = _GPT2_NAMES
+        for key in ("attn_pdrop", "resid_pdrop", "embd_pdrop"):
+            base.setdefault(key, 0.0)
+    else:
+        names = _HF_NAMES
+    out = dict(base)
+    out["model_type"] = family
+    for ours, theirs in names.items():
+        v = getattr(m, ours, None)
+        if v is not None:
+            out[theirs] = v
+    if m.vocab_size is not None:
+        out["vocab_size"] = m.vocab_size
+    out.setdefault("vocab_size", vocab_size)
+    return out
+
+
+def flops_spec(c: TransformerConfig) -> FlopsSpec:
+    """The FLOP-count shapes of a :class:`TransformerConfig`."""
+    return FlopsSpec(num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
+                     vocab_size=c.vocab_size, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+                     head_dim=c.head_dim, gated_mlp=c.mlp == "swiglu")
+
+
+def param_spec(name: str, param: torch.Tensor) -> ParamSpec:
+    """Checkpoint key and placement of a parameter of the trainer's chunk list (``<chunk>.<name>``):
+    the chunk index is dropped (layers carry GLOBAL indices, so keys do not depend on the layout)."""
+    return model_param_spec(_CHUNK_PREFIX.sub("", name), param)
+
+
+@dataclass(frozen=True)
+class ModelHook:
+    """One model for one run: build with :meth:`from_run_config` (or directly from a config.json dict)."""
+
+    hf_config: dict
+    config: TransformerConfig
+    dtype: torch.dtype = torch.float32
+    make_vocab_size_divisible_by: int = 128
+    kernels: str = "auto"
+    fused_cross_entropy: bool | None = None
+    sequence_parallel: bool = False
+    seed: int = 1234
+
+    @classmethod
+    def from_hf(cls, hf_config: Mapping[str, Any], **kw) -> "ModelHook":
+        hf = dict(hf_config)
+        return cls(hf_config=hf, config=config_from_hf(hf), **kw)
+
+    @classmethod
+    def from_run_config(cls, cfg, *, tokenizer_vocab: int | None) -> "ModelHook":
+        """The model of a :class:`engine.config.TesselConfig` (vocabulary checked against the tokenizer's)."""
+        hf = hf_config_from_run(cfg.model, vocab_size=tokenizer_vocab)
+        if hf.get("vocab_size") is None:
+            raise ValueError("model.vocab_size is not set and data.tokenizer is empty; set one of them")
+        if tokenizer_vocab is not None and tokenizer_vocab > hf["vocab_size"]:
+            raise ValueError(f"the tokenizer has {tokenizer_vocab} tokens but model.vocab_size={hf['vocab_size']}; "
+                             f"set model.vocab_size >= {tokenizer_vocab}")
+        return cls.from_hf(hf, dtype=DTYPES[cfg.model.dtype],
+                           make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+                           kernels=cfg.model.kernels, fused_cross_entropy=cfg.model.fused_cross_entropy,
+                           sequence_parallel=cfg.parallel.sequence_parallel, seed=cfg.train.seed)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def flops(self) -> FlopsSpec:
+        return flops_spec(self.config)
+
+    def build_stage(self, mesh, *, pre_process: bool, post_process: bool, layer_range: tuple[int, int],
+                    device=None) -> TransformerStage:
+        """The module of one virtual pipeline stage, on ``mesh.tp``."""
+        return build_model(self.config, tp_group=mesh.tp, sequence_parallel=self.sequence_parallel,
+                           pre_process=pre_process, post_process=post_process, layer_range=layer_range,
+                           dtype=self.dtype, device=device, seed=self.seed,
+                           make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
+                           kernels=self.kernels, fused_cross_entropy=self.fused_cross_entropy)
+
+    @staticmethod
+    def param_spec(name: str, param: torch.Tensor) -> ParamSpec:
+        return param_spec(name, param)

@@ -3,7 +3,7 @@
 A ``TesselConfig`` is valid on construction: every section validates itself, then the root checks
 what spans sections (tp divides the heads, warmup fits in the steps, the sequence splits over cp
 and tp, ...). Checks that need the world size live in ``validate_world``; checks that need an
-architecture only known after models/ reads ``model.hf_config`` or ``model.preset`` can be rerun
+architecture only known after models/ reads ``model.hf_config`` can be rerun
 with ``check_architecture``.
 """
 from __future__ import annotations
@@ -80,7 +80,7 @@ class TesselConfig:
         """Check that the parallel layout fits these sizes; ``None`` skips that check.
 
         Run on construction with the explicit ``model`` fields; models/ calls it again with the
-        sizes it resolved from ``model.hf_config``/``model.preset``.
+        sizes it resolved from ``model.hf_config``.
         """
         tp, pp, vp = self.parallel.tp, self.parallel.pp, self.parallel.vp
         for key, value in (("num_attention_heads", num_attention_heads),
@@ -95,10 +95,10 @@ class TesselConfig:
         if num_layers is not None and layout is not None and sum(layout) != num_layers:
             raise ValueError(f"parallel.pipeline_layout={layout} places {sum(layout)} layers but "
                              f"model.num_layers={num_layers}; make the counts sum to {num_layers}")
-        if num_layers is not None and layout is None and num_layers % (pp * vp):
-            raise ValueError(f"model.num_layers={num_layers} is not divisible by parallel.pp*vp = "
-                             f"{pp}*{vp} = {pp * vp} stages; choose pp*vp among the divisors of "
-                             f"{num_layers} ({_divisors(num_layers)}) or give "
+        if num_layers is not None and layout is None and num_layers < pp * vp:
+            # Uneven counts are fine (the first stages take one layer more: parallel.pipeline.split).
+            raise ValueError(f"model.num_layers={num_layers} is fewer than parallel.pp*vp = {pp}*{vp} = "
+                             f"{pp * vp} stages: every stage needs a layer; lower pp or vp, or give "
                              "parallel.pipeline_layout explicitly")
         seq = self.train.seq_length
         if max_position_embeddings is not None and seq > max_position_embeddings:

@@ -20,7 +20,7 @@ DTYPES = ("bf16", "fp32")
 KERNELS = BACKENDS  # model.kernels: engine/ops' backend choice
 MESH_AXES = ("dp", "pp", "cp", "tp")
 SCHEDULES = ("1f1b", "interleaved", "gpipe")
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none",)  # "selective" and "full" come with activation recompute (not implemented yet)
 DECAY_STYLES = ("cosine", "linear", "constant", "wsd")
 NO_DECAY_GROUPS = ("norms", "biases", "embeddings")
 NONFINITE = ("skip", "stop")
@@ -68,11 +68,10 @@ def check_nonempty(section: Section, key: str) -> None:
 class ModelConfig(Section):
     """The architecture, as plain data (the engine never imports models/).
 
-    The architecture comes from, in increasing priority: ``preset`` (a size name that models/
-    understands, e.g. "tiny", "llama3-8b"), ``hf_config`` (path to a Hugging Face config.json),
-    and the explicit fields below; a field left ``None`` is taken from the lower-priority
-    source (or the family's default, e.g. ``num_key_value_heads = num_attention_heads``).
-    Without a preset or hf_config, hidden_size, num_layers and num_attention_heads are required.
+    The architecture comes from ``hf_config`` (path to a Hugging Face config.json), overridden by
+    the explicit fields below; a field left ``None`` is taken from hf_config (or the family's
+    default, e.g. ``num_key_value_heads = num_attention_heads``). Without hf_config, hidden_size,
+    num_layers and num_attention_heads are required. (Size presets are whole TOML files: configs/.)
     ``vocab_size=None`` with no other source means "the tokenizer's vocabulary size".
     ``head_dim=None`` means ``hidden_size // num_attention_heads``.
     ``kernels``: "auto" runs engine/ops' fused Triton kernels (RMSNorm, SwiGLU, RoPE) on CUDA and the
@@ -83,7 +82,6 @@ class ModelConfig(Section):
     SECTION = "model"
 
     family: str = "llama"
-    preset: str | None = None
     hf_config: str | None = None
     hidden_size: int | None = None
     num_layers: int | None = None
@@ -105,7 +103,6 @@ class ModelConfig(Section):
         check_choice(self, "family", FAMILIES)
         check_choice(self, "dtype", DTYPES)
         check_choice(self, "kernels", KERNELS)
-        check_nonempty(self, "preset")
         check_nonempty(self, "hf_config")
         for key in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
                     "head_dim", "ffn_hidden_size", "vocab_size", "max_position_embeddings",
@@ -113,13 +110,13 @@ class ModelConfig(Section):
             check_min(self, key, 1)
         check_positive(self, "rope_theta")
         check_positive(self, "norm_eps")
-        if self.preset is None and self.hf_config is None:
+        if self.hf_config is None:
             missing = [k for k in ("hidden_size", "num_layers", "num_attention_heads")
                        if getattr(self, k) is None]
             if missing:
                 raise ValueError(
-                    "model has no architecture: set model.preset (a size name), model.hf_config "
-                    "(a Hugging Face config.json), or the explicit sizes (missing: "
+                    "model has no architecture: set model.hf_config (a Hugging Face config.json) "
+                    "or the explicit sizes (missing: "
                     + ", ".join(f"model.{k}" for k in missing) + ")")
         heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
         if heads is not None and kv_heads is not None and heads % kv_heads:
@@ -233,8 +230,8 @@ class TrainConfig(Section):
     """The training loop. ``global_batch_size`` and ``micro_batch_size`` count sequences of
     ``seq_length`` tokens. Training stops after ``steps`` optimizer steps or, if set, once
     ``max_tokens`` tokens were consumed, whichever comes first. ``eval_interval=0`` disables
-    evaluation. ``activation_checkpointing``: none | selective (attention core) | full (whole
-    layer). ``run_dir`` holds logs, the resolved config and, by default, checkpoints.
+    evaluation. ``activation_checkpointing``: only "none" today (activation recompute is not
+    implemented yet; other values are rejected rather than ignored). ``run_dir`` holds logs, the resolved config and, by default, checkpoints.
     """
 
     SECTION = "train"
@@ -266,6 +263,9 @@ class TrainConfig(Section):
         if self.eval_interval > 0 and self.eval_iters == 0:
             raise ValueError(f"train.eval_iters=0 with train.eval_interval={self.eval_interval}; "
                              "set train.eval_iters >= 1, or train.eval_interval=0 to disable eval")
+        if self.activation_checkpointing in ("selective", "full"):
+            raise ValueError(f"train.activation_checkpointing={self.activation_checkpointing!r} is not implemented "
+                             "yet (activation recompute is planned); set train.activation_checkpointing='none'")
         check_choice(self, "activation_checkpointing", RECOMPUTE)
         check_nonempty(self, "run_dir")
 

@@ -166,8 +166,8 @@ def test_overrides_replace_toml_values_and_do_not_mutate_input():
     data = {"optim": {"lr": 1.0}}
     out = apply_overrides(data, ["optim.lr=2", "train.steps=7"])
     assert data == {"optim": {"lr": 1.0}} and out == {"optim": {"lr": 2.0}, "train": {"steps": 7}}
-    cfg = load_config("tiny_llama_cpu", ["optim.lr=1e-3", "parallel.tp=1", "model.preset=tiny"])
-    assert cfg.optim.lr == 1e-3 and cfg.parallel.tp == 1 and cfg.model.preset == "tiny"
+    cfg = load_config("tiny_llama_cpu", ["optim.lr=1e-3", "parallel.tp=1", "model.num_layers=3"])
+    assert cfg.optim.lr == 1e-3 and cfg.parallel.tp == 1 and cfg.model.num_layers == 3
 
 
 @pytest.mark.parametrize("item, fragment", [
@@ -281,7 +281,7 @@ def test_toml_error_names_the_file(tmp_path):
      "model.num_key_value_heads=2 is not divisible by parallel.tp=4"),
     (["model.ffn_hidden_size=90", "parallel.tp=4"],
      "model.ffn_hidden_size=90 is not divisible by parallel.tp=4"),
-    (["parallel.pp=3"], "model.num_layers=4 is not divisible by parallel.pp*vp = 3*1 = 3 stages"),
+    (["parallel.pp=5"], "model.num_layers=4 is fewer than parallel.pp*vp = 5*1 = 5 stages"),
     (["model.max_position_embeddings=32"],
      "train.seq_length=64 exceeds model.max_position_embeddings=32"),
     # sequence splits
@@ -289,7 +289,7 @@ def test_toml_error_names_the_file(tmp_path):
     (["train.seq_length=66", "parallel.tp=4", "parallel.sequence_parallel=true"],
      "train.seq_length/parallel.cp = 66 tokens per rank is not divisible by parallel.tp=4"),
     # model
-    (["model.num_layers=none"], "model has no architecture: set model.preset"),
+    (["model.num_layers=none"], "model has no architecture: set model.hf_config"),
     (["model.num_key_value_heads=3"],
      "model.num_attention_heads=4 is not divisible by model.num_key_value_heads=3"),
     (["model.hidden_size=66"],
@@ -303,7 +303,8 @@ def test_toml_error_names_the_file(tmp_path):
     (["model.dtype=fp16"], "model.dtype='fp16' is not valid; choose one of: bf16, fp32"),
     (["model.kernels=cuda"], "model.kernels='cuda' is not valid; choose one of: auto, triton, reference"),
     (["model.norm_eps=0"], "model.norm_eps=0.0 must be > 0"),
-    (["model.preset="], "model.preset is an empty string"),
+    (["model.preset=tiny"], "unknown key 'preset' in section [model]"),
+    (["train.activation_checkpointing=selective"], "'selective' is not implemented yet"),
     (["model.make_vocab_size_divisible_by=0"], "model.make_vocab_size_divisible_by=0 must be >= 1"),
     # train / batch
     (["train.global_batch_size=10", "train.micro_batch_size=4"],
@@ -385,8 +386,10 @@ def test_hf_config_defines_architecture(tmp_path):
         load_config(None, [f"model.hf_config={tmp_path / 'nope.json'}"])
 
 
-def test_check_architecture_after_resolution():
-    cfg = load_config(None, ["model.preset=llama3-8b", "parallel.tp=3"])  # sizes not known yet
+def test_check_architecture_after_resolution(tmp_path):
+    hf = tmp_path / "config.json"
+    hf.write_text("{}")
+    cfg = load_config(None, [f"model.hf_config={hf}", "parallel.tp=3"])  # sizes not known yet
     with raises("model.num_attention_heads=32 is not divisible by parallel.tp=3"):
         cfg.check_architecture(num_layers=32, num_attention_heads=32, num_key_value_heads=8,
                                ffn_hidden_size=14336, max_position_embeddings=8192)

@@ -26,7 +26,7 @@ from engine.optim import Optimizer
 from engine.trainer import StepStats, Trainer
 from parallel.data_parallel import DataParallel
 from parallel.mesh import Mesh, ParallelDims
-from parallel.pipeline import build_schedule
+from parallel.pipeline import build_schedule, forward_only
 from parallel.pipeline.split import split_layers
 
 
@@ -150,9 +150,16 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
     ddp = DataParallel(chunks, dp_group=mesh.dp_cp, tp_group=mesh.tp,
                        zero_stage=o.zero_stage if o.distributed else 0, bucket_size_mb=o.bucket_size_mb,
                        overlap_grad_reduce=o.overlap_grad_reduce,
-                       overlap_param_gather=o.overlap_param_gather and o.distributed)
+                       overlap_param_gather=o.overlap_param_gather and o.distributed, chunks=True)
     optimizer = Optimizer.from_config(ddp, o, total_steps=t.steps, tp_group=mesh.tp, pp_group=mesh.pp)
-    schedule = build_schedule(p.schedule, pp=p.pp, vp=p.vp, microbatches=cfg.num_microbatches(mesh.dims.dp))
+    m = cfg.num_microbatches(mesh.dims.dp)
+    if m < p.pp:
+        raise ValueError(f"train.global_batch_size={t.global_batch_size} gives each of the dp={mesh.dims.dp} ranks "
+                         f"{m} micro-batch(es) of train.micro_batch_size={t.micro_batch_size}, fewer than "
+                         f"parallel.pp={p.pp}: a pipeline needs at least one per stage; raise "
+                         f"train.global_batch_size to >= {p.pp * mesh.dims.dp * t.micro_batch_size}")
+    schedule = build_schedule(p.schedule, pp=p.pp, vp=p.vp, microbatches=m)
+    eval_schedule = forward_only(p.pp, p.vp, m)
 
     train_loader = valid_loader = None
     if data:
@@ -177,7 +184,7 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     sp = p.sequence_parallel and p.tp > 1
     trainer = Trainer(cfg, mesh=mesh, chunks=chunks, stages=stages, num_stages=num_stages, ddp=ddp,
-                      optimizer=optimizer, schedule=schedule,
+                      optimizer=optimizer, schedule=schedule, eval_schedule=eval_schedule,
                       act_shape=(t.seq_length // p.tp if sp else t.seq_length, t.micro_batch_size, model.hidden_size),
                       flops_per_step=M.model_flops_per_step(model.flops, batch_size=t.global_batch_size,
                                                             seq_length=t.seq_length),

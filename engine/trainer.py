@@ -54,6 +54,7 @@ class Trainer:
 
     def __init__(self, cfg: TesselConfig, *, mesh: Mesh, chunks: torch.nn.ModuleList, stages: list[int],
                  num_stages: int, ddp: DataParallel, optimizer: Optimizer, schedule: Schedule,
+                 eval_schedule: Schedule,
                  act_shape: tuple[int, int, int], flops_per_step: float, logger: M.MetricsLogger,
                  peak: tuple[float, str], param_spec: Callable | None = None):
         self.cfg = cfg
@@ -67,6 +68,7 @@ class Trainer:
         self.ddp = ddp
         self.optimizer = optimizer
         self.schedule = schedule
+        self.eval_schedule = eval_schedule  # forward only, same pp/vp/microbatches
         self.num_micro = schedule.microbatches
         self.act_shape = act_shape
         self.flops_per_step = flops_per_step
@@ -147,15 +149,17 @@ class Trainer:
     def _pipeline(self, micro, *, train: bool) -> list[float]:
         weights = self._loss_weights(micro)
         grad_sync = None
-        if train and self.cfg.parallel.vp == 1:
-            # Reduce buckets during the last backward (overlap); earlier micro-batches only accumulate.
-            def grad_sync(chunk: int) -> None:
-                self.ddp.is_last_microbatch = True
+        if train:
+            # Each chunk's buckets reduce during its own last backward (overlapped, also with vp > 1);
+            # earlier micro-batches only accumulate.
+            grad_sync = self.ddp.enable_grad_sync
         self.ddp.is_last_microbatch = False
+        self.ddp.reset_grad_sync()
         res = run_schedule(self.schedule, rank=self.pp_rank, pp_group=self.mesh.pp,
                            forward_step=self._forward_step(micro, weights), act_shape=self.act_shape,
                            dtype=self.dtype, device=self.device, grad_sync=grad_sync)
         self.ddp.is_last_microbatch = True
+        self.ddp.reset_grad_sync()
         return res.losses
 
     def _global_mean_loss(self, losses: list[float]) -> float:
@@ -188,40 +192,21 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, loader, iters: int) -> float:
-        """Mean over ``iters`` global batches of ``loader`` of each batch's token-weighted loss (forward only)."""
+        """Mean over ``iters`` global batches of ``loader`` of each batch's token-weighted loss: the
+        forward-only schedule, pipelined across micro-batches, through the same runtime as training."""
         self.ddp.finish_param_sync()
         self.chunks.eval()
         losses = []
         try:
             for _ in range(iters):
                 micro = [self._to_device(next(loader)) for _ in range(self.num_micro)]
-                losses += self._forward_only(micro)
+                res = run_schedule(self.eval_schedule, rank=self.pp_rank, pp_group=self.mesh.pp,
+                                   forward_step=self._forward_step(micro, self._loss_weights(micro)),
+                                   act_shape=self.act_shape, dtype=self.dtype, device=self.device)
+                losses += res.losses
         finally:
             self.chunks.train()
         return self._global_mean_loss(losses)
-
-    def _forward_only(self, micro) -> list[float]:
-        pp, last = self.cfg.parallel.pp, self.num_stages - 1
-        dtype = self.dtype
-        step = self._forward_step(micro, self._loss_weights(micro))
-        losses = []
-        for mb in range(len(micro)):
-            x = None
-            for s in range(self.num_stages):  # a chain: each owner receives, computes, sends
-                owner = s % pp
-                if owner != self.pp_rank:
-                    continue
-                if s > 0 and (s - 1) % pp != self.pp_rank:
-                    x = comm.recv(torch.empty(self.act_shape, dtype=dtype, device=self.device), self.mesh.pp,
-                                  src=(s - 1) % pp)
-                out = step(self.my_stages.index(s), x, mb)
-                if s == last:
-                    losses.append(float(out))
-                elif (s + 1) % pp != self.pp_rank:
-                    comm.send(out, self.mesh.pp, dst=(s + 1) % pp)
-                else:
-                    x = out
-        return losses
 
     # -- the loop -------------------------------------------------------------------------------------
     def _install_signal_handlers(self):

@@ -70,13 +70,15 @@ class BucketPlan:
 
 
 def plan_buckets(numels: Sequence[int], *, bucket_size: int | None, dp: int, align: int = 1,
-                 separate: Sequence[bool] | None = None) -> tuple[list[tuple[int, int]], list[BucketPlan], int]:
+                 separate: Sequence[bool] | None = None,
+                 groups: Sequence[int] | None = None) -> tuple[list[tuple[int, int]], list[BucketPlan], int]:
     """Lay out tensors (given in placement order) in buckets. Pure function.
 
     Returns ``(offsets, buckets, total)``: ``offsets[i] = (start, end)`` of tensor ``i`` in the flat
     buffer, the buckets in placement order, and the padded buffer length. ``separate[i]`` puts
     tensor ``i`` in a bucket of its own (used for gradients that must be reduced later, e.g. a tied
-    embedding whose pipeline-stage copies are summed first).
+    embedding whose pipeline-stage copies are summed first). ``groups[i]`` (e.g. the model chunk of
+    tensor ``i``): a bucket never holds tensors of two groups, so each group can be reduced on its own.
     """
     if dp < 1 or align < 1:
         raise ValueError(f"dp={dp} and align={align} must be >= 1")
@@ -96,7 +98,8 @@ def plan_buckets(numels: Sequence[int], *, bucket_size: int | None, dp: int, ali
 
     for i, n in enumerate(numels):
         alone = bool(separate[i]) if separate is not None else False
-        if alone and members:
+        new_group = groups is not None and members and groups[members[-1]] != groups[i]
+        if (alone or new_group) and members:
             close()
         offsets.append((cursor, cursor + n))
         cursor += n
@@ -124,6 +127,7 @@ class Bucket:
     params: list[torch.nn.Parameter]
     ranges: list[tuple[int, int]]
     deferred: bool = False
+    group: int = 0  # the model chunk its parameters belong to
     grad: torch.Tensor | None = None
     shard_grad: torch.Tensor | None = None
     pending: set[int] = field(default_factory=set)
@@ -150,15 +154,17 @@ class ParamAndGradBuffer:
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], *, dtype: torch.dtype, bucket_size: int | None,
-                 dp: int, align: int, grads: str, separate: Sequence[bool] | None = None):
+                 dp: int, align: int, grads: str, separate: Sequence[bool] | None = None,
+                 groups: Sequence[int] | None = None):
         if grads not in ("full", "lazy"):
             raise ValueError(f"grads={grads!r}: use 'full' (persistent fp32 buffer) or 'lazy' (per bucket)")
         if not params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
         placed = list(reversed(list(params)))  # placement order = expected gradient order
         sep = list(reversed(list(separate))) if separate is not None else None
+        grp = list(reversed(list(groups))) if groups is not None else None
         offsets, plans, total = plan_buckets([p.numel() for p in placed], bucket_size=bucket_size, dp=dp,
-                                             align=align, separate=sep)
+                                             align=align, separate=sep, groups=grp)
         device = placed[0].device
         self.dtype = dtype
         self.numel = total
@@ -182,7 +188,8 @@ class ParamAndGradBuffer:
             members = [placed[i] for i in plan.members]
             b = Bucket(index=plan.index, start=plan.start, end=plan.end, params=members,
                        ranges=[(offsets[i][0] - plan.start, offsets[i][1] - plan.start) for i in plan.members],
-                       deferred=bool(sep is not None and any(sep[i] for i in plan.members)))
+                       deferred=bool(sep is not None and any(sep[i] for i in plan.members)),
+                       group=grp[plan.members[0]] if grp is not None else 0)
             if not self.lazy:
                 b.grad = self.grad_data[plan.start:plan.end]
             b.reset_pending()

@@ -12,6 +12,11 @@ micro-batches. It
   :meth:`no_sync` only accumulate, with no communication;
 * :meth:`finish_grad_sync` launches what is left and waits for everything before the optimizer.
 
+Model chunks (interleaved pipelines): with ``chunks=True`` the module is a ``ModuleList`` of the
+rank's virtual stages; no bucket spans two chunks, and :meth:`enable_grad_sync` (``chunk``) turns on
+the reduction of one chunk's buckets for its last backward while the other chunks still accumulate,
+so every chunk's reduction overlaps the backward of the others.
+
 Reduction (``zero_stage``):
 
 * ``0``: all-reduce of each bucket; every rank holds the full reduced gradient.
@@ -85,7 +90,8 @@ class DataParallel(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, *, dp_group: Group, tp_group: Group | None = None,
                  zero_stage: int = 0, bucket_size: int | None = None, bucket_size_mb: float | None = None,
                  overlap_grad_reduce: bool = True, overlap_param_gather: bool = False, grad_reduce: str = "mean",
-                 align: int = 1, max_inflight_buckets: int | None = None, broadcast_params: bool = True):
+                 align: int = 1, max_inflight_buckets: int | None = None, broadcast_params: bool = True,
+                 chunks: bool = False):
         super().__init__()
         if zero_stage not in (0, 1, 2):
             raise ValueError(f"zero_stage={zero_stage!r} must be 0 (all-reduce), 1 (sharded optimizer state) "
@@ -113,12 +119,17 @@ class DataParallel(torch.nn.Module):
         self.max_inflight_buckets = max_inflight_buckets
         self.bucket_size = size
         self.is_last_microbatch = True
+        self._synced_chunks: set[int] = set()  # chunks whose last backward runs (enable_grad_sync)
+        if chunks and not isinstance(module, torch.nn.ModuleList):
+            raise ValueError("DataParallel(chunks=True) needs a torch.nn.ModuleList of model chunks")
         self.param_names: dict[int, str] = {}
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        chunk_of: dict[int, int] = {}
         for name, p in module.named_parameters():
             if p.requires_grad:
                 self.param_names[id(p)] = name
                 by_dtype.setdefault(p.dtype, []).append(p)
+                chunk_of[id(p)] = int(name.split(".", 1)[0]) if chunks else 0
         if not by_dtype:
             raise ValueError("DataParallel: the module has no trainable parameters (requires_grad=True)")
         self.flat_buffers: list[ParamAndGradBuffer] = []
@@ -127,7 +138,8 @@ class DataParallel(torch.nn.Module):
                 plist, dtype=dtype, bucket_size=size, dp=dp_group.size, align=align,
                 grads="lazy" if zero_stage == 2 else "full",
                 separate=[bool(getattr(p, "shared_embedding", False) or getattr(p, "defer_grad_reduce", False))
-                          for p in plist]))
+                          for p in plist],
+                groups=[chunk_of[id(p)] for p in plist] if chunks else None))
         if broadcast_params and dp_group.size > 1:
             for buf in self.flat_buffers:  # one call per buffer, at construction only
                 comm.broadcast(buf.param_data, dp_group, src=0)
@@ -189,6 +201,14 @@ class DataParallel(torch.nn.Module):
         finally:
             self.is_last_microbatch = prev
 
+    def enable_grad_sync(self, chunk: int) -> None:
+        """Reduce ``chunk``'s buckets as their gradients become final (call before the chunk's last
+        backward; :meth:`reset_grad_sync` at the start of the next step)."""
+        self._synced_chunks.add(chunk)
+
+    def reset_grad_sync(self) -> None:
+        self._synced_chunks.clear()
+
     def _make_grad_hook(self, param: torch.nn.Parameter):
         buf, bucket = self._where[id(param)]
 
@@ -205,7 +225,7 @@ class DataParallel(torch.nn.Module):
                     self._allocate(buf, bucket)
                 p.main_grad.add_(p.grad)
                 p.grad = None
-            if self.is_last_microbatch:
+            if self.is_last_microbatch or bucket.group in self._synced_chunks:
                 bucket.pending.discard(id(p))
                 if not bucket.pending and self.overlap_grad_reduce and not bucket.deferred:
                     self._launch(buf, bucket)

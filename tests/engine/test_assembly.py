@@ -3,7 +3,10 @@
 * Loss normalised by the GLOBAL batch's loss tokens: two micro-batches with 3 and 29 loss tokens
   (1 process, and 2 data-parallel ranks) give the loss of one process on the full batch, and so does
   the next step (so the gradients agree too). fp32, tolerance 2e-6 absolute.
-* Uneven layer counts train: 3 layers on pp=2 equal 1 process (fp32, 2e-6).
+* Uneven layer counts train: 3 layers on pp=2 equal 1 process (fp32, 2e-6); so does the forward-only
+  evaluation schedule after them (every run ends with ``Trainer.evaluate``).
+* Interleaved pp=2 x vp=2 x dp=2: each chunk's gradient buckets reduce during the backward (ledger
+  order), and losses and evaluation equal 1 process.
 * The bounded ledger: 1,000 steps at tp=2 keep the ledger at a constant number of counters and the
   resident memory from step 100 to 1,000 within 1%; the per-step ``comm_bytes_tp`` equals the bytes a
   capture of the same step records, and reaches metrics.jsonl.
@@ -68,8 +71,10 @@ def _run(cfg, hf=HF, *, n=8, run_dir=None):
 
 
 def _losses(cfg, hf=HF):
-    run = _run(cfg, hf)
-    return [run.trainer.train_step(run.train_loader).loss for _ in range(cfg.train.steps)]
+    """The step losses, then the forward-only evaluation of the next global batch."""
+    run = _run(cfg, hf, n=(cfg.train.steps + 1) * cfg.train.global_batch_size)
+    losses = [run.trainer.train_step(run.train_loader).loss for _ in range(cfg.train.steps)]
+    return losses + [run.trainer.evaluate(run.train_loader, 1)]
 
 
 def _rss() -> int:
@@ -171,3 +176,32 @@ def test_vocab_parallel_cross_entropy_keeps_fp64():
     ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 50), target.reshape(-1), reduction="none")
     assert ours.dtype == torch.float64
     assert (ours.reshape(-1) - ref).abs().max().item() < 1e-13
+
+
+def _interleaved_dp2(steps: int):
+    cfg = _cfg(mbs=1, gbs=4, steps=steps, extra=["parallel.pp=2", "parallel.vp=2", "parallel.schedule=interleaved"])
+    run = _run(cfg, {**HF, "num_hidden_layers": 4}, n=4 * (steps + 1))
+    tr = run.trainer
+    losses, orders = [], []
+    for _ in range(steps):
+        with run.mesh.ledger.capture() as cap:
+            losses.append(tr.train_step(run.train_loader).loss)
+        kinds = ["dp" if r.axis == "dp_cp" and r.op in ("all_reduce", "reduce_scatter") and r.dtype == "torch.float32"
+                 else "pp" if r.axis == "pp" and r.op in ("send", "recv") else "-" for r in cap.records]
+        orders.append(kinds)
+    losses.append(tr.evaluate(run.train_loader, 1))  # the forward-only schedule, interleaved
+    return {"losses": losses, "orders": orders, "dp": run.mesh.dims.dp}
+
+
+def test_interleaved_pipeline_overlaps_dp_reduction_and_matches_one_process():
+    # pp=2 x vp=2 x dp=2 (4 ranks): each chunk's buckets reduce during the backward, i.e. before the
+    # rank's last pipeline transfer of the step; the losses equal one process's (fp32, 1e-5 absolute).
+    steps = 3
+    ref = _losses(_cfg(mbs=1, gbs=4, steps=steps), {**HF, "num_hidden_layers": 4})
+    out = run_distributed(_interleaved_dp2, 4, steps, timeout=300)
+    for rank, r in enumerate(out):
+        assert r["dp"] == 2
+        assert max(abs(a - b) for a, b in zip(r["losses"], ref)) < 1e-5, (rank, r["losses"], ref)
+        for kinds in r["orders"]:
+            last_pp = max(i for i, k in enumerate(kinds) if k == "pp")
+            assert "dp" in kinds[:last_pp], f"rank {rank}: no data-parallel reduction before the last p2p: {kinds}"

@@ -35,6 +35,8 @@ from engine.checkpoint import (CheckpointError, ShardingContext, load_checkpoint
                                read_metadata, resolve_checkpoint)
 from parallel import comm  # noqa: E402
 from parallel.mesh import Mesh, ParallelDims, init_distributed  # noqa: E402
+from parallel.pipeline import forward_only  # noqa: E402
+from parallel.pipeline.runtime import run_schedule  # noqa: E402
 
 # --set keys this tool reads (the rest of the training config does not apply to evaluation)
 SET_KEYS = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.pipeline_layout": "pipeline_layout",
@@ -264,8 +266,9 @@ def run_evaluate(argv: list[str] | None = None) -> dict:
 def forward_all(stage, mesh: Mesh, samples, opts: dict, *, device, want_logits: bool):
     """Run every sample through the pipeline; returns (summed NLL, predicted tokens, logits per sample).
 
-    Every rank knows every batch's shape, so stages exchange (s, b, h) activations with plain send/recv.
-    The sums are known on every rank; logits only on the last stage.
+    Consecutive batches of one shape form the micro-batches of one forward-only schedule
+    (``parallel.pipeline.forward_only``), run by the trainer's runtime, so the stages work on different
+    micro-batches at once. The sums are known on every rank; logits only on the last stage.
     """
     pp, pp_rank = mesh.dims.pp, mesh.coords["pp"]
     first, last = pp_rank == 0, pp_rank == pp - 1
@@ -273,26 +276,38 @@ def forward_all(stage, mesh: Mesh, samples, opts: dict, *, device, want_logits: 
     dtype = next(stage.parameters()).dtype
     nll = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of NLL, predicted tokens)
     logits_out: list[torch.Tensor] = [None] * len(samples)
-    for idx in _batches(samples, opts["batch_size"]):
-        tokens = torch.tensor([samples[i][0] for i in idx], dtype=torch.int64, device=device)  # (b, s)
-        labels = torch.tensor([samples[i][1] for i in idx], dtype=torch.int64, device=device)  # (b, s)
-        b, s = tokens.shape
-        x = tokens if first else comm.recv(torch.empty((s, b, h), dtype=dtype, device=device), mesh.pp,
-                                           src=pp_rank - 1)
-        if not last:
-            comm.send(stage(x), mesh.pp, dst=pp_rank + 1)  # (s, b, h)
-            continue
-        valid = labels != -100
-        if want_logits:
-            full = stage.gather_logits(stage(x)).float()  # (b, s, vocab)
-            loss = F.cross_entropy(full.reshape(b * s, -1), labels.reshape(-1), ignore_index=-100,
-                                   reduction="sum")
-            for j, i in enumerate(idx):
-                logits_out[i] = full[j].cpu()
-        else:
-            loss = stage(x, labels=labels).sum()  # (b, s) per-token loss, 0 where the label is -100
-        nll[0] += loss.double()
-        nll[1] += valid.sum()
+    batches = [(idx, torch.tensor([samples[i][0] for i in idx], dtype=torch.int64, device=device),  # (b, s)
+                torch.tensor([samples[i][1] for i in idx], dtype=torch.int64, device=device))   # (b, s)
+               for idx in _batches(samples, opts["batch_size"])]
+    start = 0
+    while start < len(batches):  # one schedule per run of equal-shape batches
+        shape = batches[start][1].shape
+        end = start
+        while end < len(batches) and batches[end][1].shape == shape:
+            end += 1
+        micro = batches[start:end]
+
+        def step(chunk: int, x, mb: int) -> torch.Tensor:
+            idx, tokens, labels = micro[mb]
+            x = tokens if first else x
+            if not last:
+                return stage(x)  # (s, b, h)
+            b, s = tokens.shape
+            nll[1] += (labels != -100).sum()
+            if want_logits:
+                full = stage.gather_logits(stage(x)).float()  # (b, s, vocab)
+                for j, i in enumerate(idx):
+                    logits_out[i] = full[j].cpu()
+                loss = F.cross_entropy(full.reshape(b * s, -1), labels.reshape(-1), ignore_index=-100,
+                                       reduction="sum")
+            else:
+                loss = stage(x, labels=labels).sum()  # (b, s) per-token loss, 0 where the label is -100
+            nll[0] += loss.double()
+            return loss
+
+        run_schedule(forward_only(pp, 1, len(micro)), rank=pp_rank, pp_group=mesh.pp, forward_step=step,
+                     act_shape=(shape[1], shape[0], h), dtype=dtype, device=device)
+        start = end
     comm.all_reduce(nll, mesh.pp)  # only the last stage contributed; every TP rank holds the same sums
     return float(nll[0]), int(nll[1]), logits_out
 

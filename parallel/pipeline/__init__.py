@@ -3,7 +3,7 @@ timeline simulator (simulate). Pure Python, no torch: the runtime that executes 
 list lives in parallel/pipeline/runtime.py and is imported on its own."""
 from parallel.pipeline.actions import (ACTIVATION, BACKWARD, FORWARD, GRADIENT, RECV,
                                        SCHEDULE_NAMES, SEND, Action, P2P, Schedule, ScheduleError)
-from parallel.pipeline.schedules import (build_schedule, check_interleaved_args, gpipe,
+from parallel.pipeline.schedules import (build_schedule, check_interleaved_args, forward_only, gpipe,
                                          interleaved_1f1b, interleaved_table, interleaved_warmup,
                                          one_f_one_b)
 from parallel.pipeline.simulate import Simulation, TimelineEntry, peak_inflight, simulate
@@ -12,6 +12,6 @@ from parallel.pipeline.validate import validate
 __all__ = [
     "ACTIVATION", "BACKWARD", "FORWARD", "GRADIENT", "RECV", "SEND", "SCHEDULE_NAMES", "Action",
     "P2P", "Schedule", "ScheduleError", "Simulation", "TimelineEntry", "build_schedule",
-    "check_interleaved_args", "gpipe", "interleaved_1f1b", "interleaved_table",
+    "check_interleaved_args", "forward_only", "gpipe", "interleaved_1f1b", "interleaved_table",
     "interleaved_warmup", "one_f_one_b", "peak_inflight", "simulate", "validate",
 ]

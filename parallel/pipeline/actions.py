@@ -118,6 +118,8 @@ class Schedule:
 
     Stage ``s`` lives on rank ``s % pp`` (model chunk ``s // pp``); ``microbatch_group_size`` is the
     interleaved schedule's group size ``N`` (``None`` for the non-interleaved schedules).
+    ``forward_only``: evaluation; every microbatch gets one ``F`` per stage and no ``B``, and only
+    activations cross ranks.
     """
 
     name: str
@@ -126,6 +128,7 @@ class Schedule:
     microbatches: int
     ranks: tuple[tuple[Action, ...], ...]
     microbatch_group_size: int | None = None
+    forward_only: bool = False
 
     @property
     def num_stages(self) -> int:

@@ -14,6 +14,10 @@ the received gradient (Megatron's "deallocate output tensor" trick). ``peak_live
 
 The loss of each microbatch is divided by the number of microbatches before its backward, so the
 accumulated gradients equal those of the mean loss over the global batch.
+
+A forward-only schedule (:func:`parallel.pipeline.schedules.forward_only`, evaluation) runs through the
+same loop: nothing is kept for a backward, an output lives until the batch that sends it completes,
+and the losses are recorded as they are.
 """
 from __future__ import annotations
 
@@ -79,7 +83,8 @@ def check_stage_shapes(pp_group: Group, *, in_shape: tuple[int, ...] | None, out
 def run_schedule(schedule: Schedule, *, rank: int, pp_group: Group, forward_step: ForwardStep,
                  act_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu",
                  grad_sync: Callable[[int], None] | None = None) -> PipelineResult:
-    """Run ``schedule.ranks[rank]`` with real tensors; gradients accumulate in the chunks' params.
+    """Run ``schedule.ranks[rank]`` with real tensors; gradients accumulate in the chunks' params
+    (a forward-only schedule: call it under ``torch.no_grad()``; nothing is kept for a backward).
 
     ``act_shape`` is the per-microbatch shape of every activation crossing a stage boundary.
     ``grad_sync(chunk)`` (optional) is called right before the LAST backward of each model chunk,
@@ -100,6 +105,7 @@ def run_schedule(schedule: Schedule, *, rank: int, pp_group: Group, forward_step
             c = schedule.chunk_of(a.stage)
             remaining_b[c] = remaining_b.get(c, 0) + 1
     result = PipelineResult()
+    forward_only = schedule.forward_only
 
     def post(batch_sends, batch_recvs):
         ops, sent_outputs = [], []
@@ -116,6 +122,10 @@ def run_schedule(schedule: Schedule, *, rank: int, pp_group: Group, forward_step
             ops.append(comm.P2P("recv", buf, p.peer))
         for w in comm.batch_p2p(ops, pp_group):
             w.wait()
+        if forward_only:  # sent downstream: nothing else needs it
+            for p in batch_sends:
+                held.pop((p.stage, p.microbatch), None)
+            return
         for t in sent_outputs:  # sent downstream: only the autograd node is still needed
             t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
 
@@ -128,7 +138,9 @@ def run_schedule(schedule: Schedule, *, rank: int, pp_group: Group, forward_step
         if a.op == FORWARD:
             x = None
             if a.stage > 0:
-                x = received.pop((ACTIVATION, a.stage - 1, a.microbatch)).requires_grad_()
+                x = received.pop((ACTIVATION, a.stage - 1, a.microbatch))
+                if not forward_only:
+                    x.requires_grad_()
             out = forward_step(chunk, x, a.microbatch)
             if a.stage == last_stage:
                 result.losses.append(float(out.detach()))
@@ -136,7 +148,10 @@ def run_schedule(schedule: Schedule, *, rank: int, pp_group: Group, forward_step
             elif tuple(out.shape) != tuple(act_shape):
                 raise ValueError(f"stage {a.stage} produced {tuple(out.shape)} but the pipeline sends "
                                  f"{tuple(act_shape)} per microbatch")
-            held[key] = (x, out)
+            if not forward_only:
+                held[key] = (x, out)
+            elif a.sends:  # kept until the batch that sends it completes
+                held[key] = (None, out)
             result.peak_live = max(result.peak_live, len(held))
         else:
             x, out = held.pop(key)

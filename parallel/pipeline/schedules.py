@@ -78,7 +78,8 @@ def check_interleaved_args(p: int, v: int, m: int, group_size: int | None = None
 
 
 def attach_messages(name: str, order: list[list[tuple[str, int, int]]], *, pp: int, vp: int,
-                    microbatches: int, microbatch_group_size: int | None = None) -> Schedule:
+                    microbatches: int, microbatch_group_size: int | None = None,
+                    forward_only: bool = False) -> Schedule:
     """Turn per-rank compute orders ``(op, stage, microbatch)`` into a :class:`Schedule` with messages.
 
     Every tensor crossing ranks (``act{s}`` from ``F{s}``, ``grad{s}`` from ``B{s}``; none when
@@ -144,7 +145,7 @@ def attach_messages(name: str, order: list[list[tuple[str, int, int]]], *, pp: i
         tuple(Action(op, stage, mb, tuple(recvs[r][i]), sends[r][i])
               for i, (op, stage, mb) in enumerate(ops))
         for r, ops in enumerate(order))
-    return Schedule(name, pp, vp, microbatches, ranks, microbatch_group_size)
+    return Schedule(name, pp, vp, microbatches, ranks, microbatch_group_size, forward_only)
 
 
 def gpipe(p: int, m: int) -> Schedule:
@@ -229,6 +230,21 @@ def interleaved_1f1b(p: int, v: int, m: int, *, group_size: int | None = None) -
         order.append(ops)
     return attach_messages("interleaved", order, pp=p, vp=v, microbatches=m,
                            microbatch_group_size=n)
+
+
+def forward_only(p: int, v: int, m: int) -> Schedule:
+    """Forward passes only (evaluation), pipelined across microbatches: every rank runs its forwards
+    in the interleaved forward order (groups of ``p`` microbatches through its ``v`` chunks; plain
+    microbatch order for ``v == 1``). Any ``m >= 1``; nothing is held for a backward."""
+    _check_int("pp", p, minimum=1, fix="use at least one pipeline rank")
+    _check_int("vp", v, minimum=1, fix="use vp >= 1 model chunks per rank")
+    _check_int("microbatches", m, minimum=1, fix="use at least one microbatch")
+    if p == 1 and v > 1:
+        raise ValueError(f"vp={v} model chunks on a single pipeline rank: consecutive stages would live on the "
+                         "same rank; use vp=1 when pp=1")
+    table = interleaved_table(m, v, p)
+    order = [[(FORWARD, chunk * p + r, mb) for mb, chunk in table] for r in range(p)]
+    return attach_messages("forward", order, pp=p, vp=v, microbatches=m, forward_only=True)
 
 
 def build_schedule(name: str, *, pp: int, vp: int = 1, microbatches: int,

@@ -5,7 +5,8 @@
 1. structure: one action list per rank; every action's stage lives on the rank that runs it
    (``stage % pp``) and its ids are in range; every message names the right peer and a tensor that
    really crosses ranks;
-2. coverage: every microbatch gets exactly one ``F`` and one ``B`` on every virtual stage, and every
+2. coverage: every microbatch gets exactly one ``F`` and one ``B`` (only the ``F`` in a forward-only
+   schedule) on every virtual stage, and every
    tensor crossing ranks is sent exactly once and received exactly once;
 3. execution: the schedule is run the way a runtime runs it (per rank, in order; before action
    ``i`` one batch of ``actions[i-1].sends + actions[i].recvs`` that must fully complete), with the
@@ -40,7 +41,7 @@ def _cross_rank_tensors(sched: Schedule) -> dict[tuple[str, int, int], tuple[int
         for mb in range(sched.microbatches):
             if s < last and sched.rank_of(s) != sched.rank_of(s + 1):
                 out[(ACTIVATION, s, mb)] = (sched.rank_of(s), sched.rank_of(s + 1))
-            if s > 0 and sched.rank_of(s) != sched.rank_of(s - 1):
+            if s > 0 and sched.rank_of(s) != sched.rank_of(s - 1) and not sched.forward_only:
                 out[(GRADIENT, s, mb)] = (sched.rank_of(s), sched.rank_of(s - 1))
     return out
 
@@ -53,6 +54,8 @@ def _check_structure(sched: Schedule) -> None:
         for a in actions:
             if a.op not in (FORWARD, BACKWARD):
                 raise ScheduleError(rank, str(a), f"op must be 'F' or 'B', got {a.op!r}")
+            if a.op == BACKWARD and sched.forward_only:
+                raise ScheduleError(rank, str(a), "a forward-only schedule has no backward actions")
             if not 0 <= a.stage < sched.num_stages or not 0 <= a.microbatch < sched.microbatches:
                 raise ScheduleError(rank, str(a), f"stage must be in [0, {sched.num_stages}) and "
                                     f"microbatch in [0, {sched.microbatches})")
@@ -87,7 +90,7 @@ def _check_coverage(sched: Schedule) -> None:
             seen[a.key] = i
     for s in range(sched.num_stages):
         for mb in range(sched.microbatches):
-            for op in (FORWARD, BACKWARD):
+            for op in (FORWARD,) if sched.forward_only else (FORWARD, BACKWARD):
                 if (op, s, mb) not in seen:
                     raise ScheduleError(sched.rank_of(s), f"{op}{s}.{mb}", "missing: no rank runs "
                                         "it (every microbatch needs one F and one B per stage)")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from parallel.pipeline import (ACTIVATION, FORWARD, GRADIENT, RECV, SEND, Action, P2P, ScheduleError,
+from parallel.pipeline import (ACTIVATION, BACKWARD, FORWARD, GRADIENT, RECV, SEND, Action, P2P, ScheduleError,
                                build_schedule, gpipe, interleaved_1f1b, one_f_one_b, peak_inflight,
                                simulate, validate)
 from parallel.pipeline.schedules import attach_messages, interleaved_table
@@ -440,3 +440,22 @@ def test_cli_png(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr()
     assert "--png needs matplotlib, which is not installed" in err.err
     assert "rank" not in err.out   # fails before printing a timeline
+
+
+@pytest.mark.parametrize("p,v", [(1, 1), (2, 1), (4, 1), (2, 2), (4, 3)])
+def test_forward_only_schedule_is_valid_and_has_no_backward(p, v):
+    from parallel.pipeline import forward_only
+
+    for m in (1, 2, p, 2 * p + 1):
+        sched = forward_only(p, v, m)
+        validate(sched)
+        assert sched.forward_only and all(a.op == FORWARD for acts in sched.ranks for a in acts)
+        assert sum(len(acts) for acts in sched.ranks) == p * v * m
+        assert all(msg.kind == ACTIVATION for acts in sched.ranks for a in acts for msg in a.sends + a.recvs)
+    bad = forward_only(p, v, 2)
+    with_b = replace(bad, ranks=tuple(acts + (Action(BACKWARD, r, 0, (), ()),)
+                                                  for r, acts in enumerate(bad.ranks)))
+    with pytest.raises(ScheduleError, match="no backward actions"):
+        validate(with_b)
+    with pytest.raises(ValueError, match="use vp=1 when pp=1"):
+        forward_only(1, 2, 2)

@@ -15,11 +15,9 @@ load them); a pipeline's last-stage copy of a tied embedding is a replica, never
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Mapping as _MappingABC
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -27,7 +25,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from engine.checkpoint import ParamSpec, ShardingContext, param_layout
-from engine.checkpoint.format import pread_exact, read_safetensors_header, safetensors_code
+from engine.checkpoint.safetensors_io import pread_exact, read_safetensors_header
 from models.config import TransformerConfig
 from models.hf_layout import HFEntry, describe_problems, hf_shapes, shape_of
 from models.registry import family
@@ -300,101 +298,6 @@ class _PreadSlice:
             pos = self.offset + (o * (self.shape[dim] if self.shape else 1) + start) * inner
             pread_exact(self.fd, memoryview(flat[o].numpy()), pos, what=f"tensor {self.key!r}")
         return out
-
-
-# -- a safetensors file written tensor by tensor ---------------------------------------------------
-
-class StreamingSafetensorsWriter:
-    """Writes a safetensors file whose tensors are known up front (name, dtype, shape) but produced
-    one at a time, so only one tensor is in memory; the file is hashed (sha256) while it is written
-    and fsynced on :meth:`close`.
-
-    Layout as :func:`engine.checkpoint.async_writer.write_safetensors`: 8-byte little-endian header
-    length, compact JSON header padded with spaces to 8 bytes, then the tensors in plan order.
-    """
-
-    def __init__(self, path: str | os.PathLike, plan: Sequence[tuple[str, torch.dtype, Sequence[int]]], *,
-                 metadata: dict[str, str] | None = None, digest: bool = True):
-        self.path = Path(path)
-        self._digest = digest
-        header: dict = {}
-        offset = 0
-        self._expect: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
-        for name, dtype, shape in plan:
-            if name in header:
-                raise ValueError(f"{self.path.name}: tensor {name!r} planned twice")
-            n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": safetensors_code(dtype), "shape": list(shape), "data_offsets": [offset, offset + n]}
-            self._expect.append((name, dtype, tuple(shape)))
-            offset += n
-        if metadata:
-            header["__metadata__"] = metadata
-        hjson = json.dumps(header, separators=(",", ":")).encode()
-        hjson += b" " * (-len(hjson) % 8)
-        prefix = len(hjson).to_bytes(8, "little") + hjson
-        self._total = len(prefix) + offset
-        self._file = open(self.path, "wb")
-        _preallocate(self._file.fileno(), self._total)
-        self._hash = hashlib.sha256()
-        # sha256 on a second thread, in order, while this one writes (both release the GIL).
-        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tessel-convert-sha256")
-        self._next = 0
-        self._pending = None
-        self._emit(memoryview(prefix))
-
-    def _emit(self, view: memoryview) -> None:
-        # At most one buffer waits for the hasher, so memory stays near one tensor (two at most).
-        if self._pending is not None:
-            self._pending.result()
-        if self._digest:
-            self._pending = self._hasher.submit(self._hash.update, view)
-        self._file.write(view)
-
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Append ``tensor``, which must be the next planned tensor (same dtype and shape)."""
-        if self._next >= len(self._expect):
-            raise ValueError(f"{self.path.name}: {name!r} written after the last planned tensor")
-        want = self._expect[self._next]
-        got = (name, tensor.dtype, tuple(tensor.shape))
-        if got != want:
-            raise ValueError(f"{self.path.name}: expected tensor {want} next, got {got}")
-        self._next += 1
-        t = tensor.detach().to("cpu").contiguous()
-        if t.numel():
-            self._emit(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # the view keeps t alive
-
-    def close(self) -> tuple[str, int]:
-        """Finish the file; returns (sha256 hex digest or "" without ``digest``, size in bytes)."""
-        if self._next != len(self._expect):
-            missing = [n for n, _, _ in self._expect[self._next:]]
-            self.abort()
-            raise ValueError(f"{self.path.name}: {len(missing)} planned tensor(s) never written: {missing[:5]}")
-        self._hasher.shutdown(wait=True)
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        size = self.path.stat().st_size
-        assert size == self._total, (size, self._total)
-        return (self._hash.hexdigest() if self._digest else ""), size
-
-    def abort(self) -> None:
-        self._hasher.shutdown(wait=True)
-        if not self._file.closed:
-            self._file.close()
-
-
-def _preallocate(fd: int, size: int) -> None:
-    """Reserve the file's blocks up front (Linux ``fallocate``; nothing where unsupported). On ext4 under
-    concurrent writeback, plain appends now and then ran 3-4x slower than into a preallocated file.
-    ``posix_fallocate`` is not used: where the filesystem lacks support it writes zeros, doubling the I/O."""
-    try:
-        import ctypes
-        import ctypes.util
-
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.fallocate(ctypes.c_int(fd), ctypes.c_int(0), ctypes.c_longlong(0), ctypes.c_longlong(size))
-    except (OSError, AttributeError):
-        pass
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -24,7 +24,6 @@ import re
 import shutil
 import sys
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,11 +34,12 @@ import torch  # noqa: E402
 
 from engine.checkpoint import CheckpointError, ShardedTensor, load_checkpoint, read_metadata, resolve_checkpoint  # noqa: E402
 from engine.checkpoint.format import (FORMAT_NAME, FORMAT_VERSION, LATEST_FILE, METADATA_FILE, dtype_from_name,  # noqa: E402
-                                      fsync_dir, rank_filename, replace_file_atomic, sha256_file, step_dirname,
+                                      fsync_dir, rank_filename, replace_file_atomic, step_dirname,
                                       write_file_durable)
+from engine.checkpoint.safetensors_io import SafetensorsWriter, verify_files  # noqa: E402
 from engine.checkpoint.save import build_tensor_index  # noqa: E402
 from models.convert import (DTYPE_CHOICES, HF_DTYPE_NAMES, MODEL_PREFIX, PreadSafetensors,  # noqa: E402
-                            StreamingSafetensorsWriter, check_hf_tensors, hf_dtype, placements, stage_layer_ranges, stage_params,
+                            check_hf_tensors, hf_dtype, placements, stage_layer_ranges, stage_params,
                             tessel_full_shape)
 from models.hf_layout import describe_problems, hf_shapes, read_shard, to_hf  # noqa: E402
 from models.registry import config_from_hf, family  # noqa: E402
@@ -201,7 +201,7 @@ def _write_rank(src, resolve, cfg, *, rank: int, tp_rank: int, tp: int, layer_ra
         names.append(mine)
     if not plan:
         return descs, None
-    writer = StreamingSafetensorsWriter(step_dir / fname, plan,
+    writer = SafetensorsWriter(step_dir / fname, plan,
                                         metadata={"format": FORMAT_NAME, "step": "0", "rank": str(rank)})
     try:
         for (p, dtype), mine in zip(jobs, names):
@@ -214,11 +214,11 @@ def _write_rank(src, resolve, cfg, *, rank: int, tp_rank: int, tp: int, layer_ra
                 if name is not None:
                     writer.write(name, st.data)
             del local
-        sha, size = writer.close()
+        written = writer.close()
     except BaseException:
         writer.abort()
         raise
-    return descs, {"rank": rank, "sha256": sha, "bytes": size}
+    return descs, {"rank": rank, "sha256": written.sha256, "bytes": written.bytes}
 
 
 def hf_to_tessel(hf_dir: str | os.PathLike, out: str | os.PathLike, *, tp: int = 1, pp: int = 1, dtype: str = "keep",
@@ -280,16 +280,7 @@ def _set_config_dtype(config: dict, dtype: torch.dtype) -> None:
 # -- Tessel -> Hugging Face -------------------------------------------------------------------------
 
 def _verify(step_dir: Path, meta: dict) -> None:
-    def check(item):
-        name, info = item
-        p = step_dir / name
-        if not p.is_file():
-            return f"{p} is missing"
-        if sha256_file(p) != info["sha256"]:
-            return f"{p}: sha256 differs from {METADATA_FILE} (the file is corrupt)"
-        return None
-    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        errors = [e for e in pool.map(check, sorted(meta["files"].items())) if e]
+    errors = verify_files(step_dir, meta["files"], workers=max(1, min(4, os.cpu_count() or 1)))
     if errors:
         raise CheckpointError("; ".join(errors) + " (pass --no-verify to skip the check)")
 
@@ -433,7 +424,7 @@ def tessel_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str 
         for i, shard in enumerate(shards):
             fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             plan = [(k, it["dtype"], s) for it in shard for k, s in it["hf"]]
-            writer = StreamingSafetensorsWriter(tmp / fname, plan, metadata={"format": "pt"}, digest=False)
+            writer = SafetensorsWriter(tmp / fname, plan, metadata={"format": "pt"}, digest=False)
             try:
                 for batch in _read_batches(shard, limit=READ_BATCH_BYTES):
                     fulls = read_logical(step_dir, meta, [(it["key"], it["shape"], it["src_dtype"]) for it in batch])

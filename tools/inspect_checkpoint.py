@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.checkpoint.format import (CheckpointError, dtype_from_name, read_metadata,  # noqa: E402
-                                      resolve_checkpoint, sha256_file)
+from engine.checkpoint.format import CheckpointError, dtype_from_name, read_metadata, resolve_checkpoint  # noqa: E402
+from engine.checkpoint.safetensors_io import verify_files  # noqa: E402
 
 
 def _size(n: float) -> str:
@@ -72,16 +72,7 @@ def describe(step_dir: Path, meta: dict, *, max_tensors: int | None) -> list[str
 
 def verify(step_dir: Path, meta: dict) -> list[str]:
     """Problems found (empty when every file matches its recorded sha256 and size)."""
-    problems = []
-    for name, info in sorted(meta["files"].items()):
-        p = step_dir / name
-        if not p.is_file():
-            problems.append(f"{name}: missing")
-        elif p.stat().st_size != info["bytes"]:
-            problems.append(f"{name}: {p.stat().st_size} bytes, metadata says {info['bytes']}")
-        elif sha256_file(p) != info["sha256"]:
-            problems.append(f"{name}: checksum mismatch (file is corrupt)")
-    return problems
+    return verify_files(step_dir, meta["files"])
 
 
 def main(argv: list[str] | None = None) -> int:

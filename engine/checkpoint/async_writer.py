@@ -1,62 +1,27 @@
-"""Writing one rank's shard file: host staging, a streaming safetensors writer, a background thread.
+"""Writing one rank's shard file: host staging and a background thread around
+:func:`engine.checkpoint.safetensors_io.write_safetensors` (the one safetensors writer: the bytes
+stream from the tensors' memory in chunks while being hashed, the file is fsynced before it counts as
+written, and ``file.write`` and ``hashlib`` release the GIL on large buffers, so the thread does not
+hold it for long).
 
-The writer produces a standard safetensors file (8-byte little-endian header length, JSON header
-padded with spaces to 8 bytes, then the tensors back to back) that ``safetensors.safe_open`` reads.
-It is written here rather than with ``safetensors.torch.save_file`` so the bytes stream from the
-tensors' memory in chunks while being hashed (sha256 recorded in the metadata), the file is
-fsynced before it counts as written, and the write can run in a thread that does not hold the
-GIL for long (``file.write`` and ``hashlib`` release it on large buffers).
-
-Test hook: ``TESSEL_CHECKPOINT_TEST_PAUSE="write:<bytes>:<marker path>"`` makes the writer stop
-after ``<bytes>`` bytes of a shard, touch the marker and sleep, so a crash test can SIGKILL the
-process at a known point mid-save; ``"commit:<marker path>"`` pauses after the commit rename,
-before the ``latest`` pointer is updated.
+Test hooks (``TESSEL_CHECKPOINT_TEST_PAUSE``): ``"write:<bytes>:<marker path>"`` stops the writer
+after ``<bytes>`` bytes of a shard (safetensors_io); ``"commit:<marker path>"`` pauses after the
+commit rename, before the ``latest`` pointer is updated (save.py).
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from engine.checkpoint.format import safetensors_code
-
-PAUSE_ENV = "TESSEL_CHECKPOINT_TEST_PAUSE"
-CHUNK_BYTES = 64 << 20
-
-
-def test_pause(stage: str, *, written: int = 0) -> None:
-    """Block forever at ``stage`` when the test hook asks for it (see the module docstring)."""
-    spec = os.environ.get(PAUSE_ENV)
-    if not spec:
-        return
-    parts = spec.split(":", 2)
-    if parts[0] != stage:
-        return
-    if stage == "write" and written < int(parts[1]):
-        return
-    Path(parts[-1]).touch()
-    while True:  # the test kills this process
-        time.sleep(3600)
+from engine.checkpoint.safetensors_io import WriteResult, write_safetensors
 
 
 def _byte_view_np(t: torch.Tensor) -> np.ndarray:
     """A contiguous CPU tensor's bytes as a uint8 numpy array (shares memory; any dtype, bf16 included)."""
     return t.reshape(-1).view(torch.uint8).numpy()
-
-
-def _byte_view(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without copying."""
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 class StagingPool:
@@ -112,62 +77,6 @@ def stage_to_host(tensors: list[torch.Tensor], *, snapshot: bool, pool: StagingP
     if any_cuda:
         torch.cuda.synchronize()
     return out
-
-
-@dataclass(frozen=True)
-class WriteResult:
-    file: str
-    sha256: str
-    bytes: int
-
-
-def write_safetensors(path: Path, entries: list[tuple[str, torch.Tensor]], *,
-                      metadata: dict[str, str] | None = None) -> WriteResult:
-    """Write ``entries`` (name, contiguous CPU tensor) as a safetensors file, fsynced; return its hash."""
-    header: dict = {}
-    offset = 0
-    for name, t in entries:
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": safetensors_code(t.dtype), "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    if metadata:
-        header["__metadata__"] = metadata
-    hjson = json.dumps(header, separators=(",", ":")).encode()
-    hjson += b" " * (-len(hjson) % 8)  # tensors start 8-byte aligned
-    prefix = len(hjson).to_bytes(8, "little") + hjson
-    h = hashlib.sha256()
-    written = 0
-    # Hash on a second thread, in order, while this one writes: both release the GIL on large
-    # buffers, so the save costs max(write, hash) instead of their sum.
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tessel-ckpt-sha256") as hasher, open(path, "wb") as f:
-        f.write(prefix)
-        h.update(prefix)
-        written += len(prefix)
-        for _, t in entries:
-            view = _byte_view(t)
-            for lo in range(0, len(view), CHUNK_BYTES):
-                chunk = view[lo:lo + CHUNK_BYTES]
-                pause_at = _pause_point()
-                if pause_at is not None and written < pause_at <= written + len(chunk):
-                    cut = pause_at - written  # write up to the pause point, make it durable, then stop
-                    f.write(chunk[:cut])
-                    f.flush()
-                    os.fsync(f.fileno())
-                    test_pause("write", written=pause_at)
-                hasher.submit(h.update, chunk)
-                f.write(chunk)
-                written += len(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    # Leaving the executor's block waited for every queued update: the digest is complete.
-    return WriteResult(file=path.name, sha256=h.hexdigest(), bytes=written)
-
-
-def _pause_point() -> int | None:
-    spec = os.environ.get(PAUSE_ENV, "")
-    if spec.startswith("write:"):
-        return int(spec.split(":", 2)[1])
-    return None
 
 
 class BackgroundWrite:

@@ -22,7 +22,6 @@ and the directory holding a renamed entry is fsynced after it.
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
 import re
@@ -124,69 +123,6 @@ def replace_file_atomic(path: str | os.PathLike, data: bytes) -> None:
     write_file_durable(tmp, data)
     os.replace(tmp, path)
     fsync_dir(path.parent)
-
-
-_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
-
-
-def read_safetensors_header(fd: int, path: str | os.PathLike) -> tuple[int, dict]:
-    """(byte offset of the data section, header dict) of the safetensors file open as ``fd``.
-
-    Validates what later reads rely on, so a corrupt or foreign file fails here with a
-    :class:`CheckpointError` naming it, not deep inside a read: the 8-byte length is within the
-    file, the header is a JSON object, and every tensor entry has ``dtype``, ``shape`` and
-    ``data_offsets`` ``[begin, end]``. (Data cut short is reported by the read that reaches it.)
-    """
-    def bad(why: str) -> CheckpointError:
-        return CheckpointError(f"{path} is not a safetensors file ({why}): the file is corrupt or "
-                               "truncated; write it again, or point at the right file")
-
-    size = os.fstat(fd).st_size
-    head = os.pread(fd, 8, 0)
-    if len(head) != 8:
-        raise bad("shorter than the 8-byte header length")
-    n = int.from_bytes(head, "little")
-    if not 2 <= n <= min(size - 8, _MAX_HEADER_BYTES):
-        raise bad(f"header length {n} does not fit a {size}-byte file")
-    raw = os.pread(fd, n, 8)
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise bad("the header is not JSON") from None
-    if not isinstance(header, dict):
-        raise bad("the header is not a JSON object")
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if (not isinstance(entry, dict) or "dtype" not in entry or not isinstance(entry.get("shape"), list)
-                or not (isinstance(offsets, list) and len(offsets) == 2
-                        and all(isinstance(o, int) for o in offsets)
-                        and 0 <= offsets[0] <= offsets[1])):
-            raise bad(f"entry {key!r} lacks a dtype, a shape or data_offsets [begin, end]")
-    return 8 + n, header
-
-
-def pread_exact(fd: int, buf: memoryview, offset: int, *, what: str) -> None:
-    """Fill ``buf`` from ``fd`` starting at byte ``offset`` (``os.preadv``, resumed after short
-    reads). Raises :class:`CheckpointError` ``"{what}: the file ends early (truncated?)"``."""
-    done = 0
-    while done < len(buf):
-        got = os.preadv(fd, [buf[done:]], offset + done)
-        if got <= 0:
-            raise CheckpointError(f"{what}: the file ends early (truncated?)")
-        done += got
-
-
-def sha256_file(path: str | os.PathLike, *, chunk: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(chunk)
-            if not block:
-                break
-            h.update(block)
-    return h.hexdigest()
 
 
 # -- JSON state (trainer/rank state may hold tensors: RNG states) -------------------------------------

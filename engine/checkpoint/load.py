@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -25,9 +24,9 @@ import torch
 from safetensors import safe_open
 
 from engine.checkpoint import _dist
-from engine.checkpoint.format import (CheckpointError, dtype_name, from_json_state, pread_exact, read_metadata,
-                                      read_safetensors_header, resolve_checkpoint, safetensors_code, sha256_file,
-                                      to_json_state)
+from engine.checkpoint.format import (CheckpointError, dtype_name, from_json_state, read_metadata,
+                                      resolve_checkpoint, safetensors_code, to_json_state)
+from engine.checkpoint.safetensors_io import pread_exact, read_safetensors_header, verify_files
 from engine.checkpoint.sharded import Box, ShardedTensor, intersect, piece_boxes
 from parallel.comm import Group
 
@@ -153,20 +152,7 @@ def _verify_files(step_dir: Path, meta: dict, needed: set[str], group: Group | N
     all_needed = _dist.all_gather_json(sorted(needed), group)
     rank = _dist.group_rank(group)
     mine = [f for f in sorted(needed) if min(r for r, n in enumerate(all_needed) if f in n) == rank]
-    def check(name: str) -> str | None:
-        info = meta["files"].get(name)
-        p = step_dir / name
-        if info is None:
-            return f"{p} is not listed in the metadata"
-        if not p.is_file():
-            return f"{p} is missing"
-        if sha256_file(p) != info["sha256"]:
-            return f"checksum mismatch in {p}: the file is corrupt (sha256 differs from metadata)"
-        return None
-
-    # hashlib releases the GIL: several files hash in parallel on several cores.
-    with ThreadPoolExecutor(max_workers=max(1, min(len(mine), os.cpu_count() or 1))) as pool:
-        errors = [e for e in pool.map(check, mine) if e]
+    errors = verify_files(step_dir, meta["files"], mine)
     errors = [e for errs in _dist.all_gather_json(errors, group) for e in errs]
     if errors:
         raise CheckpointError("; ".join(errors))

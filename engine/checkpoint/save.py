@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Sequence
 
 from engine.checkpoint import _dist
-from engine.checkpoint.async_writer import (BackgroundWrite, StagingPool, WriteResult, stage_to_host, test_pause,
-                                           write_safetensors)
+from engine.checkpoint.async_writer import BackgroundWrite, StagingPool, stage_to_host
+from engine.checkpoint.safetensors_io import WriteResult, test_pause, write_safetensors
 from engine.checkpoint.format import (FORMAT_NAME, FORMAT_VERSION, LATEST_FILE, METADATA_FILE, TMP_PREFIX,
                                       TRASH_PREFIX, CheckpointError, CheckpointWarning, fsync_dir, list_checkpoints,
                                       rank_filename, replace_file_atomic, step_dirname, to_json_state,

@@ -355,7 +355,7 @@ def test_tessel_to_hf_errors(hf_dirs, tmp_path):
     data = bytearray(rank1.read_bytes())
     data[-1] ^= 0xFF
     rank1.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="rank_00001.safetensors: sha256 differs"):
+    with pytest.raises(CheckpointError, match="checksum mismatch in .*rank_00001.safetensors"):
         tessel_to_hf(ck, tmp_path / "o")
     assert not (tmp_path / "o").exists()
     assert main(["tessel-to-hf", "--ckpt", str(ck), "--out", str(tmp_path / "o")]) == 2
@@ -401,29 +401,3 @@ def test_pread_reader_matches_safe_open(tmp_path, monkeypatch):
     save_file({"a": torch.zeros(2)}, str(tmp_path / "dup" / "y.safetensors"))
     with pytest.raises(ValueError, match="appears in more than one file"):
         mc.PreadSafetensors(tmp_path / "dup")
-
-
-def test_streaming_writer_checks_its_plan(tmp_path):
-    from safetensors.torch import load_file
-
-    from models.convert import StreamingSafetensorsWriter
-
-    plan = [("x", torch.float32, (2, 3)), ("y", torch.bfloat16, (4,))]
-    w = StreamingSafetensorsWriter(tmp_path / "w.safetensors", plan, metadata={"k": "v"})
-    with pytest.raises(ValueError, match="expected tensor"):
-        w.write("y", torch.zeros(4, dtype=torch.bfloat16))
-    w.write("x", torch.arange(6.0).reshape(2, 3).t().t())
-    with pytest.raises(ValueError, match="never written"):
-        w.close()
-    w = StreamingSafetensorsWriter(tmp_path / "w.safetensors", plan)
-    w.write("x", torch.arange(6.0).reshape(3, 2).t())  # non-contiguous input
-    w.write("y", torch.ones(4, dtype=torch.bfloat16))
-    digest, size = w.close()
-    import hashlib
-
-    assert digest == hashlib.sha256((tmp_path / "w.safetensors").read_bytes()).hexdigest()
-    assert size == (tmp_path / "w.safetensors").stat().st_size
-    got = load_file(str(tmp_path / "w.safetensors"))
-    assert torch.equal(got["x"], torch.arange(6.0).reshape(3, 2).t()) and torch.equal(got["y"], torch.ones(4, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="planned twice"):
-        StreamingSafetensorsWriter(tmp_path / "z.safetensors", plan + plan[:1])

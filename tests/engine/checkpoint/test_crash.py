@@ -17,7 +17,7 @@ import torch
 
 from engine.checkpoint import (CheckpointWarning, ShardedTensor, find_latest_checkpoint, list_checkpoints,
                                load_checkpoint)
-from engine.checkpoint.async_writer import PAUSE_ENV
+from engine.checkpoint.safetensors_io import PAUSE_ENV
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -73,7 +73,10 @@ def test_kill_mid_write_keeps_previous_checkpoint(tmp_path):
     tmp_dirs = [p for p in root.iterdir() if p.name.startswith(".tmp_step_00000002_")]
     assert len(tmp_dirs) == 1 and not (tmp_dirs[0] / "metadata.json").exists()
     partial = tmp_dirs[0] / "rank_00000.safetensors"
-    assert 8 << 20 <= partial.stat().st_size < 16 << 20  # really killed mid-file
+    # Really killed mid-file: the writer reserves the whole file up front (fallocate), so the bytes
+    # before the pause point are the tensor's (1.0 = 00 00 80 3f) and the rest were never written.
+    data = partial.read_bytes()
+    assert data[(8 << 20) - 4:8 << 20] == b"\x00\x00\x80\x3f" and data[-16:] == bytes(16)
     assert not (root / "step_00000002").exists()
     assert (root / "latest").read_text() == "step_00000001\n"
     with pytest.warns(CheckpointWarning, match="temporary directory of a save that did not finish"):

@@ -186,7 +186,7 @@ def test_leftover_temp_dir_is_ignored_with_a_warning(ckpt):
     ((6).to_bytes(8, "little") + b"{nope}", "the header is not JSON"),
 ])
 def test_safetensors_header_garbage_is_named(tmp_path, raw, why):
-    from engine.checkpoint.format import read_safetensors_header
+    from engine.checkpoint.safetensors_io import read_safetensors_header
 
     p = tmp_path / "x.safetensors"
     p.write_bytes(raw)
@@ -199,7 +199,7 @@ def test_safetensors_header_garbage_is_named(tmp_path, raw, why):
 
 
 def test_safetensors_entry_without_offsets_is_named(tmp_path):
-    from engine.checkpoint.format import read_safetensors_header
+    from engine.checkpoint.safetensors_io import read_safetensors_header
 
     header = json.dumps({"w": {"dtype": "F32", "shape": [2]}}).encode()
     p = tmp_path / "x.safetensors"

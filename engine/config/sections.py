@@ -12,18 +12,18 @@ from dataclasses import dataclass, field
 
 from engine.config._fields import Section
 from engine.ops import BACKENDS
+from engine.optim import DECAY_STYLES, NO_DECAY_GROUPS, NONFINITE_ACTIONS as NONFINITE
+from parallel.mesh import AXES as MESH_AXES
+from parallel.pipeline.actions import SCHEDULE_NAMES as SCHEDULES
 
+# Choice lists come from their owners (the imports above). models/ sits above the engine, so the
+# families are listed here; tests/engine/test_config.py checks them against models.FAMILIES.
 FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral")
 # Families with learned absolute positions and plain multi-head attention (no RoPE, no GQA).
 LEARNED_POSITION_FAMILIES = ("gpt2",)
 DTYPES = ("bf16", "fp32")
 KERNELS = BACKENDS  # model.kernels: engine/ops' backend choice
-MESH_AXES = ("dp", "pp", "cp", "tp")
-SCHEDULES = ("1f1b", "interleaved", "gpipe")
 RECOMPUTE = ("none",)  # "selective" and "full" come with activation recompute (not implemented yet)
-DECAY_STYLES = ("cosine", "linear", "constant", "wsd")
-NO_DECAY_GROUPS = ("norms", "biases", "embeddings")
-NONFINITE = ("skip", "stop")
 PROGRESS_BAR = ("auto", "on", "off")
 
 

@@ -267,7 +267,7 @@ def test_toml_error_names_the_file(tmp_path):
     (["parallel.pp=2", "parallel.schedule=interleaved"],
      "parallel.schedule='interleaved' needs parallel.vp > 1"),
     (["parallel.schedule=zb"],
-     "parallel.schedule='zb' is not valid; choose one of: 1f1b, interleaved, gpipe"),
+     "parallel.schedule='zb' is not valid; choose one of: gpipe, 1f1b, interleaved"),
     (["parallel.order=tp-dp-pp"],
      "parallel.order='tp-dp-pp' must name each of dp, pp, cp, tp exactly once"),
     (["parallel.pp=2", "parallel.pipeline_layout=4"],
@@ -499,3 +499,11 @@ def test_cli_prints_resolved_config(capsys):
     assert out["parallel"]["dp"] == 1 and out["model"]["hidden_size"] == 128
     assert main(["--config", "tiny_llama_cpu", "--world-size", "6"]) == 2
     assert "world size 6 is not divisible" in capsys.readouterr().err
+
+
+def test_choice_lists_match_their_owners():
+    import models
+    from engine.config import sections
+
+    assert set(sections.FAMILIES) == set(models.FAMILIES)
+    assert set(sections.LEARNED_POSITION_FAMILIES) <= set(models.FAMILIES)

@@ -99,8 +99,6 @@ def build_mesh(cfg: TesselConfig, *, world: int | None = None) -> Mesh:
     if world is None:
         world = dist.get_world_size() if dist.is_initialized() else 1
     p = cfg.parallel
-    if p.cp != 1:
-        raise ValueError(f"parallel.cp={p.cp}: context parallelism is not implemented yet; use cp=1")
     dp = cfg.validate_world(world)
     return Mesh.build(ParallelDims(dp=dp, pp=p.pp, cp=p.cp, tp=p.tp, ep=p.ep), order=p.order)
 

@@ -64,6 +64,37 @@ def hf_config_from_run(model_cfg, *, vocab_size: int | None) -> dict:
     if m.vocab_size is not None:
         out["vocab_size"] = m.vocab_size
     out.setdefault("vocab_size", vocab_size)
+    if out["vocab_size"] is None:
+        raise ValueError("model.vocab_size is not set and data.tokenizer is empty; set one of them")
+    try:
+        cfg = config_from_hf(out)
+    except ValueError as e:  # a field the [model] section left out: name the TOML key, not config.json's
+        missing = [ours for ours, theirs in names.items() if f"'{theirs}'" in str(e) and theirs not in base]
+        if missing:
+            raise ValueError(f"model.{missing[0]} is not set and the {family} family needs it; set "
+                             f"model.{missing[0]}" + ("" if m.hf_config else " (or model.hf_config, a config.json)")
+                             ) from None
+        raise
+    return _complete(out, cfg)
+
+
+def _complete(hf: dict, cfg: TransformerConfig) -> dict:
+    """``hf`` with every architecture field Tessel resolved by default written out, so that whoever
+    reads it (transformers, after an export) builds the same model: their defaults differ from ours
+    (Qwen3's head_dim is 128, GPT-2 ties embeddings, max_position_embeddings varies by family)."""
+    if cfg.model_type == "gpt2":
+        fill = {"n_inner": cfg.ffn_hidden_size, "n_positions": cfg.max_position_embeddings,
+                "layer_norm_epsilon": cfg.norm_eps, "tie_word_embeddings": cfg.tie_word_embeddings}
+    else:
+        fill = {"num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+                "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_eps,
+                "tie_word_embeddings": cfg.tie_word_embeddings}
+        if "rope_parameters" not in hf and "rope_scaling" not in hf and cfg.rope is not None:
+            fill["rope_theta"] = cfg.rope.theta
+    out = dict(hf)
+    for key, value in fill.items():
+        out.setdefault(key, value)
+    assert config_from_hf(out) == cfg, "completing the config changed the model"
     return out
 
 
@@ -102,15 +133,20 @@ class ModelHook:
     def from_run_config(cls, cfg, *, tokenizer_vocab: int | None) -> "ModelHook":
         """The model of a :class:`engine.config.TesselConfig` (vocabulary checked against the tokenizer's)."""
         hf = hf_config_from_run(cfg.model, vocab_size=tokenizer_vocab)
-        if hf.get("vocab_size") is None:
-            raise ValueError("model.vocab_size is not set and data.tokenizer is empty; set one of them")
         if tokenizer_vocab is not None and tokenizer_vocab > hf["vocab_size"]:
             raise ValueError(f"the tokenizer has {tokenizer_vocab} tokens but model.vocab_size={hf['vocab_size']}; "
                              f"set model.vocab_size >= {tokenizer_vocab}")
-        return cls.from_hf(hf, dtype=DTYPES[cfg.model.dtype],
+        hook = cls.from_hf(hf, dtype=DTYPES[cfg.model.dtype],
                            make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
                            kernels=cfg.model.kernels, fused_cross_entropy=cfg.model.fused_cross_entropy,
                            sequence_parallel=cfg.parallel.sequence_parallel, seed=cfg.train.seed)
+        positions = hook.config.max_position_embeddings
+        if cfg.train.seq_length > positions:
+            where = ("model.max_position_embeddings" if cfg.model.max_position_embeddings is not None
+                     else "the family's default max_position_embeddings (model.max_position_embeddings is unset)")
+            raise ValueError(f"train.seq_length={cfg.train.seq_length} exceeds {where} = {positions}; set "
+                             f"model.max_position_embeddings >= {cfg.train.seq_length} or shorten train.seq_length")
+        return hook
 
     @property
     def num_layers(self) -> int:

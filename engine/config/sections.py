@@ -181,6 +181,12 @@ class ParallelConfig(Section):
     def _validate(self) -> None:
         for key in ("tp", "pp", "vp", "cp", "ep"):
             check_min(self, key, 1, why="a parallel degree")
+        # Accepted keys must work: these degrees arrive with their capabilities.
+        if self.cp > 1:
+            raise ValueError(f"parallel.cp={self.cp}: context parallelism is not implemented yet; set parallel.cp=1")
+        if self.ep > 1:
+            raise ValueError(f"parallel.ep={self.ep}: expert parallelism is not implemented yet (no MoE family); "
+                             "set parallel.ep=1")
         if self.dp != -1 and self.dp < 1:
             raise ValueError(f"parallel.dp={self.dp} is not valid; set parallel.dp=-1 to infer it "
                              "from the world size, or a degree >= 1")

@@ -1,0 +1,128 @@
+"""What composes with what, as data: one row per combination of layout, optimizer mode, dtype, tied
+embeddings and model family. tests/composition/test_matrix.py runs every row through tools/pretrain.py's
+own path (train, stop at ``train.max_tokens`` and resume, resume into the row's second layout, export
+to Hugging Face); ``python -m tests.composition.matrix`` prints the table docs/composition.md holds.
+
+A capability lands with its rows (recompute, ZeRO-3, FP8, TP overlap, context and expert parallelism,
+zero-bubble schedules add theirs); a combination it does not support is refused at config time, and
+gets a row in REFUSED with the message it must give.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+OPTIMIZERS = {  # optimizer mode -> config overrides
+    "plain": ["optim.distributed=false"],
+    "zero1": ["optim.distributed=true", "optim.zero_stage=1"],
+    "zero2": ["optim.distributed=true", "optim.zero_stage=2"],
+    "overlap_param_gather": ["optim.distributed=true", "optim.zero_stage=1", "optim.overlap_param_gather=true"],
+}
+FAMILIES = ("llama", "gpt2", "qwen3")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    vp: int = 1
+    dp: int = 1
+    sp: bool = False
+    schedule: str = "1f1b"
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def overrides(self) -> list[str]:
+        return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.vp={self.vp}",
+                f"parallel.dp={self.dp}", f"parallel.sequence_parallel={str(self.sp).lower()}",
+                f"parallel.schedule={self.schedule}"]
+
+    def __str__(self) -> str:
+        parts = [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("vp", self.vp), ("dp", self.dp)) if v > 1]
+        return "x".join(parts or ["1 process"]) + (" sp" if self.sp else "") + (
+            f" {self.schedule}" if self.pp > 1 else "")
+
+
+@dataclass(frozen=True)
+class Row:
+    layout: Layout
+    optimizer: str = "plain"
+    dtype: str = "fp32"
+    tied: bool = False
+    family: str = "llama"
+    reshard: Layout | None = None  # the second layout a checkpoint of this row resumes into
+    reshard_optimizer: str | None = None  # default: the row's own
+
+    @property
+    def name(self) -> str:
+        return (f"{self.family}-{self.dtype}-{'tied' if self.tied else 'untied'}-{self.optimizer}-"
+                + str(self.layout).replace(" ", "-"))
+
+
+def L(**kw) -> Layout:  # noqa: N802 - short constructor for the table below
+    return Layout(**kw)
+
+
+# The default rows: every optimizer mode at dp > 1, every schedule, tied and untied, fp32 and bf16,
+# three families; each resumes into a different layout of the same world size.
+DEFAULT_ROWS: tuple[Row, ...] = (
+    Row(L(dp=4), "plain", reshard=L(tp=2, pp=2), reshard_optimizer="zero1"),
+    Row(L(dp=2, tp=2, sp=True), "plain", reshard=L(dp=4)),
+    Row(L(dp=2, pp=2), "plain", tied=True, reshard=L(tp=2, pp=2, sp=True)),
+    Row(L(dp=2, pp=2, schedule="gpipe"), "plain", family="gpt2", tied=True, reshard=L(pp=4, schedule="gpipe")),
+    Row(L(dp=4), "zero1", family="gpt2", tied=True, reshard=L(dp=2, tp=2), reshard_optimizer="plain"),
+    Row(L(dp=4), "zero2", family="qwen3", reshard=L(tp=4)),
+    Row(L(dp=2, tp=2, sp=True), "overlap_param_gather", reshard=L(dp=4), reshard_optimizer="plain"),
+    Row(L(dp=2, pp=2, vp=2, schedule="interleaved"), "zero1", reshard=L(dp=2, pp=2)),
+    Row(L(tp=2, pp=2, sp=True), "plain", dtype="bf16", tied=True, reshard=L(dp=4), reshard_optimizer="zero1"),
+    Row(L(tp=4), "plain", family="qwen3", reshard=L(tp=2, pp=2)),
+    Row(L(pp=4, schedule="gpipe"), "plain", family="gpt2", reshard=L(dp=4), reshard_optimizer="zero2"),
+    Row(L(dp=4), "zero1", dtype="bf16", tied=True, reshard=L(tp=2, dp=2, sp=True)),
+    Row(L(dp=2), "zero2", dtype="bf16", family="qwen3", reshard=L(tp=2)),
+    Row(L(), "plain", family="qwen3", tied=True, reshard=None),
+)
+
+# Combinations refused at config time: (overrides, the message fragment the refusal must carry).
+REFUSED: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("parallel.cp=2",), "context parallelism is not implemented yet"),
+    (("train.activation_checkpointing=selective",), "is not implemented yet"),
+    (("optim.distributed=false", "optim.overlap_param_gather=true"), "overlap_param_gather"),
+)
+
+
+def full_rows() -> list[Row]:
+    """The cross product behind ``pytest -m composition_full`` (world size 4 or less)."""
+    layouts = [L(dp=4), L(dp=2, tp=2, sp=True), L(dp=2, pp=2), L(tp=2, pp=2, sp=True), L(pp=2, vp=2, dp=2,
+               schedule="interleaved"), L(dp=2, pp=2, schedule="gpipe"), L(tp=4), L(pp=4)]
+    rows = []
+    for layout, opt, dtype, tied, family in itertools.product(layouts, OPTIMIZERS, ("fp32", "bf16"), (False, True),
+                                                              FAMILIES):
+        if layout.dp == 1 and opt != "plain":
+            continue  # the distributed optimizer needs data parallelism to shard over
+        if family == "qwen3" and tied:
+            continue  # kept small: qwen3 tied is a default row
+        rows.append(Row(layout, opt, dtype, tied, family, reshard=L(dp=4) if layout != L(dp=4) else L(tp=2, pp=2)))
+    return rows
+
+
+def table(results: dict[str, str] | None = None, rows=DEFAULT_ROWS) -> str:
+    """A Markdown table of ``rows`` (with each row's result when given)."""
+    head = "| # | family | dtype | embeddings | optimizer | layout | resumes into | result |\n|---|---|---|---|---|---|---|---|"
+    lines = [head]
+    for i, r in enumerate(rows, 1):
+        into = "—" if r.reshard is None else f"{r.reshard} ({r.reshard_optimizer or r.optimizer})"
+        res = (results or {}).get(r.name, "")
+        lines.append(f"| {i} | {r.family} | {r.dtype} | {'tied' if r.tied else 'untied'} | {r.optimizer} | "
+                     f"{r.layout} | {into} | {res} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m tests.composition.matrix [results.json] [--full]
+    import json
+    import sys
+
+    args = [a for a in sys.argv[1:] if a != "--full"]
+    results = json.load(open(args[0])) if args else None
+    print(table(results, full_rows() if "--full" in sys.argv else DEFAULT_ROWS))

@@ -1,0 +1,185 @@
+"""Every row of tests/composition/matrix.py, through tools/pretrain.py's own path (``train_from_config``):
+
+1. train STEPS steps uninterrupted (a checkpoint at the end);
+2. the same run stopped after STOP steps by ``train.max_tokens`` (a checkpoint) and resumed in a new
+   build from its run directory: the losses equal the uninterrupted run's **bitwise**;
+3. the step-STOP checkpoint resumed into the row's second layout (and optimizer mode): the next loss
+   equals the uninterrupted run's within 1e-5 relative in fp32 (2e-2 in bf16: another layout sums in
+   another order);
+4. the final checkpoint exported with ``tessel-to-hf`` and loaded with transformers: its logits equal
+   ``tools/evaluate.py --dump-logits`` of the checkpoint within 1e-4 (exported and evaluated in fp32).
+
+Rows of one world size share one process group (one launch per world size), on a tiny model and a
+byte-tokenized corpus built here. ``pytest -m composition_full`` runs the cross product instead.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallel.testing import run_distributed
+from tests.composition.matrix import DEFAULT_ROWS, OPTIMIZERS, REFUSED, Row, full_rows
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, STOP, SEQ, GBS = 4, 2, 16, 8
+TOKENS = [[5, 17, 3, 99, 42, 8, 60, 2, 200, 31], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+MODEL = {
+    "llama": ["model.family=llama", "model.num_attention_heads=8", "model.num_key_value_heads=4"],
+    "gpt2": ["model.family=gpt2", "model.num_attention_heads=4", "model.rope_theta=none", "model.num_key_value_heads=none"],
+    # No model.head_dim: the export must still tell transformers (whose Qwen3 default is 128).
+    "qwen3": ["model.family=qwen3", "model.num_attention_heads=8", "model.num_key_value_heads=4"],
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    import textwrap
+
+    d = tmp_path_factory.mktemp("composition_corpus")
+    docs = [textwrap.dedent(m.__doc__ or "") for m in (os, subprocess, json, textwrap, pytest, shutil)] * 6
+    src = d / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs if t.strip()))
+    prefix = str(d / "text_document")
+    subprocess.run([sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input", str(src),
+                    "--output-prefix", prefix, "--tokenizer", "byte", "--workers", "1"], check=True,
+                   capture_output=True)
+    return prefix
+
+
+def _overrides(row: Row, layout, optimizer: str, prefix: str, run_dir: str, *, max_steps: int | None = None):
+    out = [f"data.paths={prefix}", f"data.tokenizer={prefix}.tokenizer.json", f"data.cache_dir={run_dir}/cache",
+           "model.vocab_size=257", "model.hidden_size=32", "model.num_layers=4", "model.ffn_hidden_size=64",
+           "model.max_position_embeddings=64", f"model.dtype={row.dtype}",
+           f"model.tie_word_embeddings={str(row.tied).lower()}", *MODEL[row.family], *layout.overrides(),
+           *OPTIMIZERS[optimizer], f"train.seq_length={SEQ}", f"train.global_batch_size={GBS}",
+           "train.micro_batch_size=1", f"train.steps={STEPS}", "train.eval_interval=0", "train.log_interval=100",
+           "optim.warmup_steps=1", "optim.lr=0.01", "checkpoint.interval=0", "logging.tensorboard=false",
+           "logging.jsonl=false", "logging.progress_bar=off", "logging.peak_tflops=1.0", f"train.run_dir={run_dir}"]
+    if max_steps is not None:
+        out.append(f"train.max_tokens={max_steps * GBS * SEQ}")
+    return out
+
+
+def _train(row: Row, layout, optimizer: str, prefix: str, run_dir: str, *, max_steps: int | None = None):
+    import torch.distributed as dist
+
+    from engine.config import load_config
+    from tools.pretrain import train_from_config
+
+    cfg = load_config("tiny_llama_cpu", _overrides(row, layout, optimizer, prefix, run_dir, max_steps=max_steps))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return [h.loss for h in train_from_config(cfg, run_dir, rank=rank, world=world)]
+
+
+def _rows_of_world(rows: list[Row], prefix: str, root: str) -> dict:
+    import torch.distributed as dist
+
+    out = {}
+    for row in rows:
+        d = Path(root) / row.name
+        straight = _train(row, row.layout, row.optimizer, prefix, str(d / "straight"))
+        first = _train(row, row.layout, row.optimizer, prefix, str(d / "resumed"), max_steps=STOP)
+        reshard = None
+        if row.reshard is not None:
+            if not dist.is_initialized() or dist.get_rank() == 0:  # the step-STOP checkpoint, for the second layout
+                shutil.copytree(d / "resumed" / "checkpoints", d / "reshard" / "checkpoints")
+            if dist.is_initialized():
+                dist.barrier()
+        resumed = _train(row, row.layout, row.optimizer, prefix, str(d / "resumed"))
+        if row.reshard is not None:
+            reshard = _train(row, row.reshard, row.reshard_optimizer or row.optimizer, prefix, str(d / "reshard"),
+                             max_steps=STOP + 1)
+        out[row.name] = {"straight": straight, "first": first, "resumed": resumed, "reshard": reshard}
+    return out
+
+
+def _export_and_compare(row: Row, root: Path) -> float:
+    """Max |logits| difference between transformers on the export and tools/evaluate.py."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tools.convert_checkpoint import tessel_to_hf
+    from tools.evaluate import run_evaluate
+
+    d = root / row.name
+    hf = d / "hf"
+    tessel_to_hf(d / "straight" / "checkpoints", hf, dtype="fp32")
+    (d / "tokens.json").write_text(json.dumps(TOKENS))
+    run_evaluate(["--ckpt", str(d / "straight" / "checkpoints"), "--tokens", str(d / "tokens.json"),
+                  "--dump-logits", str(d / "logits.safetensors"), "--set", "model.dtype=fp32"])
+    ours = load_file(str(d / "logits.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    worst = 0.0
+    with torch.no_grad():
+        for i, ids in enumerate(TOKENS):
+            theirs = model(torch.tensor([ids])).logits[0]
+            mine = ours[f"logits.{i}"]  # (s, vocab)
+            worst = max(worst, float((theirs - mine).abs().max()))
+    return worst
+
+
+def _check_row(row: Row, r: dict, root: Path) -> str:
+    assert len(r["straight"]) == STEPS, r
+    assert r["first"] + r["resumed"] == r["straight"], f"stop + resume differs from straight: {r}"
+    line = "train, stop/resume bitwise"
+    if row.reshard is not None:
+        rel = 1e-5 if row.dtype == "fp32" else 2e-2
+        assert r["reshard"] == pytest.approx([r["straight"][STOP]], rel=rel), r
+        line += f", reshard rel {abs(r['reshard'][0] / r['straight'][STOP] - 1):.1e}"
+    diff = _export_and_compare(row, root)
+    assert diff < 1e-4, f"exported logits differ by {diff}"
+    return line + f", export logits {diff:.1e}"
+
+
+def _check(rows: list[Row], results: dict, root: Path) -> dict[str, str]:
+    """Every row's result line; all rows are checked before any failure is raised."""
+    summary, failed = {}, []
+    for row in rows:
+        try:
+            summary[row.name] = _check_row(row, results[row.name], root)
+        except AssertionError as e:
+            summary[row.name] = f"FAILED: {str(e).splitlines()[0][:200]}"
+            failed.append(row.name)
+    out = os.environ.get("TESSEL_COMPOSITION_RESULTS")
+    if out:  # docs/composition.md is generated from this: python -m tests.composition.matrix RESULTS
+        Path(out).write_text(json.dumps(summary, indent=1))
+    assert not failed, {n: summary[n] for n in failed}
+    return summary
+
+
+def _run_rows(rows: list[Row], corpus: str, root: Path) -> dict[str, str]:
+    by_world: dict[int, list[Row]] = {}
+    for row in rows:
+        by_world.setdefault(row.layout.world, []).append(row)
+    results = {}
+    for world, group in sorted(by_world.items()):
+        if world == 1:
+            results.update(_rows_of_world(group, corpus, str(root)))
+        else:
+            results.update(run_distributed(_rows_of_world, world, group, corpus, str(root), timeout=600)[0])
+    return _check(rows, results, root)
+
+
+def test_default_rows(corpus, tmp_path):
+    _run_rows(list(DEFAULT_ROWS), corpus, tmp_path)
+
+
+@pytest.mark.parametrize("overrides, message", REFUSED)
+def test_unsupported_combinations_are_refused_at_config_time(overrides, message):
+    from engine.config import load_config
+
+    with pytest.raises(ValueError, match=message):
+        load_config("tiny_llama_cpu", list(overrides))
+
+
+@pytest.mark.composition_full
+def test_full_cross_product(corpus, tmp_path):
+    _run_rows(full_rows(), corpus, tmp_path)

@@ -43,6 +43,94 @@ def check_data_paths(paths: list[str]) -> None:
             raise ValueError(f"data path {p!r} is missing {', '.join(missing)}; {hint}")
 
 
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-rank bytes of parameters, fp32 gradients and optimizer state, against the memory a rank has."""
+
+    world: int
+    numel: int  # parameters on the rank that holds the most
+    bytes_per_param: float
+    available: int | None  # bytes per rank (None: unknown)
+    source: str
+    fits_instead: tuple[str, ...] = ()
+
+    @property
+    def need(self) -> float:
+        return self.numel * self.bytes_per_param
+
+    @property
+    def fits(self) -> bool:
+        return self.available is None or self.need <= self.available
+
+    def line(self) -> str:
+        have = "unknown" if self.available is None else f"{self.available / 1e9:.2f} GB ({self.source})"
+        return (f"tessel: plan: the largest rank holds {self.numel:,} parameters: {self.need / 1e9:.2f} GB of "
+                f"parameters, fp32 gradients and optimizer state ({self.bytes_per_param:g} bytes each); "
+                f"a rank has {have}")
+
+    def error(self) -> str:
+        alt = ("Layouts of the same ranks that would fit (optim.distributed=true): " + "; ".join(self.fits_instead)
+               if self.fits_instead else f"No layout of {self.world} ranks fits: launch more ranks or train a smaller model")
+        return (f"the run does not fit in memory: {self.line().removeprefix('tessel: plan: ')}; refusing before "
+                f"allocating anything. {alt}")
+
+
+def _bytes_per_param(dtype: str, *, distributed: bool, dp: int) -> float:
+    param = 2 if dtype == "bf16" else 4
+    state = (4 if dtype == "bf16" else 0) + 8  # fp32 masters (fp32 params are their own) + Adam moments
+    return param + 4 + state / (dp if distributed else 1)
+
+
+def _largest_rank_numel(model, *, tp: int, pp: int, vp: int, layout) -> int:
+    stages = pp * vp
+    ranges = split_layers(model.num_layers, stages, layout)
+    return max(sum(model.stage_numel(tp=tp, layer_range=ranges[s], pre_process=s == 0,
+                                     post_process=s == stages - 1) for s in range(r, stages, pp))
+               for r in range(pp))
+
+
+def _available_bytes(world: int) -> tuple[int | None, str]:
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))
+        return free, "free memory of this GPU"
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        avail = int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None, "unknown"
+    return avail // max(1, local), f"MemAvailable {avail / 1e9:.1f} GB / {local} local ranks"
+
+
+def memory_plan(cfg: TesselConfig, model, *, world: int, available: int | None = None) -> MemoryPlan:
+    """What the run's largest rank needs and has; no communication, nothing allocated (the model hook
+    derives parameter counts without building). ``available`` overrides the measured bytes per rank."""
+    p, o = cfg.parallel, cfg.optim
+    dp = cfg.validate_world(world)
+    numel = _largest_rank_numel(model, tp=p.tp, pp=p.pp, vp=p.vp, layout=p.pipeline_layout)
+    source = "given"
+    if available is None:
+        available, source = _available_bytes(world)
+    plan = MemoryPlan(world=world, numel=numel, source=source, available=available,
+                      bytes_per_param=_bytes_per_param(cfg.model.dtype, distributed=o.distributed, dp=dp))
+    if plan.fits or available is None:
+        return plan
+    fits = []
+    for tp in (d for d in range(1, world + 1) if world % d == 0):
+        for pp in (d for d in range(1, world // tp + 1) if (world // tp) % d == 0):
+            try:
+                model.config.check_tensor_parallel(tp)
+                n = _largest_rank_numel(model, tp=tp, pp=pp, vp=1, layout=None)
+            except ValueError:
+                continue
+            need = n * _bytes_per_param(cfg.model.dtype, distributed=True, dp=world // (tp * pp))
+            if need <= available:
+                fits.append((need, f"tp={tp} pp={pp} dp={world // (tp * pp)} ({need / 1e9:.2f} GB)"))
+    return MemoryPlan(world=world, numel=numel, bytes_per_param=plan.bytes_per_param, available=available,
+                      source=source, fits_instead=tuple(text for _, text in sorted(fits)[:4]))
+
+
 @dataclass
 class Run:
     """The parts of one rank's run, built by :func:`build_run`."""
@@ -125,11 +213,12 @@ def build_loaders(cfg: TesselConfig, mesh: Mesh, *, train_data=None, valid_data=
 
 def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: int | None = None,
               train_data=None, valid_data=None, data: bool = True, checkpoints: bool = True,
-              log_stream=None, device: str | None = None) -> Run:
+              log_stream=None, device: str | None = None, plan: MemoryPlan | None = None) -> Run:
     """Build every part of this rank's run from ``cfg`` and the model hook ``model`` (see the module
     docstring). ``train_data``/``valid_data``: datasets to use instead of ``cfg.data``; ``data=False``
     builds no loaders; ``checkpoints=False`` (or no ``run_dir`` and no ``checkpoint.dir``) no checkpointer;
-    ``device``: where the model lives (default CUDA when available, else CPU).
+    ``device``: where the model lives (default CUDA when available, else CPU); ``plan``: the memory plan
+    (:func:`memory_plan`) whose line the start-up log shows.
     Collective: every rank calls it with the same arguments."""
     mesh = build_mesh(cfg, world=world)
     p, t, o = cfg.parallel, cfg.train, cfg.optim
@@ -187,7 +276,7 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
                       flops_per_step=M.model_flops_per_step(model.flops, batch_size=t.global_batch_size,
                                                             seq_length=t.seq_length),
                       logger=logger, peak=M.peak_tflops(override=cfg.logging.peak_tflops, dtype=dtype),
-                      param_spec=model.param_spec)
+                      param_spec=model.param_spec, plan_line=plan.line() if plan is not None else None)
     return Run(cfg=cfg, mesh=mesh, model=model, trainer=trainer, train_loader=train_loader,
                valid_loader=valid_loader, checkpointer=checkpointer, run_dir=run_dir)
 

@@ -56,7 +56,7 @@ class Trainer:
                  num_stages: int, ddp: DataParallel, optimizer: Optimizer, schedule: Schedule,
                  eval_schedule: Schedule,
                  act_shape: tuple[int, int, int], flops_per_step: float, logger: M.MetricsLogger,
-                 peak: tuple[float, str], param_spec: Callable | None = None):
+                 peak: tuple[float, str], param_spec: Callable | None = None, plan_line: str | None = None):
         self.cfg = cfg
         self.mesh = mesh
         self.dp = mesh.dims.dp
@@ -75,6 +75,7 @@ class Trainer:
         self.logger = logger
         self.peak_tflops, self.peak_source = peak
         self.param_spec = param_spec  # checkpoint keys of the chunks' parameters (from models/)
+        self.plan_line = plan_line
         # Everything this rank feeds the model or hands to a collective lives on the model's device
         # (CUDA under NCCL); the data loaders produce CPU tensors.
         self.device = next(chunks.parameters()).device
@@ -227,6 +228,8 @@ class Trainer:
             f"tessel: world {self.mesh.world_size} = dp {self.dp} x pp {c.parallel.pp} x tp {c.parallel.tp}"
             f" (vp {c.parallel.vp}, schedule {c.parallel.schedule}, sp {c.parallel.sequence_parallel and c.parallel.tp > 1}),"
             f" {self.num_micro} micro-batches of {c.train.micro_batch_size} x {c.train.seq_length} per rank per step")
+        if self.plan_line:
+            self.logger.info(self.plan_line)
         n_params = sum(q.numel() for q in self.chunks.parameters())
         self.logger.info(f"tessel: rank 0 holds {n_params:,} parameters; model FLOPs/step "
                          f"{self.flops_per_step:.3e}; peak {self.peak_tflops:.3f} TFLOP/s per device "

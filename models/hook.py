@@ -9,6 +9,7 @@ vocab-padded tensors). The engine (engine/assembly.py) calls these and knows no 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -172,3 +173,12 @@ class ModelHook:
     @staticmethod
     def param_spec(name: str, param: torch.Tensor) -> ParamSpec:
         return param_spec(name, param)
+
+    def stage_numel(self, *, tp: int, layer_range: tuple[int, int], pre_process: bool, post_process: bool) -> int:
+        """Parameters one TP rank of a stage holds, derived without building it (for the memory plan)."""
+        from models.convert import stage_params
+
+        padded = self.config.padded_vocab_size(tp=tp, make_vocab_size_divisible_by=self.make_vocab_size_divisible_by)
+        params = stage_params(self.config, tp_rank=0, tp_size=tp, layer_range=layer_range, pre_process=pre_process,
+                              post_process=post_process, padded_vocab=padded)
+        return sum(math.prod(p.local_shape) for p in params)

@@ -380,6 +380,13 @@ def _find_side_dir(step_dir: Path, explicit: str | None) -> Path | None:
         p = Path(explicit)
         if not p.is_dir():
             raise ValueError(f"--hf-files {p} is not a directory")
+        usable = [f.name for f in p.iterdir() if f.is_file() and SIDE_FILE_RE.match(f.name) and f.name != "config.json"]
+        if not usable:
+            others = sorted(f.name for f in p.iterdir() if f.name.endswith(".json"))[:5]
+            raise ValueError(f"--hf-files {p} holds no Hugging Face tokenizer or generation files (tokenizer.json, "
+                             "tokenizer_config.json, special_tokens_map.json, generation_config.json, ...); "
+                             + (f"it has {others}, which are not; " if others else "")
+                             + "point it at a Hugging Face model directory, or leave it out")
         return p
     for p in (step_dir / HF_SUBDIR, step_dir.parent / HF_SUBDIR):
         if p.is_dir():

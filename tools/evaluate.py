@@ -5,7 +5,8 @@
     torchrun --nproc-per-node 4 tools/evaluate.py --ckpt CKPT --tp 2 --pp 2 --tokens ids.json --dump-logits out.safetensors
 
 The checkpoint (written by tools/convert_checkpoint.py or by the trainer, any layout) is resharded into
-the launch layout (world size = tp * pp; dp = 1). Forward only, stage by stage through the pipeline.
+the launch layout (world size = tp * pp; dp = 1). Forward only: a forward-only schedule through the
+training runtime, pipelined across batches of one shape.
 ``--text`` is tokenized with the checkpoint's tokenizer (``CKPT/hf``, or ``--tokenizer``) and cut into
 windows of ``--seq-length`` predicted tokens (each window sees the previous window's last token as its
 first input); ``--data`` does the same over the token stream of a preprocessed dataset. ``--tokens`` takes

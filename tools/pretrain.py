@@ -27,14 +27,17 @@ def main(argv=None) -> int:
     parser.add_argument("--run-dir", default=None, help="run directory (default: train.run_dir)")
     args = parser.parse_args(argv)
     try:
+        # Everything checkable without communication, before any process group exists: every rank
+        # fails the same way, so rank 0 alone says it.
         cfg = config_from_args(args)
+        model, plan = plan_run(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
     except (ValueError, FileNotFoundError) as e:
-        if os.environ.get("RANK", "0") == "0":  # every rank fails the same way: say it once
+        if os.environ.get("RANK", "0") == "0":
             print(f"pretrain.py: {e}", file=sys.stderr)
         return 2
     rank, world = init_distributed()
     try:
-        train_from_config(cfg, args.run_dir, rank=rank, world=world)
+        run_training(cfg, model, plan, args.run_dir, world=world)
         return 0
     except ValueError as e:
         print(f"pretrain.py (rank {rank}): {e}", file=sys.stderr)
@@ -44,19 +47,36 @@ def main(argv=None) -> int:
             torch.distributed.destroy_process_group()
 
 
-def train_from_config(cfg, run_dir: str | None, *, rank: int, world: int):
-    """Parse is done: build, resume, train. Returns the step stats."""
-    from engine.assembly import build_run, check_data_paths
+def plan_run(cfg, *, world: int):
+    """The checks that need no communication (layout, data, tokenizer, model), then the memory plan;
+    a run that cannot fit is refused here, before anything is allocated. Returns (model hook, plan)."""
+    from engine.assembly import check_data_paths, memory_plan
     from engine.data.tokenizer import load_tokenizer
     from models.hook import ModelHook
 
-    cfg.validate_world(world)  # clear error before anything else if the layout does not fit
+    cfg.validate_world(world)
     check_data_paths(list(cfg.data.paths))
     tok = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
     model = ModelHook.from_run_config(cfg, tokenizer_vocab=tok.vocab_size if tok else None)
-    run = build_run(cfg, model=model, run_dir=run_dir or cfg.train.run_dir, world=world)
+    plan = memory_plan(cfg, model, world=world)
+    if not plan.fits:
+        raise ValueError(plan.error())
+    return model, plan
+
+
+def run_training(cfg, model, plan, run_dir: str | None, *, world: int):
+    """Build, resume, train. Returns the step stats."""
+    from engine.assembly import build_run
+
+    run = build_run(cfg, model=model, run_dir=run_dir or cfg.train.run_dir, world=world, plan=plan)
     run.resume()
     return run.train()
+
+
+def train_from_config(cfg, run_dir: str | None, *, rank: int, world: int):
+    """Plan, build, resume, train (in-process; tests and tools). Returns the step stats."""
+    model, plan = plan_run(cfg, world=world)
+    return run_training(cfg, model, plan, run_dir, world=world)
 
 
 if __name__ == "__main__":

@@ -337,6 +337,13 @@ def test_tessel_to_hf_errors(hf_dirs, tmp_path):
     with pytest.raises(ValueError, match="--max-shard-size='lots' is not a size"):
         tessel_to_hf(ck, tmp_path / "o", max_shard_size="lots")
     assert parse_size("2GB") == 2 * 10**9 and parse_size("1.5MiB") == 3 * 2**19 and parse_size("100") == 100
+    data_dir = tmp_path / "data"  # a data directory: its tokenizer is not a Hugging Face directory's
+    data_dir.mkdir()
+    (data_dir / "text_document.tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"--hf-files .*data holds no Hugging Face tokenizer or generation files.*"
+                                         r"text_document.tokenizer.json"):
+        tessel_to_hf(ck, tmp_path / "o", hf_files=str(data_dir))
+    assert not (tmp_path / "o").exists()  # refused before anything was written
     cfg = json.loads((hf_dirs["llama"] / "config.json").read_text())
     (tmp_path / "more.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
     with pytest.raises(ValueError, match=r"missing tensors \(6\): \['model.layers.2.input_norm.weight'"):

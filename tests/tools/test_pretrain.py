@@ -87,3 +87,33 @@ def test_bad_input_is_a_clear_error(tmp_path, corpus):
     r = _cli("--config", "tiny_llama_cpu", *sum((["--set", o] for o in _overrides(corpus, str(tmp_path))), []),
              "--set", "parallel.tp=2", "--set", "parallel.pp=2", "--set", "parallel.dp=2", nproc=2)
     assert r.returncode != 0 and "world size 2" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_preset_too_big_is_refused_before_allocating(tmp_path, corpus):
+    import time
+
+    from engine.assembly import memory_plan
+    from engine.config import load_config
+    from models.hook import ModelHook
+
+    cfg = load_config("llama3_8b", ["parallel.tp=2", "model.vocab_size=128256"])
+    model = ModelHook.from_run_config(cfg, tokenizer_vocab=None)
+    plan = memory_plan(cfg, model, world=2, available=8 * 10**9)
+    # 8.03e9 parameters, half the layers' and the vocab's on each TP rank: bf16 params (2) + fp32 grads (4)
+    # + fp32 masters and moments (12) bytes each.
+    assert not plan.fits and plan.bytes_per_param == 18 and 4.0e9 < plan.numel < 4.1e9
+    assert "No layout of 2 ranks fits" in plan.error() and "refusing before allocating anything" in plan.error()
+    roomy = memory_plan(cfg, model, world=2, available=10**12)
+    assert roomy.fits
+    sharded = memory_plan(load_config("llama3_8b", ["parallel.tp=2", "model.vocab_size=128256",
+                                                    "parallel.dp=4", "optim.distributed=true"]),
+                          model, world=8, available=30 * 10**9)
+    assert not sharded.fits and "tp=8 pp=1 dp=1" in sharded.error()  # the layouts that would fit are named
+    # From the command line: refused at once, once (rank 0), with the plan.
+    start = time.monotonic()
+    r = _cli("--config", "llama3_8b", "--set", f"data.paths={corpus}", "--set", f"data.tokenizer={corpus}.tokenizer.json",
+             "--set", "model.vocab_size=257", "--set", "parallel.tp=1", "--set", "train.global_batch_size=2",
+             "--set", f"train.run_dir={tmp_path}", nproc=2)
+    assert r.returncode != 0 and r.stderr.count("the run does not fit in memory") == 1, r.stderr[-2000:]
+    assert "GB of parameters, fp32 gradients and optimizer state" in r.stderr
+    assert time.monotonic() - start < 60

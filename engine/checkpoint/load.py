@@ -15,6 +15,7 @@ is hashed by one rank only (the lowest rank that needs it).
 from __future__ import annotations
 
 import math
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,9 +102,11 @@ def _check_targets(meta: dict, tensors: Sequence[ShardedTensor], *, strict: bool
         elif entry["dtype"] != dtype_name(t.dtype) and not allow_dtype_cast:
             problems.append(f"tensor {t.key!r}: checkpoint has dtype {entry['dtype']}, the model expects "
                             f"{dtype_name(t.dtype)} (pass allow_dtype_cast=True to convert)")
-    if problems:
-        problems.append(f"checkpoint {path} was saved from a different model configuration (saved model_config: "
-                        f"{meta.get('model_config')})")
+    if problems:  # the cause first, a few examples, never the whole model (a long list drowns the cause)
+        n = len(problems)
+        problems = [f"checkpoint {path} was saved from a different model configuration: {n} tensor(s) do not match "
+                    f"this model, e.g. " + "; ".join(problems[:3]) + (f"; and {n - 3} more" if n > 3 else "")
+                    + f" (the checkpoint's model_config: {json.dumps(meta.get('model_config'), sort_keys=True)[:1000]})"]
     if missing and strict:
         shown = ", ".join(repr(k) for k in missing[:20]) + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
         problems.insert(0, f"checkpoint {path} lacks {len(missing)} tensor(s) the model expects: {shown} (it holds "

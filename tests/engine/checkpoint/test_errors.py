@@ -28,7 +28,20 @@ def test_shape_mismatch_names_tensor_and_both_shapes(ckpt):
                                        ShardedTensor.replicated("b", torch.zeros(6, dtype=torch.bfloat16))])
     msg = str(e.value)
     assert "tensor 'w': checkpoint has global shape (8, 6), the model expects (4, 6)" in msg
-    assert "different model configuration" in msg and "'hidden': 6" in msg
+    assert msg.startswith(f"checkpoint {root / 'step_00000003'} was saved from a different model configuration")
+    assert '"hidden": 6' in msg
+
+
+def test_a_different_model_is_said_first_and_briefly(tmp_path):
+    # Resuming with another hidden size: every tensor mismatches, the message stays short, cause first.
+    tensors = {f"layers.{i}.w": torch.zeros(8, 6) for i in range(200)}
+    save_checkpoint(tmp_path, step=1, tensors=[ShardedTensor.replicated(k, v) for k, v in tensors.items()],
+                    model_config={"hidden": 6})
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(tmp_path, tensors=[ShardedTensor.replicated(k, torch.zeros(8, 12)) for k in tensors])
+    msg = str(e.value)
+    assert "200 tensor(s) do not match this model" in msg.split(", e.g.")[0]
+    assert "and 197 more" in msg and len(msg) < 1500
 
 
 def test_missing_tensors_are_listed_and_strict_false_reports_them(ckpt):

@@ -161,10 +161,13 @@ def _run_rows(rows: list[Row], corpus: str, root: Path) -> dict[str, str]:
         by_world.setdefault(row.layout.world, []).append(row)
     results = {}
     for world, group in sorted(by_world.items()):
-        if world == 1:
-            results.update(_rows_of_world(group, corpus, str(root)))
-        else:
-            results.update(run_distributed(_rows_of_world, world, group, corpus, str(root), timeout=600)[0])
+        for start in range(0, len(group), 40):  # a fresh process group every 40 rows
+            batch = group[start:start + 40]
+            if world == 1:
+                results.update(_rows_of_world(batch, corpus, str(root)))
+            else:
+                results.update(run_distributed(_rows_of_world, world, batch, corpus, str(root),
+                                               timeout=120 + 20 * len(batch))[0])
     return _check(rows, results, root)
 
 

@@ -42,6 +42,19 @@ class ByteTokenizer:
         """Bytes back to text; EOD ids are dropped, invalid UTF-8 becomes U+FFFD."""
         return bytes(int(i) for i in ids if int(i) != self.eod_id).decode("utf-8", errors="replace")
 
+    def hf_files(self, *, model_max_length: int | None = None) -> dict[str, str]:
+        """``tokenizer.json`` and ``tokenizer_config.json`` texts that ``transformers.AutoTokenizer`` loads
+        as this tokenizer (byte-level BPE without merges: byte ``b`` is id ``b``, EOD is 256)."""
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+        vocab = {ch: b for b, ch in enumerate(_byte_level_alphabet())}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(BPE_EOD_TOKEN, special=True)])
+        assert tok.token_to_id(BPE_EOD_TOKEN) == self.eod_id
+        return _hf_files(tok.to_str(), eos=BPE_EOD_TOKEN, model_max_length=model_max_length)
+
     def save(self, path: str) -> str:
         """Write the byte spec to ``path`` (a file, or ``path/tokenizer.json`` for a directory)."""
         path = _tokenizer_file(path)
@@ -80,6 +93,10 @@ class HFTokenizer:
         """Ids back to text; special tokens (EOD included) are dropped."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
+    def hf_files(self, *, model_max_length: int | None = None) -> dict[str, str]:
+        """``tokenizer.json`` and ``tokenizer_config.json`` texts for ``transformers.AutoTokenizer``."""
+        return _hf_files(self._tok.to_str(), eos=self.eod_token, model_max_length=model_max_length)
+
     def save(self, path: str) -> str:
         """Write ``tokenizer.json`` to ``path`` (or ``path/tokenizer.json``) and its config beside it."""
         path = _tokenizer_file(path)
@@ -91,6 +108,28 @@ class HFTokenizer:
 
 
 Tokenizer = ByteTokenizer | HFTokenizer
+
+
+def _hf_files(tokenizer_json: str, *, eos: str, model_max_length: int | None) -> dict[str, str]:
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": None, "pad_token": None,
+              "unk_token": None, "clean_up_tokenization_spaces": False}
+    if model_max_length is not None:
+        config["model_max_length"] = int(model_max_length)
+    return {"tokenizer.json": tokenizer_json, "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
+
+
+def _byte_level_alphabet() -> list[str]:
+    """The character byte-level BPE (GPT-2's pre-tokenizer) writes for each byte 0..255, in byte order."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
 
 
 def _tokenizer_file(path: str) -> str:

@@ -45,6 +45,8 @@ def test_json_has_every_op_with_positive_times(tiny_run):
         assert r["size"] == "8b"
         for phase in ("fwd", "bwd", "total"):
             assert r[f"{phase}_ms"] > 0, (r["op"], r["impl"], phase)
+        # Phases come from the same repetitions: the total is never below a part.
+        assert r["total_ms"] >= max(r["fwd_ms"], r["bwd_ms"]), r
         assert r["peak_extra_bytes"] > 0 and r["peak_extra_MiB"] == r["peak_extra_bytes"] / 2 ** 20
     # CPU mode: the references everywhere, and Tessel's own path only where it differs (chunked CE)
     assert {(r["op"], r["impl"]) for r in rows} == {(op, "eager") for op in OPS} | {("linear_ce", "tessel")}

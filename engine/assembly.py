@@ -143,7 +143,7 @@ class Run:
     valid_loader: Any = None
     checkpointer: Any = None
     run_dir: str | None = None
-    extra: dict = field(default_factory=dict)
+    side_files: dict = field(default_factory=dict)  # written into every checkpoint (the tokenizer, hf/)
 
     # -- the policy pretrain.py needs, in one place ---------------------------------------------------
     def resume(self) -> str | None:
@@ -167,7 +167,7 @@ class Run:
         from engine.checkpoint.trainer_state import save_trainer
 
         return save_trainer(self.checkpointer, self.trainer, loader=self.train_loader,
-                            model_config=self.model.hf_config)
+                            model_config=self.model.hf_config, side_files=self.side_files)
 
     def train(self) -> list[StepStats]:
         """The loop, saving every ``checkpoint.interval`` steps, at the end and on SIGTERM/SIGINT."""
@@ -213,12 +213,14 @@ def build_loaders(cfg: TesselConfig, mesh: Mesh, *, train_data=None, valid_data=
 
 def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: int | None = None,
               train_data=None, valid_data=None, data: bool = True, checkpoints: bool = True,
-              log_stream=None, device: str | None = None, plan: MemoryPlan | None = None) -> Run:
+              log_stream=None, device: str | None = None, plan: MemoryPlan | None = None,
+              tokenizer=None) -> Run:
     """Build every part of this rank's run from ``cfg`` and the model hook ``model`` (see the module
     docstring). ``train_data``/``valid_data``: datasets to use instead of ``cfg.data``; ``data=False``
     builds no loaders; ``checkpoints=False`` (or no ``run_dir`` and no ``checkpoint.dir``) no checkpointer;
     ``device``: where the model lives (default CUDA when available, else CPU); ``plan``: the memory plan
-    (:func:`memory_plan`) whose line the start-up log shows.
+    (:func:`memory_plan`) whose line the start-up log shows; ``tokenizer``: the run's tokenizer, saved with
+    every checkpoint as Hugging Face files (``hf/``), so ``tessel-to-hf`` exports it.
     Collective: every rank calls it with the same arguments."""
     mesh = build_mesh(cfg, world=world)
     p, t, o = cfg.parallel, cfg.train, cfg.optim
@@ -277,6 +279,10 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
                                                             seq_length=t.seq_length),
                       logger=logger, peak=M.peak_tflops(override=cfg.logging.peak_tflops, dtype=dtype),
                       param_spec=model.param_spec, plan_line=plan.line() if plan is not None else None)
+    side = {}
+    if tokenizer is not None:
+        side = {f"hf/{name}": text for name, text in
+                tokenizer.hf_files(model_max_length=model.config.max_position_embeddings).items()}
     return Run(cfg=cfg, mesh=mesh, model=model, trainer=trainer, train_loader=train_loader,
-               valid_loader=valid_loader, checkpointer=checkpointer, run_dir=run_dir)
+               valid_loader=valid_loader, checkpointer=checkpointer, run_dir=run_dir, side_files=side)
 

@@ -209,6 +209,9 @@ class TransformerStage(nn.Module):
                 self.output_layer = ColumnParallelLinear(
                     cfg.hidden_size, self.padded_vocab_size, bias=False, gather_output=False,
                     init_method=init(name, valid_rows=cfg.vocab_size), impl=self.linear_impl, **kw)
+                # The stage reads this weight directly (_output_weight), never calling the layer: data
+                # parallelism must complete its parameter all-gather before the stage's forward.
+                self.output_layer.weight.used_outside_forward = True
                 if cfg.tie_word_embeddings:
                     self.output_layer.weight.shared_embedding = True
                     self.output_layer.weight.shared = True  # a replica: the norm counts the first stage's

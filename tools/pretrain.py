@@ -30,14 +30,14 @@ def main(argv=None) -> int:
         # Everything checkable without communication, before any process group exists: every rank
         # fails the same way, so rank 0 alone says it.
         cfg = config_from_args(args)
-        model, plan = plan_run(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
+        model, plan, tok = plan_run(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
     except (ValueError, FileNotFoundError) as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"pretrain.py: {e}", file=sys.stderr)
         return 2
     rank, world = init_distributed()
     try:
-        run_training(cfg, model, plan, args.run_dir, world=world)
+        run_training(cfg, model, plan, args.run_dir, world=world, tokenizer=tok)
         return 0
     except ValueError as e:
         print(f"pretrain.py (rank {rank}): {e}", file=sys.stderr)
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
 
 def plan_run(cfg, *, world: int):
     """The checks that need no communication (layout, data, tokenizer, model), then the memory plan;
-    a run that cannot fit is refused here, before anything is allocated. Returns (model hook, plan)."""
+    a run that cannot fit is refused here, before anything is allocated. Returns (model hook, plan, tokenizer)."""
     from engine.assembly import check_data_paths, memory_plan
     from engine.data.tokenizer import load_tokenizer
     from models.hook import ModelHook
@@ -61,22 +61,23 @@ def plan_run(cfg, *, world: int):
     plan = memory_plan(cfg, model, world=world)
     if not plan.fits:
         raise ValueError(plan.error())
-    return model, plan
+    return model, plan, tok
 
 
-def run_training(cfg, model, plan, run_dir: str | None, *, world: int):
+def run_training(cfg, model, plan, run_dir: str | None, *, world: int, tokenizer=None):
     """Build, resume, train. Returns the step stats."""
     from engine.assembly import build_run
 
-    run = build_run(cfg, model=model, run_dir=run_dir or cfg.train.run_dir, world=world, plan=plan)
+    run = build_run(cfg, model=model, run_dir=run_dir or cfg.train.run_dir, world=world, plan=plan,
+                    tokenizer=tokenizer)
     run.resume()
     return run.train()
 
 
 def train_from_config(cfg, run_dir: str | None, *, rank: int, world: int):
     """Plan, build, resume, train (in-process; tests and tools). Returns the step stats."""
-    model, plan = plan_run(cfg, world=world)
-    return run_training(cfg, model, plan, run_dir, world=world)
+    model, plan, tok = plan_run(cfg, world=world)
+    return run_training(cfg, model, plan, run_dir, world=world, tokenizer=tok)
 
 
 if __name__ == "__main__":

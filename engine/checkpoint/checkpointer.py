@@ -51,12 +51,13 @@ class Checkpointer:
 
     def save(self, *, step: int, tensors: Sequence[ShardedTensor], model_config: dict | None = None,
              layout: dict | None = None, trainer_state: dict | None = None,
-             rank_state: dict | None = None) -> SaveHandle:
+             rank_state: dict | None = None, side_files: dict[str, str] | None = None) -> SaveHandle:
         """Start (async) or complete (sync) the save of ``step``; see :func:`save_checkpoint`."""
         self.finalize()
         handle = save_checkpoint(self.root, step=step, tensors=tensors, group=self.group, model_config=model_config,
                                  layout=layout, trainer_state=trainer_state, rank_state=rank_state,
-                                 keep_last=self.keep_last, async_save=self.async_save, staging=self._pool)
+                                 keep_last=self.keep_last, async_save=self.async_save, staging=self._pool,
+                                 side_files=side_files)
         self._pending = None if handle.committed else handle
         return handle
 

@@ -230,7 +230,8 @@ def apply_retention(root: Path, *, keep_last: int, protect: Path, background: bo
 def save_checkpoint(root: str | os.PathLike, *, step: int, tensors: Sequence[ShardedTensor], group: Group | None = None,
                     model_config: dict | None = None, layout: dict | None = None, trainer_state: dict | None = None,
                     rank_state: dict | None = None, keep_last: int | None = None,
-                    async_save: bool = False, staging: StagingPool | None = None) -> SaveHandle:
+                    async_save: bool = False, staging: StagingPool | None = None,
+                    side_files: dict[str, str] | None = None) -> SaveHandle:
     """Save ``tensors`` (this rank's ShardedTensors) as checkpoint ``<root>/step_<step>`` (collective).
 
     ``group`` spans every rank taking part (``None``: a single process). ``model_config``,
@@ -238,7 +239,9 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, tensors: Sequence[Sha
     are JSON taken from rank 0; ``rank_state`` is this rank's own JSON (its RNG states; tensors
     allowed). Sync: returns a committed handle. Async: returns once the bytes are snapshotted on the
     host and the write has started; call ``handle.finalize()`` / ``wait()`` on every rank to commit.
-    ``staging`` reuses host buffers across async saves (see :class:`Checkpointer`).
+    ``staging`` reuses host buffers across async saves (see :class:`Checkpointer`). ``side_files``
+    (relative path -> text, taken from rank 0) are data files written into the step directory, e.g.
+    ``hf/tokenizer.json`` (the run's tokenizer, which ``tessel-to-hf`` copies into its export).
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step={step!r} must be an int >= 0")
@@ -255,6 +258,12 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, tensors: Sequence[Sha
         shared = {"model_config": _check_json(model_config, "model_config"), "layout": _check_json(layout, "layout"),
                   "trainer_state": _check_json(trainer_state, "trainer_state")}
         rank_json = _check_json(rank_state, "rank_state")
+        for name in side_files or {}:
+            parts = Path(name).parts
+            if (Path(name).is_absolute() or not parts or ".." in parts or parts[0] == METADATA_FILE
+                    or parts[0].startswith(("rank_", "."))):
+                raise ValueError(f"side file name {name!r} must be a relative path inside the step directory, "
+                                 "not metadata.json or a rank file")
         descs, writes = _describe_local(tensors, rank)
     except (ValueError, CheckpointError) as e:
         local_error = e
@@ -294,9 +303,16 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, tensors: Sequence[Sha
     path = tmp_dir / rank_filename(rank)
     file_meta = {"format": FORMAT_NAME, "step": str(step), "rank": str(rank)}
     writer = result = error = None
-    if entries and async_save:
+    if rank == 0 and side_files:  # data files, durable before the commit like the shards
+        try:
+            for name, text in side_files.items():
+                (tmp_dir / name).parent.mkdir(parents=True, exist_ok=True)
+                write_file_durable(tmp_dir / name, text.encode())
+        except OSError as e:
+            error = e
+    if entries and async_save and error is None:
         writer = BackgroundWrite(path, entries, metadata=file_meta)
-    elif entries:
+    elif entries and error is None:
         try:
             result = write_safetensors(path, entries, metadata=file_meta)
         except OSError as e:

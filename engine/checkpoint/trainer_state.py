@@ -58,19 +58,20 @@ def trainer_tensors(trainer, *, hook: Callable | None = None, optimizer: bool = 
 
 
 def save_trainer(checkpointer: Checkpointer, trainer, *, loader=None, model_config: dict | None = None,
-                 hook: Callable | None = None) -> SaveHandle:
+                 hook: Callable | None = None, side_files: dict[str, str] | None = None) -> SaveHandle:
     """Save ``trainer`` at its current step through ``checkpointer`` (collective over its group).
 
     Waits for an in-flight parameter all-gather first (with ZeRO the parameters are only complete
     once it lands). ``loader`` (``state_dict()``) and ``model_config`` (the HF config dict) go in
-    the metadata.
+    the metadata; ``side_files`` (e.g. the run's tokenizer as ``hf/tokenizer.json``) go in the step directory.
     """
     trainer.ddp.finish_param_sync()
     state = {**trainer.state_dict(), "optimizer": trainer.optimizer.state_dict(),
              "loader": loader.state_dict() if loader is not None else None,
              "config": trainer.cfg.to_dict() if hasattr(trainer.cfg, "to_dict") else None}
     return checkpointer.save(step=trainer.step, tensors=trainer_tensors(trainer, hook=hook), model_config=model_config,
-                             layout=trainer.layout(), trainer_state=state, rank_state=trainer.rng_state())
+                             layout=trainer.layout(), trainer_state=state, rank_state=trainer.rng_state(),
+                             side_files=side_files)
 
 
 def load_trainer(trainer, path: str | os.PathLike, *, group: Group | None, loader=None, model_only: bool = False,

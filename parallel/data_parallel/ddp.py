@@ -344,6 +344,17 @@ class DataParallel(torch.nn.Module):
                 self._wait_gather(buf, b)
 
     def _register_gather_prehooks(self) -> None:
+        # A parameter marked ``used_outside_forward`` (e.g. an output layer whose weight the model reads
+        # directly, never calling the layer) is waited for at the start of its chunk's forward instead:
+        # its own module's hook would never fire and the step would run on the previous weights.
+        roots = list(self.module) if isinstance(self.module, torch.nn.ModuleList) else [self.module]
+        for root in roots:
+            early = []
+            for p in root.parameters():
+                if getattr(p, "used_outside_forward", False) and id(p) in self._where:
+                    early.append(self._where[id(p)])
+            if early:
+                self._handles.append(root.register_forward_pre_hook(self._make_gather_prehook(early)))
         for module in self.module.modules():
             owned = []
             for p in module.parameters(recurse=False):

@@ -75,6 +75,8 @@ DEFAULT_ROWS: tuple[Row, ...] = (
     Row(L(dp=4), "zero1", family="gpt2", tied=True, reshard=L(dp=2, tp=2), reshard_optimizer="plain"),
     Row(L(dp=4), "zero2", family="qwen3", reshard=L(tp=4)),
     Row(L(dp=2, tp=2, sp=True), "overlap_param_gather", reshard=L(dp=4), reshard_optimizer="plain"),
+    # Found by the full matrix: the last stage's tied output copy missed its post-step all-gather.
+    Row(L(dp=2, pp=2), "overlap_param_gather", tied=True, family="gpt2", reshard=L(dp=4)),
     Row(L(dp=2, pp=2, vp=2, schedule="interleaved"), "zero1", reshard=L(dp=2, pp=2)),
     Row(L(tp=2, pp=2, sp=True), "plain", dtype="bf16", tied=True, reshard=L(dp=4), reshard_optimizer="zero1"),
     Row(L(tp=4), "plain", family="qwen3", reshard=L(tp=2, pp=2)),

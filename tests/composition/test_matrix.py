@@ -7,7 +7,8 @@
    equals the uninterrupted run's within 1e-5 relative in fp32 (2e-2 in bf16: another layout sums in
    another order);
 4. the final checkpoint exported with ``tessel-to-hf`` and loaded with transformers: its logits equal
-   ``tools/evaluate.py --dump-logits`` of the checkpoint within 1e-4 (exported and evaluated in fp32).
+   ``tools/evaluate.py --dump-logits`` of the checkpoint within 1e-4 (exported and evaluated in fp32), and
+   ``AutoTokenizer`` loads the run's tokenizer from it (no ``--hf-files``) and encodes as the run did.
 
 Rows of one world size share one process group (one launch per world size), on a tiny model and a
 byte-tokenized corpus built here. ``pytest -m composition_full`` runs the cross product instead.
@@ -116,6 +117,13 @@ def _export_and_compare(row: Row, root: Path) -> float:
     run_evaluate(["--ckpt", str(d / "straight" / "checkpoints"), "--tokens", str(d / "tokens.json"),
                   "--dump-logits", str(d / "logits.safetensors"), "--set", "model.dtype=fp32"])
     ours = load_file(str(d / "logits.safetensors"))
+    # The run's tokenizer travelled with its checkpoints into the export.
+    from transformers import AutoTokenizer
+
+    from engine.data.tokenizer import ByteTokenizer
+
+    text = "def f(x):\n    return x"
+    assert AutoTokenizer.from_pretrained(hf)(text)["input_ids"] == ByteTokenizer().encode(text)
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     worst = 0.0
     with torch.no_grad():

@@ -123,13 +123,15 @@ class Trainer:
     # -- one step --------------------------------------------------------------------------------------
     def _loss_weights(self, micro: list[dict[str, torch.Tensor]]) -> list[float]:
         """``w_i = n_i * m * dp / N`` per micro-batch (see the module docstring); one SUM all-reduce of
-        one float64 over the data-parallel ranks (every pipeline rank of a dp slice loads the same data)."""
-        counts = [float(mb["loss_mask"].sum()) for mb in micro]
-        total = torch.tensor([sum(counts)], dtype=torch.float64, device=self.device)
+        one float64 over the data-parallel ranks (every pipeline rank of a dp slice loads the same data).
+        The counts stay on the device until the weights are done: one host sync per step, not one per
+        micro-batch."""
+        counts = torch.stack([mb["loss_mask"].sum() for mb in micro]).to(torch.float64)  # (m,)
+        total = counts.sum().reshape(1)  # (1,)
         comm.all_reduce(total, self.mesh.dp_cp)
-        n_global = float(total)
-        scale = len(micro) * self.mesh.dp_cp.size
-        return [c * scale / n_global if n_global > 0 else 0.0 for c in counts]
+        scale = float(len(micro) * self.mesh.dp_cp.size)
+        weights = torch.where(total > 0, counts * scale / total, torch.zeros_like(counts))
+        return weights.tolist()
 
     def _forward_step(self, micro: list[dict[str, torch.Tensor]], weights: list[float] | None = None):
         last = self.num_stages - 1

@@ -15,6 +15,8 @@ function shadows its module's name (``engine.ops.swiglu`` is the module).
                                 linear_cross_entropy_reference
     engine.ops.fused_adamw      fused_adamw_, fused_adamw_reference_
     engine.ops.fp8_cast_transpose  fp8_cast_transpose, fp8_cast_transpose_reference
+    engine.ops.fp8_linear       fp8_linear, DelayedScaling, scaled_gemm, scaled_gemm_reference (FP8 recipes
+                                on torch._scaled_mm; docs/fp8.md)
     engine.ops.cute_fp8_gemm    fp8_gemm, fp8_gemm_reference, compile_fp8_gemm  (CuTe DSL, optional
                                 extra ``cute``; cutlass is imported only when the kernel is used)
 

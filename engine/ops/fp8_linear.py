@@ -1,0 +1,452 @@
+"""FP8 linear: ``y = x @ w.T + b`` with all three GEMMs in FP8 (reference, GEMMs, autograd).
+
+    forward        y  = x  @ w.T      x: e4m3 (M, K)   w: e4m3 (N, K)
+    input grad     dx = dy @ w        dy: e5m2 (M, N)  w.T: e4m3 (K, N)
+    weight grad    dw = dy.T @ x      dy.T: e5m2 (N, M) x.T: e4m3 (K, M)
+
+Every GEMM here is ``a @ b.T`` with ``a`` (rows, C) and ``b`` (cols, C) quantised along the
+contraction C, accumulated in fp32 and multiplied by the dequantisation scales (``scale_inv``,
+amax / fp8_max). A tensor is quantised as ``q = fp8(clamp(t * scale, -max, max))`` with
+``scale = fp8_max / amax`` (1 where amax is 0 or not finite); e4m3 max = 448, e5m2 max = 57344.
+
+Recipes (where the amax comes from, and its granularity):
+
+* ``tensorwise``: current per-tensor scaling: one amax per tensor, taken from the tensor itself.
+  GEMMs: ``torch._scaled_mm`` with scalar scales. The fp8 transposes the backward needs come from
+  the same pass as the cast (engine.ops.fp8_cast_transpose: csrc/fp8's fused cast-transpose-amax
+  when built, on CPU and CUDA), so the forward saves fp8 ``x.T`` (1 byte per element), not ``x``.
+* ``delayed``: per-tensor scales from an amax history (Transformer Engine's DelayedScaling):
+  ``scale = fp8_max / max(history) / 2**margin``, carried in a :class:`DelayedScaling` state.
+  Calls record their amax (a running max within a step); :meth:`DelayedScaling.update` (once per
+  optimizer step; the trainer calls it, all-reducing the amaxes first) pushes it into the history
+  and recomputes the scales. One deviation from TE: before the first update the history is empty
+  and the call scales by its current amax (TE starts from scale 1, which flushes small gradients
+  to zero in e5m2).
+* ``rowwise``: one scale per row of each GEMM operand (per token for x and dy, per output channel
+  for w in the forward; the backward re-quantises x, w and dy along their other axis from the
+  saved high-precision tensors). ``torch._scaled_mm`` with (rows, 1) x (1, cols) scales (on CUDA
+  its row-wise kernel returns bf16 only; the result is cast to the output dtype).
+* ``blockwise`` (DeepSeek-V3): activations and gradients in 1 x 128 tiles along the contraction,
+  weights in 128 x 128 blocks (transposing a block-quantised weight needs no re-quantisation).
+  ``torch._scaled_mm`` has no CPU kernel for this layout, so the GEMM runs as one FP8 GEMM per
+  128-wide slice of the contraction (``_scaled_mm`` with unit scales, fp32 out) whose fp32 partial
+  is scaled by the outer product of the slice's row and column scales and added in fp32: exactly
+  DeepSeek-V3's "promote to fp32 every 128 elements of K". Not a dequantising fallback: every
+  product is an FP8 x FP8 GEMM. On CUDA the native ``_scaled_mm`` blockwise kernel (torch >= 2.9,
+  sm_90) is tried first; the loop is the fallback (K/128 GEMM launches: slow, correct).
+
+Shape rules (checked on every backend, so what runs on CPU runs on a GPU): K and N must be
+multiples of 16 (cuBLAS FP8 needs 16-byte aligned rows; the backward contracts over N); M (the
+tokens, the weight gradient's contraction) is zero-padded to a multiple of 16 where needed (zeros
+add nothing). Inputs and weights are fp32 or bf16; the output has the input's dtype, the weight
+gradient the weight's.
+
+Tensor parallelism: a tensor sharded over a process group has per-tensor scales equal to those of
+the unsharded tensor when its amax is all-reduced (MAX) over that group: ``amax_reduce`` maps an
+operand ("input", "weight", "grad_output") to a function doing that (parallel/tensor_parallel/fp8.py
+supplies them). Only per-tensor recipes need it; row and block scales are local by construction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
+
+import torch
+from torch import Tensor
+
+from engine.ops.fp8_cast_transpose import fp8_cast_transpose
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
+BLOCK = 128   # blockwise tile edge
+ALIGN = 16    # FP8 GEMM row alignment (elements of 1 byte)
+ROLES = ("input", "weight", "grad_output")
+_FORMAT = {"input": E4M3, "weight": E4M3, "grad_output": E5M2}
+_OP = "fp8_linear"
+
+AmaxReduce = Callable[[Tensor], Tensor]
+
+
+# -- quantisation ----------------------------------------------------------------------------------
+def amax_to_scale(amax: Tensor, fmt: torch.dtype, *, margin: int = 0) -> Tensor:
+    """``fp8_max / amax / 2**margin`` in fp32; 1 where amax is 0, inf or NaN (nothing to scale by)."""
+    amax = amax.float()
+    ok = torch.isfinite(amax) & (amax > 0)
+    scale = torch.where(ok, FP8_MAX[fmt] / torch.where(ok, amax, torch.ones_like(amax)), torch.ones_like(amax))
+    return scale / (2.0 ** margin) if margin else scale
+
+
+def _cast(t: Tensor, scale: Tensor, fmt: torch.dtype) -> Tensor:
+    m = FP8_MAX[fmt]
+    return (t.float() * scale).clamp(-m, m).to(fmt)
+
+
+@dataclass
+class Quantized:
+    """An fp8 matrix and its dequantisation scales.
+
+    ``granularity``: "tensor" (scale_inv: 0-d), "row" (rows, 1), "tile" (rows, ceil(cols/128): 1 x 128
+    tiles along the columns) or "block" (ceil(rows/128), ceil(cols/128): 128 x 128 blocks).
+    """
+
+    data: Tensor
+    scale_inv: Tensor
+    granularity: str
+
+    def t(self) -> "Quantized":
+        """The transpose, without re-quantising (tensor and block granularity only)."""
+        if self.granularity not in ("tensor", "block"):
+            raise ValueError(f"a {self.granularity}-quantised matrix must be re-quantised to transpose it")
+        inv = self.scale_inv if self.granularity == "tensor" else self.scale_inv.t().contiguous()
+        return Quantized(self.data.t().contiguous(), inv, self.granularity)
+
+    def dequantize(self) -> Tensor:
+        """fp32 values ``data * scale_inv`` (the reference's view of the operand)."""
+        d = self.data.float()  # (rows, cols)
+        if self.granularity in ("tensor", "row"):
+            return d * self.scale_inv
+        rows, cols = d.shape
+        if self.granularity == "tile":
+            s = self.scale_inv.repeat_interleave(BLOCK, dim=1)[:, :cols]  # (rows, cols)
+        else:
+            s = self.scale_inv.repeat_interleave(BLOCK, dim=0).repeat_interleave(BLOCK, dim=1)[:rows, :cols]
+        return d * s
+
+
+def quantize_tensorwise(t: Tensor, fmt: torch.dtype, scale: Tensor, *, transpose: bool = False
+                        ) -> tuple[Quantized, Optional[Quantized], Tensor]:
+    """``t`` (rows, cols) with one scale: (q, q.T or None, amax of t). e4m3 uses the fused
+    cast-transpose-amax (engine.ops.fp8_cast_transpose; bitwise equal to its reference)."""
+    scale = scale.reshape(1).float()
+    inv = (1.0 / scale).reshape(())
+    if fmt == E4M3:
+        q, q_t, amax = fp8_cast_transpose(t.contiguous(), scale)
+        return Quantized(q, inv, "tensor"), (Quantized(q_t, inv, "tensor") if transpose else None), amax
+    q = _cast(t, scale, fmt)  # (rows, cols)
+    amax = t.float().abs().amax().reshape(1) if t.numel() else t.new_zeros(1, dtype=torch.float32)
+    return Quantized(q, inv, "tensor"), (Quantized(q.t().contiguous(), inv, "tensor") if transpose else None), amax
+
+
+def quantize_rowwise(t: Tensor, fmt: torch.dtype) -> Quantized:
+    """One scale per row of ``t`` (rows, cols)."""
+    t = t.contiguous()  # the fp8 result must be row-major for the GEMM
+    amax = t.float().abs().amax(dim=1, keepdim=True)  # (rows, 1)
+    scale = amax_to_scale(amax, fmt)
+    return Quantized(_cast(t, scale, fmt), 1.0 / scale, "row")
+
+
+def quantize_tiles(t: Tensor, fmt: torch.dtype) -> Quantized:
+    """1 x 128 tiles along the columns of ``t`` (rows, cols); a ragged last tile has its own scale."""
+    t = t.contiguous()
+    rows, cols = t.shape
+    nb = -(-cols // BLOCK)
+    padded = torch.nn.functional.pad(t.float(), (0, nb * BLOCK - cols))  # (rows, nb*128)
+    amax = padded.view(rows, nb, BLOCK).abs().amax(dim=2)  # (rows, nb)
+    scale = amax_to_scale(amax, fmt)
+    q = _cast(padded.view(rows, nb, BLOCK), scale.unsqueeze(2), fmt).view(rows, nb * BLOCK)[:, :cols]
+    return Quantized(q.contiguous(), 1.0 / scale, "tile")
+
+
+def quantize_blocks(t: Tensor, fmt: torch.dtype) -> Quantized:
+    """128 x 128 blocks of ``t`` (rows, cols)."""
+    rows, cols = t.shape
+    rb, cb = -(-rows // BLOCK), -(-cols // BLOCK)
+    padded = torch.nn.functional.pad(t.float(), (0, cb * BLOCK - cols, 0, rb * BLOCK - rows))
+    tiles = padded.view(rb, BLOCK, cb, BLOCK)  # (rb, 128, cb, 128)
+    amax = tiles.abs().amax(dim=(1, 3))  # (rb, cb)
+    scale = amax_to_scale(amax, fmt)
+    q = _cast(tiles, scale[:, None, :, None], fmt).view(rb * BLOCK, cb * BLOCK)[:rows, :cols]
+    return Quantized(q.contiguous(), 1.0 / scale, "block")
+
+
+# -- GEMMs ----------------------------------------------------------------------------------------
+def _slice_scales(q: Quantized, k: int, n: int) -> Tensor:
+    """Per-row dequantisation scales (n,) of contraction slice ``k`` of a tile/block operand."""
+    if q.granularity == "tile":
+        return q.scale_inv[:, k]
+    return q.scale_inv[:, k].repeat_interleave(BLOCK)[:n]
+
+
+def _native_blockwise(a: Quantized, b: Quantized) -> Optional[Tensor]:
+    """torch's sm_90 blockwise kernel (1x128 x 128x128), or None where this torch/GPU has none."""
+    if a.data.device.type != "cuda" or a.granularity != "tile" or b.granularity != "block":
+        return None
+    if a.data.shape[1] % BLOCK or b.data.shape[0] % BLOCK:
+        return None
+    try:  # scale_a (M, K/128) outer-dim-major; scale_b (K/128, N/128) for b = (N, K).T
+        sa = a.scale_inv.t().contiguous().t()
+        sb = b.scale_inv.t().contiguous()
+        return torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=torch.bfloat16).float()
+    except (RuntimeError, ValueError, NotImplementedError):
+        return None
+
+
+def scaled_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> Tensor:
+    """``dequant(a) @ dequant(b).T`` for ``a`` (M, C) and ``b`` (N, C) quantised along C; (M, N)."""
+    if a.granularity == "tensor" and b.granularity == "tensor":
+        return torch._scaled_mm(a.data, b.data.t(), a.scale_inv, b.scale_inv, out_dtype=out_dtype)
+    if a.granularity == "row" and b.granularity == "row":
+        dt = torch.bfloat16 if a.data.device.type == "cuda" else out_dtype
+        y = torch._scaled_mm(a.data, b.data.t(), a.scale_inv, b.scale_inv.t().contiguous(), out_dtype=dt)
+        return y.to(out_dtype)
+    if a.granularity in ("tile", "block") and b.granularity in ("tile", "block"):
+        native = _native_blockwise(a, b)
+        if native is not None:
+            return native.to(out_dtype)
+        (m, c), n = a.data.shape, b.data.shape[0]
+        one = torch.ones((), dtype=torch.float32, device=a.data.device)
+        acc = torch.zeros(m, n, dtype=torch.float32, device=a.data.device)
+        for k, start in enumerate(range(0, c, BLOCK)):
+            end = min(start + BLOCK, c)
+            part = torch._scaled_mm(a.data[:, start:end].contiguous(), b.data[:, start:end].contiguous().t(),
+                                    one, one, out_dtype=torch.float32)  # (m, n) fp32, exact products
+            acc += part * _slice_scales(a, k, m).unsqueeze(1) * _slice_scales(b, k, n).unsqueeze(0)
+        return acc.to(out_dtype)
+    raise ValueError(f"no FP8 GEMM for {a.granularity} x {b.granularity} operands")
+
+
+def scaled_gemm_reference(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> Tensor:
+    """Plain PyTorch :func:`scaled_gemm`. Tensor and row layouts: the dequantised operands' fp32
+    matmul (what ``_scaled_mm`` computes on the CPU, bit for bit; CUDA's epilogue scales the fp32
+    accumulator instead, which differs by rounding). Tile and block layouts: the per-128-slice sum."""
+    if a.granularity in ("tensor", "row"):
+        return (a.dequantize() @ b.dequantize().t()).to(out_dtype)  # (M, N)
+    (m, c), n = a.data.shape, b.data.shape[0]
+    acc = torch.zeros(m, n, dtype=torch.float32, device=a.data.device)
+    for k, start in enumerate(range(0, c, BLOCK)):
+        part = a.data[:, start:start + BLOCK].float() @ b.data[:, start:start + BLOCK].float().t()
+        acc += part * _slice_scales(a, k, m).unsqueeze(1) * _slice_scales(b, k, n).unsqueeze(0)
+    return acc.to(out_dtype)
+
+
+# -- delayed scaling state -------------------------------------------------------------------------
+class DelayedScaling(torch.nn.Module):
+    """Amax history and scales of one linear's three operands (Transformer Engine's DelayedScaling).
+
+    Buffers (saved in checkpoints): ``amax_history`` (3, history_len) fp32, newest first, rows in
+    :data:`ROLES` order; ``scale`` (3,) fp32, the scales the next calls use; ``steps`` (1,) int64 on
+    the CPU, the number of updates (0: the history is empty and calls scale by their current amax).
+    ``algo``: "max" (the history's maximum, TE's default) or "most_recent".
+    """
+
+    def __init__(self, *, history_len: int = 16, margin: int = 0, algo: str = "max", device=None):
+        super().__init__()
+        if not (isinstance(history_len, int) and history_len >= 1):
+            raise ValueError(f"DelayedScaling history_len={history_len!r} must be an integer >= 1")
+        if not (isinstance(margin, int) and margin >= 0):
+            raise ValueError(f"DelayedScaling margin={margin!r} must be an integer >= 0")
+        if algo not in ("max", "most_recent"):
+            raise ValueError(f"DelayedScaling algo={algo!r} must be 'max' or 'most_recent'")
+        self.history_len, self.margin, self.algo = history_len, margin, algo
+        self.register_buffer("amax_history", torch.zeros(3, history_len, device=device))
+        self.register_buffer("scale", torch.ones(3, device=device))
+        self.register_buffer("steps", torch.zeros(1, dtype=torch.int64))  # stays on the CPU: read on the host
+        self.register_buffer("pending", torch.zeros(3, device=device), persistent=False)
+
+    def _apply(self, fn, recurse=True):  # keep ``steps`` on the CPU when the module moves
+        steps = self.steps
+        out = super()._apply(fn, recurse)
+        self.steps = steps
+        return out
+
+    @property
+    def started(self) -> bool:
+        return bool(self.steps.item() > 0)
+
+    def record(self, role: str, amax: Tensor) -> None:
+        """Fold a call's (local) amax into this step's pending maximum (no host sync)."""
+        i = ROLES.index(role)
+        torch.maximum(self.pending[i:i + 1], amax.reshape(1).float().to(self.pending.device),
+                      out=self.pending[i:i + 1])
+
+    def update(self, reduce: Optional[AmaxReduce] = None) -> None:
+        """Push this step's amaxes (``reduce``d first, e.g. MAX over TP and DP) into the history and
+        recompute the scales. A role with no recorded amax (0) keeps its previous scale."""
+        amax = self.pending.clone()
+        if reduce is not None:
+            amax = reduce(amax)
+        amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))  # a non-finite step is skipped
+        self.amax_history.copy_(torch.roll(self.amax_history, 1, dims=1))
+        self.amax_history[:, 0] = amax
+        ref = self.amax_history.amax(dim=1) if self.algo == "max" else self.amax_history[:, 0]
+        for i, role in enumerate(ROLES):
+            new = amax_to_scale(ref[i:i + 1], _FORMAT[role], margin=self.margin)
+            self.scale[i:i + 1] = torch.where(ref[i:i + 1] > 0, new, self.scale[i:i + 1])
+        self.pending.zero_()
+        self.steps += 1
+
+
+def delayed_states(module: torch.nn.Module) -> list[tuple[str, DelayedScaling]]:
+    """The :class:`DelayedScaling` submodules of ``module``, with their names, in a fixed order."""
+    return [(n, m) for n, m in module.named_modules() if isinstance(m, DelayedScaling)]
+
+
+def update_delayed_states(states: list[DelayedScaling], reduce: Optional[AmaxReduce] = None) -> None:
+    """Update many states with ONE reduction: their pending amaxes are stacked into a (3n,) tensor."""
+    if not states:
+        return
+    stacked = torch.cat([s.pending for s in states])  # (3n,)
+    if reduce is not None:
+        stacked = reduce(stacked)
+    for i, s in enumerate(states):
+        s.pending.copy_(stacked[3 * i:3 * i + 3])
+        s.update()
+
+
+# -- the op --------------------------------------------------------------------------------------
+def check_fp8_shapes(in_features: int, out_features: int, *, where: str = _OP) -> None:
+    """K and N multiples of 16 (the forward contracts K, the input gradient N)."""
+    bad = [f"{name}={v}" for name, v in (("in_features (K)", in_features), ("out_features (N)", out_features))
+           if v % ALIGN]
+    if bad:
+        raise ValueError(f"{where}: FP8 GEMMs need K and N multiples of {ALIGN} (16-byte aligned fp8 rows), got "
+                         + ", ".join(bad) + "; pad the layer (e.g. ffn_hidden_size or the TP-local size) to a multiple "
+                         f"of {ALIGN}, or leave this linear in high precision (model.fp8_exclude)")
+
+
+def _check(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: str, state) -> None:
+    if recipe not in RECIPES:
+        raise ValueError(f"{_OP}: recipe={recipe!r} is not one of {RECIPES}")
+    for name, t in (("input", x), ("weight", weight)):
+        if t.dtype not in (torch.float32, torch.bfloat16):
+            fix = ("keep fp32 master weights and a bf16 or fp32 model (model.dtype)" if name == "weight"
+                   else "cast the input to bf16 or fp32")
+            raise ValueError(f"{_OP}: {name} dtype {t.dtype} is not supported by the {recipe} recipe (FP8 GEMM "
+                             f"outputs are fp32 or bf16); {fix}")
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{_OP}: input (..., {x.shape[-1]}) does not match weight {tuple(weight.shape)} "
+                         "(out_features, in_features)")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"{_OP}: bias shape {tuple(bias.shape)} must be ({weight.shape[0]},)")
+    check_fp8_shapes(weight.shape[1], weight.shape[0])
+    if recipe == "delayed" and not isinstance(state, DelayedScaling):
+        raise ValueError(f"{_OP}: recipe='delayed' needs state=DelayedScaling(...) (the amax history); "
+                         f"got {type(state).__name__}")
+    if recipe != "delayed" and state is not None:
+        raise ValueError(f"{_OP}: state is only used by recipe='delayed', not {recipe!r}; pass state=None")
+
+
+def _pad_rows(t: Tensor) -> Tensor:
+    """Zero rows up to a multiple of ALIGN (the weight gradient contracts over the rows)."""
+    extra = -t.shape[0] % ALIGN
+    return torch.nn.functional.pad(t, (0, 0, 0, extra)) if extra else t
+
+
+class _Scaler:
+    """Per-tensor scales of one call: current (tensorwise, or delayed before its first update) or
+    from the delayed state; amaxes of sharded operands reduced with ``amax_reduce``."""
+
+    def __init__(self, recipe: str, state: Optional[DelayedScaling], amax_reduce: Mapping[str, AmaxReduce]):
+        self.state, self.reduce = state, amax_reduce
+        self.current = recipe == "tensorwise" or not state.started
+        self.recording = torch.is_grad_enabled()  # evaluation (no grad) leaves the history alone
+
+    def scale(self, role: str, t: Tensor) -> Tensor:
+        if not self.current:
+            i = ROLES.index(role)
+            return self.state.scale[i:i + 1]
+        amax = t.float().abs().amax().reshape(1) if t.numel() else t.new_zeros(1, dtype=torch.float32)
+        if role in self.reduce:
+            amax = self.reduce[role](amax)
+        return amax_to_scale(amax, _FORMAT[role])
+
+    def record(self, role: str, amax: Tensor) -> None:
+        if self.state is not None and self.recording:
+            self.state.record(role, amax)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe, scaler, gemm):
+        # x: (M, K) 2-D; weight: (N, K)
+        out_dtype = x.dtype
+        ctx.recipe, ctx.gemm, ctx.out_dtype, ctx.w_dtype = recipe, gemm, out_dtype, weight.dtype
+        ctx.has_bias = bias is not None
+        if recipe in ("tensorwise", "delayed"):
+            ctx.scaler = scaler
+            xq, xq_t, x_amax = quantize_tensorwise(x, E4M3, scaler.scale("input", x), transpose=True)
+            wq, wq_t, w_amax = quantize_tensorwise(weight, E4M3, scaler.scale("weight", weight), transpose=True)
+            scaler.record("input", x_amax)
+            scaler.record("weight", w_amax)
+            y = gemm(xq, wq, out_dtype)
+            ctx.save_for_backward(xq_t.data, xq_t.scale_inv, wq_t.data, wq_t.scale_inv)
+        elif recipe == "rowwise":
+            y = gemm(quantize_rowwise(x, E4M3), quantize_rowwise(weight, E4M3), out_dtype)
+            ctx.save_for_backward(x, weight)
+        else:  # blockwise
+            wq = quantize_blocks(weight, E4M3)
+            y = gemm(quantize_tiles(x, E4M3), wq, out_dtype)
+            ctx.save_for_backward(x, wq.data, wq.scale_inv)
+        if bias is not None:
+            y = y + bias.to(out_dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        g = grad_out.contiguous()  # (M, N)
+        gemm, recipe = ctx.gemm, ctx.recipe
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_x = grad_w = grad_b = None
+        if recipe in ("tensorwise", "delayed"):
+            xt_data, xt_inv, wt_data, wt_inv = ctx.saved_tensors
+            scaler = ctx.scaler
+            gq, _, g_amax = quantize_tensorwise(g, E5M2, scaler.scale("grad_output", g))
+            scaler.record("grad_output", g_amax)
+            if need_x:
+                grad_x = gemm(gq, Quantized(wt_data, wt_inv, "tensor"), ctx.out_dtype)  # (M, K)
+            if need_w:
+                gq_t = Quantized(gq.data.t().contiguous(), gq.scale_inv, "tensor")  # (N, M)
+                grad_w = _wgrad(gemm, gq_t, Quantized(xt_data, xt_inv, "tensor"), ctx.w_dtype)
+        elif recipe == "rowwise":
+            x, weight = ctx.saved_tensors
+            if need_x:
+                grad_x = gemm(quantize_rowwise(g, E5M2), quantize_rowwise(weight.t(), E4M3), ctx.out_dtype)
+            if need_w:
+                gt = quantize_rowwise(_pad_rows(g).t(), E5M2)  # (N, M')
+                xt = quantize_rowwise(_pad_rows(x).t(), E4M3)  # (K, M')
+                grad_w = gemm(gt, xt, torch.float32).to(ctx.w_dtype)
+        else:
+            x, w_data, w_inv = ctx.saved_tensors
+            if need_x:
+                wq_t = Quantized(w_data, w_inv, "block").t()  # (K, N)
+                grad_x = gemm(quantize_tiles(g, E5M2), wq_t, ctx.out_dtype)
+            if need_w:
+                gt = quantize_tiles(_pad_rows(g).t(), E5M2)   # (N, M') tiles along M
+                xt = quantize_tiles(_pad_rows(x).t(), E4M3)   # (K, M')
+                grad_w = gemm(gt, xt, torch.float32).to(ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.float().sum(0).to(ctx.w_dtype)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def _wgrad(gemm, gq_t: Quantized, xq_t: Quantized, w_dtype: torch.dtype) -> Tensor:
+    """``dw = dy.T @ x`` from per-tensor fp8 transposes (N, M) and (K, M); M padded to ALIGN."""
+    extra = -gq_t.data.shape[1] % ALIGN
+    if extra:
+        pad = lambda q: Quantized(torch.nn.functional.pad(q.data.view(torch.uint8), (0, extra)).view(q.data.dtype),
+                                  q.scale_inv, q.granularity)
+        gq_t, xq_t = pad(gq_t), pad(xq_t)
+    return gemm(gq_t, xq_t, torch.float32).to(w_dtype)
+
+
+def fp8_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, recipe: str = "tensorwise",
+               state: Optional[DelayedScaling] = None, amax_reduce: Optional[Mapping[str, AmaxReduce]] = None,
+               reference: bool = False) -> Tensor:
+    """``input @ weight.T + bias`` with FP8 GEMMs forward and backward (see the module docstring).
+
+    ``input``: (..., K); ``weight``: (N, K); returns (..., N) in ``input``'s dtype. ``state``: the
+    :class:`DelayedScaling` of this linear (recipe "delayed" only). ``amax_reduce``: per operand
+    ("input", "weight", "grad_output"), a function all-reducing a (1,) amax over the group that
+    shards it (per-tensor recipes). ``reference=True`` runs every GEMM as the plain-PyTorch
+    :func:`scaled_gemm_reference` (same quantisation; for tests).
+    """
+    _check(input, weight, bias, recipe, state)
+    lead = input.shape[:-1]
+    x2d = input.reshape(-1, input.shape[-1])  # (M, K)
+    gemm = scaled_gemm_reference if reference else scaled_gemm
+    # Per-tensor scales: built here, where grad mode is still the caller's (evaluation records no amax).
+    scaler = _Scaler(recipe, state, dict(amax_reduce or {})) if recipe in ("tensorwise", "delayed") else None
+    y = _Fp8Linear.apply(x2d, weight, bias, recipe, scaler, gemm)
+    return y.reshape(*lead, weight.shape[0])  # (..., N)

@@ -1,0 +1,192 @@
+"""engine/ops/fp8_linear.py: every recipe's forward, input gradient and weight gradient against an fp64
+reference within the bound docs/fp8.md derives; tensorwise bit for bit against the plain reference;
+delayed scaling's history semantics; the errors for what no backend can run.
+
+The bound, per element of a GEMM ``a @ b.T`` contracting C, with e = u|t| + d the quantisation error
+of one element (u = 2**-4 for e4m3, 2**-3 for e5m2: half an ulp of 3 or 2 mantissa bits; d = half
+the subnormal spacing times the dequantisation scale, 2**-10 * amax/448 for e4m3 and
+2**-17 * amax/57344 for e5m2, taken with the TENSOR's amax, an upper bound for row and block amaxes):
+
+    |err| <= sum_c (e_a |b| + |a| e_b + e_a e_b) + C * 2**-23 * sum_c (|a| + e_a)(|b| + e_b)
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.ops.fp8_linear import (E4M3, E5M2, FP8_MAX, RECIPES, DelayedScaling, amax_to_scale, fp8_linear,
+                                   quantize_blocks, quantize_tiles, update_delayed_states)
+
+U = {E4M3: 2.0 ** -4, E5M2: 2.0 ** -3}
+SUB = {E4M3: 2.0 ** -10, E5M2: 2.0 ** -17}
+M, K, N = 48, 208, 80   # K, N multiples of 16, not of 128 (ragged tiles); M odd multiple of 16
+
+
+def _err(t: torch.Tensor, fmt) -> torch.Tensor:
+    return U[fmt] * t.abs() + SUB[fmt] * t.abs().max() / FP8_MAX[fmt]
+
+
+def _bound(a, fa, b, fb):
+    """Elementwise bound for a @ b.T (a (R, C), b (S, C), fp64)."""
+    ea, eb = _err(a, fa), _err(b, fb)
+    c = a.shape[1]
+    return (ea @ b.abs().t() + a.abs() @ eb.t() + ea @ eb.t()
+            + c * 2.0 ** -23 * (a.abs() + ea) @ (b.abs() + eb).t())
+
+
+def _case(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g, dtype=torch.float64) * torch.linspace(0.1, 3, K, dtype=torch.float64)
+    w = torch.randn(N, K, generator=g, dtype=torch.float64) * 0.05
+    dy = torch.randn(M, N, generator=g, dtype=torch.float64) * 1e-3
+    return x, w, dy
+
+
+def _run(recipe, x, w, dy, *, state=None, reference=False, bias=None):
+    xx = x.float().clone().requires_grad_()
+    ww = w.float().clone().requires_grad_()
+    y = fp8_linear(xx, ww, bias, recipe=recipe, state=state, reference=reference)
+    y.backward(dy.float())
+    return y.detach(), xx.grad, ww.grad
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_errors_within_the_derived_bound(recipe):
+    x, w, dy = _case()
+    state = None
+    if recipe == "delayed":  # one step to fill the history, so the scales match these tensors
+        state = DelayedScaling()
+        _run(recipe, x, w, dy, state=state)
+        state.update()
+        assert int(state.steps) == 1
+    y, gx, gw = _run(recipe, x, w, dy, state=state)
+    checks = {"forward": (y, x @ w.t(), _bound(x, E4M3, w, E4M3)),
+              "input grad": (gx, dy @ w, _bound(dy, E5M2, w.t(), E4M3)),
+              "weight grad": (gw, dy.t() @ x, _bound(dy.t(), E5M2, x.t(), E4M3))}
+    for what, (got, ref, bound) in checks.items():
+        err = (got.double() - ref).abs()
+        assert bool((err <= bound).all()), f"{recipe} {what}: max err/bound {(err / bound).max():.3f}"
+        # and the bound is not vacuous: errors reach a visible fraction of it
+        assert (err / bound).max() > 0.05, f"{recipe} {what}: bound is loose ({(err / bound).max():.4f})"
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_equals_plain_reference_bitwise(recipe):
+    x, w, dy = _case(1)
+    bias = torch.randn(N)
+    got = _run(recipe, x, w, dy, bias=bias)
+    ref = _run(recipe, x, w, dy, bias=bias, reference=True)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+def test_tensorwise_matches_a_from_scratch_reference():
+    """The tensorwise recipe as four lines of plain PyTorch: same quantisation, fp32 matmuls."""
+    x, w, dy = _case(2)
+    y, gx, gw = _run("tensorwise", x, w, dy)
+    xf, wf, gf = x.float(), w.float(), dy.float()
+
+    def q(t, fmt):
+        s = FP8_MAX[fmt] / t.abs().max()
+        return (t * s).clamp(-FP8_MAX[fmt], FP8_MAX[fmt]).to(fmt).float() * (1.0 / s)
+    assert torch.equal(y, q(xf, E4M3) @ q(wf, E4M3).t())
+    assert torch.equal(gx, q(gf, E5M2) @ q(wf, E4M3))
+    assert torch.equal(gw, q(gf, E5M2).t() @ q(xf, E4M3))
+
+
+def test_odd_token_count_is_padded_for_the_weight_gradient():
+    x, w, dy = _case(3)
+    x, dy = x[:37], dy[:37]
+    for recipe in RECIPES:
+        st = DelayedScaling() if recipe == "delayed" else None
+        _, gx, gw = _run(recipe, x, w, dy, state=st)
+        assert gx.shape == (37, K) and gw.shape == (N, K)
+        err = (gw.double() - dy.t() @ x).abs()
+        assert bool((err <= _bound(dy.t(), E5M2, x.t(), E4M3)).all())
+
+
+def test_bf16_input_and_leading_dims():
+    x, w, _ = _case(4)
+    x3 = x.reshape(4, 12, K).to(torch.bfloat16).requires_grad_()
+    ww = w.float().requires_grad_()
+    y = fp8_linear(x3, ww, recipe="rowwise")
+    assert y.shape == (4, 12, N) and y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x3.grad.dtype == torch.bfloat16 and ww.grad.dtype == torch.float32
+
+
+def test_delayed_history_margin_and_first_step():
+    st = DelayedScaling(history_len=3, margin=1)
+    x, w, dy = _case(5)
+    # before any update the call scales by its current amax (no saturation)
+    y0, _, _ = _run("delayed", x, w, dy, state=st)
+    y_tw, _, _ = _run("tensorwise", x, w, dy)
+    assert torch.equal(y0, y_tw)
+    assert torch.equal(st.pending, torch.stack([x.abs().max(), w.abs().max(), dy.abs().max()]).float())
+    st.update()
+    expect = torch.tensor([448.0, 448.0, 57344.0]) / st.amax_history[:, 0] / 2
+    torch.testing.assert_close(st.scale, expect, rtol=1e-6, atol=0)
+    assert torch.equal(st.pending, torch.zeros(3))
+    # a 10x smaller step does not lower the scale while the big amax is in the 3-step window
+    for _ in range(2):
+        _run("delayed", x / 10, w, dy, state=st)
+        st.update()
+    assert st.scale[0] == expect[0]
+    _run("delayed", x / 10, w, dy, state=st)
+    st.update()  # the big amax has left the window
+    torch.testing.assert_close(st.scale[0], 448.0 / (x.abs().max().float() / 10) / 2, rtol=1e-6, atol=0)
+    # evaluation (no grad) records nothing
+    with torch.no_grad():
+        fp8_linear(x.float(), w.float(), recipe="delayed", state=st)
+    assert torch.equal(st.pending, torch.zeros(3))
+
+
+def test_update_many_states_with_one_reduction():
+    states = [DelayedScaling(), DelayedScaling()]
+    states[0].pending.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    states[1].pending.copy_(torch.tensor([4.0, 0.0, 6.0]))
+    calls = []
+
+    def reduce(t):
+        calls.append(t.shape)
+        return t * 2
+    update_delayed_states(states, reduce)
+    assert calls == [(6,)]
+    assert states[1].amax_history[:, 0].tolist() == [8.0, 0.0, 12.0]
+    assert states[1].scale[1] == 1.0  # no amax recorded: the scale is kept
+
+
+def test_nonfinite_amax_is_not_pushed():
+    st = DelayedScaling()
+    st.pending.copy_(torch.tensor([float("inf"), float("nan"), 2.0]))
+    st.update()
+    assert st.amax_history[:, 0].tolist() == [0.0, 0.0, 2.0]
+    assert st.scale.tolist()[:2] == [1.0, 1.0]
+
+
+def test_blockwise_tiles_and_blocks_have_their_own_scales():
+    t = torch.zeros(130, 260)
+    t[0, 0], t[129, 259], t[5, 200] = 3.0, 7.0, 0.5
+    tiles, blocks = quantize_tiles(t, E4M3), quantize_blocks(t, E4M3)
+    assert tiles.scale_inv.shape == (130, 3) and blocks.scale_inv.shape == (2, 3)
+    assert tiles.scale_inv[5, 1] == amax_to_scale(torch.tensor(0.5), E4M3).reciprocal()
+    assert blocks.scale_inv[1, 2] == 7.0 / 448.0
+    for q in (tiles, blocks):  # each nonzero is its tile's amax: exact up to the scale's rounding
+        torch.testing.assert_close(q.dequantize(), t, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(k=40), r"K and N multiples of 16.*in_features \(K\)=40"),
+    (dict(n=24), r"out_features \(N\)=24"),
+    (dict(recipe="mxfp4"), r"recipe='mxfp4' is not one of"),
+    (dict(wdtype=torch.float16, recipe="blockwise"), r"weight dtype torch.float16 is not supported by the blockwise"),
+    (dict(recipe="delayed"), r"needs state=DelayedScaling"),
+    (dict(state=True), r"state is only used by recipe='delayed'"),
+])
+def test_bad_input_names_the_fix(bad, match):
+    k, n = bad.get("k", 32), bad.get("n", 32)
+    x = torch.randn(16, k)
+    w = torch.randn(n, k, dtype=bad.get("wdtype", torch.float32))
+    state = DelayedScaling() if bad.get("state") else None
+    with pytest.raises(ValueError, match=match):
+        fp8_linear(x, w, recipe=bad.get("recipe", "tensorwise"), state=state)

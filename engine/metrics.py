@@ -208,4 +208,5 @@ def format_line(r: dict[str, Any], *, prefix: str = "train") -> str:
         return " | ".join(parts)
     return (f"step {r['step']:>5} | loss {r['loss']:.4f} | lr {r['lr']:.3e} | grad_norm {r['grad_norm']:.3f}"
             f" | tokens/s {r['tokens_per_s']:,.0f} | TFLOP/s/dev {r['tflops_per_device']:.3f}"
-            f" | MFU {100 * r['mfu']:.2f}% | mem {r['mem_bytes'] / 2**20:,.0f} MiB")
+            f" | MFU {100 * r['mfu']:.2f}%" + (f" ({r['precision']})" if r.get("precision") else "")
+            + f" | mem {r['mem_bytes'] / 2**20:,.0f} MiB")

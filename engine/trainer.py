@@ -36,6 +36,7 @@ from parallel.data_parallel import DataParallel
 from parallel.mesh import Mesh
 from parallel.pipeline import Schedule
 from parallel.pipeline.runtime import allreduce_tied_embedding_grads, check_stage_shapes, run_schedule
+from parallel.tensor_parallel.fp8 import update_fp8
 
 
 @dataclass
@@ -89,6 +90,8 @@ class Trainer:
         self.step = 0
         self.consumed_samples = 0
         self._stop_signal: int | None = None
+        fp8 = cfg.model.fp8
+        self.precision = cfg.model.dtype if fp8 == "none" else f"fp8-{fp8}/{cfg.model.dtype}"
 
     # -- state (the checkpoint composes it) ------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -185,6 +188,7 @@ class Trainer:
         losses = self._pipeline(micro, train=True)
         allreduce_tied_embedding_grads(self.tied, self.mesh.embedding)
         result = self.optimizer.step()
+        update_fp8(self.chunks, (self.mesh.tp, self.mesh.dp))  # delayed scaling: one amax all-reduce per axis
         loss = self._global_mean_loss(losses)
         self.step += 1
         self.consumed_samples += self.cfg.train.global_batch_size
@@ -235,7 +239,7 @@ class Trainer:
         n_params = sum(q.numel() for q in self.chunks.parameters())
         self.logger.info(f"tessel: rank 0 holds {n_params:,} parameters; model FLOPs/step "
                          f"{self.flops_per_step:.3e}; peak {self.peak_tflops:.3f} TFLOP/s per device "
-                         f"({self.peak_source})")
+                         f"({self.peak_source}); precision {self.precision} (MFU is against that peak)")
 
     def train(self, train_loader, valid_loader=None, *, on_step: Callable[["Trainer", StepStats], None] | None = None,
               save: Callable[["Trainer"], None] | None = None) -> list[StepStats]:
@@ -255,7 +259,8 @@ class Trainer:
                 tflops = self.flops_per_step / st.seconds / self.mesh.world_size / 1e12
                 self.logger.log({"step": st.step, "loss": st.loss, "lr": st.lr, "grad_norm": st.grad_norm,
                                  "tokens_per_s": tokens_per_step / st.seconds, "tflops_per_device": tflops,
-                                 "mfu": tflops / self.peak_tflops, "mem_bytes": M.memory_bytes(),
+                                 "mfu": tflops / self.peak_tflops, "precision": self.precision,
+                                 "mem_bytes": M.memory_bytes(),
                                  "step_time_s": st.seconds, "skipped": 0 if st.applied else 1,
                                  "consumed_samples": self.consumed_samples,
                                  **{f"comm_bytes_{axis}": b for axis, b in sorted((st.comm_bytes or {}).items())}})

@@ -23,6 +23,7 @@ from models.config import TransformerConfig
 from models.convert import model_param_spec
 from models.registry import config_from_hf
 from models.transformer import TransformerStage, build_model
+from parallel.tensor_parallel.fp8 import apply_fp8, check_exclude
 
 _CHUNK_PREFIX = re.compile(r"^\d+\.")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -124,6 +125,10 @@ class ModelHook:
     fused_cross_entropy: bool | None = None
     sequence_parallel: bool = False
     seed: int = 1234
+    fp8: str = "none"
+    fp8_exclude: tuple[str, ...] = ()
+    fp8_amax_history: int = 16
+    fp8_margin: int = 0
 
     @classmethod
     def from_hf(cls, hf_config: Mapping[str, Any], **kw) -> "ModelHook":
@@ -140,7 +145,14 @@ class ModelHook:
         hook = cls.from_hf(hf, dtype=DTYPES[cfg.model.dtype],
                            make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
                            kernels=cfg.model.kernels, fused_cross_entropy=cfg.model.fused_cross_entropy,
-                           sequence_parallel=cfg.parallel.sequence_parallel, seed=cfg.train.seed)
+                           sequence_parallel=cfg.parallel.sequence_parallel, seed=cfg.train.seed,
+                           fp8=cfg.model.fp8, fp8_exclude=tuple(cfg.model.fp8_exclude),
+                           fp8_amax_history=cfg.model.fp8_amax_history, fp8_margin=cfg.model.fp8_margin)
+        if cfg.model.fp8 != "none":
+            if cfg.model.fp8_backend == "te":
+                from parallel.tensor_parallel.fp8_te import te_backend
+                te_backend(cfg.model.fp8)  # raises: TE missing, or this build has no TE-backed linears
+            hook.check_fp8(tp=cfg.parallel.tp)
         positions = hook.config.max_position_embeddings
         if cfg.train.seq_length > positions:
             where = ("model.max_position_embeddings" if cfg.model.max_position_embeddings is not None
@@ -148,6 +160,26 @@ class ModelHook:
             raise ValueError(f"train.seq_length={cfg.train.seq_length} exceeds {where} = {positions}; set "
                              f"model.max_position_embeddings >= {cfg.train.seq_length} or shorten train.seq_length")
         return hook
+
+    def fp8_linears(self, *, tp: int) -> dict[str, tuple[int, int]]:
+        """The TP-local (out, in) weight shape of each layer-relative linear model.fp8 may convert."""
+        c = self.config
+        width = (2 if c.gated else 1) * c.ffn_hidden_size
+        qkv = c.num_kv_heads * (c.num_heads // c.num_kv_heads + 2) * c.head_dim
+        return {"attention.qkv": (qkv // tp, c.hidden_size), "attention.out": (c.hidden_size, c.num_heads * c.head_dim // tp),
+                "mlp.fc1": (width // tp, c.hidden_size), "mlp.fc2": (c.hidden_size, c.ffn_hidden_size // tp)}
+
+    def check_fp8(self, *, tp: int) -> None:
+        """Before any process group: the exclude list names linears, and every FP8 linear's TP-local
+        K and N are multiples of 16 (the error names the linear and the fix)."""
+        from engine.ops.fp8_linear import check_fp8_shapes
+
+        check_exclude(self.fp8_exclude, self.num_layers)
+        for rel, (out, inp) in self.fp8_linears(tp=tp).items():
+            if any(e in (rel, rel.split(".")[1]) for e in self.fp8_exclude):
+                continue
+            check_fp8_shapes(inp, out, where=f"model.fp8={self.fp8}: linear {rel} (TP-local weight {out} x {inp} "
+                                             f"at tp={tp})")
 
     @property
     def num_layers(self) -> int:
@@ -164,11 +196,15 @@ class ModelHook:
     def build_stage(self, mesh, *, pre_process: bool, post_process: bool, layer_range: tuple[int, int],
                     device=None) -> TransformerStage:
         """The module of one virtual pipeline stage, on ``mesh.tp``."""
-        return build_model(self.config, tp_group=mesh.tp, sequence_parallel=self.sequence_parallel,
-                           pre_process=pre_process, post_process=post_process, layer_range=layer_range,
-                           dtype=self.dtype, device=device, seed=self.seed,
-                           make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
-                           kernels=self.kernels, fused_cross_entropy=self.fused_cross_entropy)
+        stage = build_model(self.config, tp_group=mesh.tp, sequence_parallel=self.sequence_parallel,
+                            pre_process=pre_process, post_process=post_process, layer_range=layer_range,
+                            dtype=self.dtype, device=device, seed=self.seed,
+                            make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
+                            kernels=self.kernels, fused_cross_entropy=self.fused_cross_entropy)
+        if self.fp8 != "none":
+            apply_fp8(stage, self.fp8, exclude=self.fp8_exclude, history_len=self.fp8_amax_history,
+                      margin=self.fp8_margin)
+        return stage
 
     @staticmethod
     def param_spec(name: str, param: torch.Tensor) -> ParamSpec:

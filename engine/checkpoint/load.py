@@ -38,7 +38,7 @@ class LoadResult:
 
     ``rank_state`` is this rank's saved JSON state (RNG states...) when the checkpoint was written
     by the same number of ranks in the same ``layout``, else None (the caller re-seeds).
-    ``missing`` lists target keys absent from the checkpoint (only with ``strict=False``).
+    ``missing`` lists target keys absent from the checkpoint (only with ``strict=False``, or ``optional`` ones).
     """
 
     path: Path
@@ -79,7 +79,7 @@ def _resolve_everywhere(path, group: Group | None) -> Path:
 
 
 def _check_targets(meta: dict, tensors: Sequence[ShardedTensor], *, strict: bool,
-                   allow_dtype_cast: bool, path: Path) -> tuple[list[str], list[str]]:
+                   allow_dtype_cast: bool, path: Path, optional: Sequence[str] = ()) -> tuple[list[str], list[str]]:
     """(missing keys, problems) of the targets against the metadata."""
     saved = meta["tensors"]
     missing, problems = [], []
@@ -107,9 +107,11 @@ def _check_targets(meta: dict, tensors: Sequence[ShardedTensor], *, strict: bool
         problems = [f"checkpoint {path} was saved from a different model configuration: {n} tensor(s) do not match "
                     f"this model, e.g. " + "; ".join(problems[:3]) + (f"; and {n - 3} more" if n > 3 else "")
                     + f" (the checkpoint's model_config: {json.dumps(meta.get('model_config'), sort_keys=True)[:1000]})"]
-    if missing and strict:
-        shown = ", ".join(repr(k) for k in missing[:20]) + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
-        problems.insert(0, f"checkpoint {path} lacks {len(missing)} tensor(s) the model expects: {shown} (it holds "
+    required = [k for k in missing if not k.startswith(tuple(optional))]
+    if required and strict:
+        shown = ", ".join(repr(k) for k in required[:20]) + (f" and {len(required) - 20} more" if len(required) > 20
+                                                             else "")
+        problems.insert(0, f"checkpoint {path} lacks {len(required)} tensor(s) the model expects: {shown} (it holds "
                            f"{len(saved)} tensors; pass strict=False to load a model-only subset)")
     return missing, problems
 
@@ -260,13 +262,14 @@ def _execute(step_dir: Path, reads: list[_Read]) -> None:
 
 def load_checkpoint(path: str | os.PathLike, *, tensors: Sequence[ShardedTensor] = (), group: Group | None = None,
                     layout: dict | None = None, strict: bool = True, verify: bool = True,
-                    allow_dtype_cast: bool = False) -> LoadResult:
+                    allow_dtype_cast: bool = False, optional: Sequence[str] = ()) -> LoadResult:
     """Fill ``tensors`` (this rank's ShardedTensors, written in place) from a checkpoint (collective).
 
     ``path`` is a step directory or a checkpoint root (then the newest complete checkpoint is used:
     auto-resume). ``layout`` is the current parallel layout; the saved per-rank state is returned
-    only when it equals the saved one. Raises CheckpointError on every rank for the problems listed
-    in the module docstring.
+    only when it equals the saved one. Keys starting with a prefix in ``optional`` may be absent even
+    when ``strict`` (they keep their current values and are listed in ``LoadResult.missing``). Raises
+    CheckpointError on every rank for the problems listed in the module docstring.
     """
     step_dir = _resolve_everywhere(path, group)
     problems: list[str] = []
@@ -276,7 +279,7 @@ def load_checkpoint(path: str | os.PathLike, *, tensors: Sequence[ShardedTensor]
     try:
         meta = read_metadata(step_dir)
         missing, problems = _check_targets(meta, tensors, strict=strict, allow_dtype_cast=allow_dtype_cast,
-                                           path=step_dir)
+                                           path=step_dir, optional=optional)
         if not problems:
             reads = _plan_reads(meta, tensors, missing)
     except CheckpointError as e:

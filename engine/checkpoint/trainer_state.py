@@ -15,6 +15,8 @@ What is saved (keys are layout-independent):
   trainer's ``rng_state()`` (torch's CPU/CUDA generators and every chunk's RNG tracker streams).
   Parameter keys come from the model's ``param_spec`` (models/hook.py), never from names here.
   The plain (non-ZeRO) optimizer's state is a replica on every dp rank, saved once.
+* ``fp8.<layer>.{amax_history,scale,steps}``: FP8 delayed-scaling state (model.fp8 = "delayed"),
+  keyed by the linear's global name, so it follows its layer into any layout.
 
 RNG states are restored only into the same layout (world size and degrees); after a resharding
 the streams keep their fresh seeding (they cannot be mapped between different rank sets).
@@ -22,6 +24,7 @@ the streams keep their fresh seeding (they cannot be mapped between different ra
 from __future__ import annotations
 
 import os
+import re
 from typing import Callable
 
 from engine.checkpoint.checkpointer import Checkpointer
@@ -29,6 +32,7 @@ from engine.checkpoint.layouts import FlatShard, ShardingContext, flat_buffer_sh
 from engine.checkpoint.load import LoadResult, load_checkpoint
 from engine.checkpoint.save import SaveHandle
 from engine.checkpoint.sharded import ShardedTensor
+from engine.ops.fp8_linear import delayed_states
 from parallel.comm import Group
 
 
@@ -48,6 +52,13 @@ def trainer_tensors(trainer, *, hook: Callable | None = None, optimizer: bool = 
     out: list[ShardedTensor] = []
     for name, layout in layouts.items():
         out.extend(layout.sharded(params[name].detach(), prefix="model."))
+    # FP8 delayed-scaling state (amax histories, scales, update counts): identical on every TP and
+    # DP replica (reduced each step), keyed by the layer's global name; replica 0 writes.
+    replica = ctx.replica_rank * ctx.tp_size + ctx.tp_rank
+    for name, state in delayed_states(trainer.chunks):
+        name = re.sub(r"^\d+\.", "", name)
+        for buf, t in state.state_dict().items():
+            out.append(ShardedTensor.replicated(f"fp8.{name}.{buf}", t, replica_id=replica))
     if optimizer:
         for buf in trainer.optimizer.state_shards():
             placements = [(layouts[n], s, e) for n, s, e in buf["placements"] if n in layouts]
@@ -85,8 +96,9 @@ def load_trainer(trainer, path: str | os.PathLike, *, group: Group | None, loade
     if group is not None and group.size == 1:
         group = None  # one process: no collectives
     tensors = trainer_tensors(trainer, hook=hook, optimizer=not model_only)
+    # A checkpoint written without FP8 delayed scaling (or by another recipe) starts fresh histories.
     result = load_checkpoint(path, tensors=tensors, group=group, layout=trainer.layout(), strict=strict,
-                             verify=verify)
+                             verify=verify, optional=("fp8.",))
     if model_only:
         trainer.optimizer.reset_masters_from_params()
         return result

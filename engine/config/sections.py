@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from engine.config._fields import Section
 from engine.ops import BACKENDS
+from engine.ops.fp8_linear import RECIPES as FP8_RECIPES
 from engine.optim import DECAY_STYLES, NO_DECAY_GROUPS, NONFINITE_ACTIONS as NONFINITE
 from parallel.mesh import AXES as MESH_AXES
 from parallel.pipeline.actions import SCHEDULE_NAMES as SCHEDULES
@@ -25,6 +26,8 @@ DTYPES = ("bf16", "fp32")
 KERNELS = BACKENDS  # model.kernels: engine/ops' backend choice
 RECOMPUTE = ("none",)  # "selective" and "full" come with activation recompute (not implemented yet)
 PROGRESS_BAR = ("auto", "on", "off")
+FP8 = ("none",) + FP8_RECIPES  # model.fp8
+FP8_BACKENDS = ("tessel", "te")
 
 
 def _finite(value: float) -> bool:
@@ -77,6 +80,12 @@ class ModelConfig(Section):
     ``kernels``: "auto" runs engine/ops' fused Triton kernels (RMSNorm, SwiGLU, RoPE) on CUDA and the
     PyTorch references elsewhere; "triton" or "reference" forces one. ``fused_cross_entropy``: the
     loss by the chunked linear + cross-entropy (no logits tensor); unset = on CUDA only.
+    ``fp8``: "none", or the FP8 recipe of every column- and row-parallel linear (docs/fp8.md):
+    "tensorwise", "delayed" (amax history of ``fp8_amax_history`` steps, scale divided by
+    2**``fp8_margin``; TE's default margin 0 saturates activations of small, fast-changing models: use
+    1 there, docs/fp8.md), "rowwise" or "blockwise". ``fp8_exclude`` lists linears kept in high
+    precision ("mlp.fc2", "layers.0.attention.qkv", ...). ``fp8_backend``: "tessel" (engine/ops on
+    torch._scaled_mm) or "te" (Transformer Engine; not available in this build, see docs/fp8.md).
     """
 
     SECTION = "model"
@@ -98,9 +107,15 @@ class ModelConfig(Section):
     dtype: str = "bf16"
     kernels: str = "auto"
     fused_cross_entropy: bool | None = None
+    fp8: str = "none"
+    fp8_exclude: list[str] = field(default_factory=list)
+    fp8_backend: str = "tessel"
+    fp8_amax_history: int = 16
+    fp8_margin: int = 0
 
     def _validate(self) -> None:
         check_choice(self, "family", FAMILIES)
+        self._validate_fp8()
         check_choice(self, "dtype", DTYPES)
         check_choice(self, "kernels", KERNELS)
         check_nonempty(self, "hf_config")
@@ -137,6 +152,27 @@ class ModelConfig(Section):
                                  f"model.num_attention_heads={heads} but family '{self.family}' "
                                  "has no grouped-query attention; remove "
                                  "model.num_key_value_heads")
+
+    def _validate_fp8(self) -> None:
+        check_choice(self, "fp8", FP8)
+        check_choice(self, "fp8_backend", FP8_BACKENDS)
+        check_min(self, "fp8_amax_history", 1)
+        check_min(self, "fp8_margin", 0)
+        if self.fp8 == "none":
+            used = [k for k, default in (("fp8_exclude", []), ("fp8_backend", "tessel"), ("fp8_amax_history", 16),
+                                         ("fp8_margin", 0)) if getattr(self, k) != default]
+            if used:
+                raise ValueError(f"model.{used[0]} is set but model.fp8 = 'none' (no FP8); set model.fp8 to one of "
+                                 f"{FP8[1:]} or remove model.{used[0]}")
+        elif self.fp8 != "delayed":
+            for k, default in (("fp8_amax_history", 16), ("fp8_margin", 0)):
+                if getattr(self, k) != default:
+                    raise ValueError(f"model.{k} only applies to model.fp8 = 'delayed', not '{self.fp8}'; remove it")
+        for i, name in enumerate(self.fp8_exclude):
+            if not isinstance(name, str) or not name.strip():
+                raise ValueError(f"model.fp8_exclude[{i}]={name!r} must be a linear's name, e.g. 'mlp.fc2'")
+        if self.fp8 != "none" and self.dtype not in ("bf16", "fp32"):
+            raise ValueError(f"model.fp8 needs model.dtype bf16 or fp32, not {self.dtype}")
 
     def padded_vocab_size(self, vocab_size: int, *, tp: int) -> int:
         """``vocab_size`` rounded up to a multiple of ``make_vocab_size_divisible_by * tp``.

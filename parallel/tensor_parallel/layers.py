@@ -6,7 +6,9 @@ activations between TP regions are ``(s/tp, b, h)``.
 Each linear hands "collective + matmul + collective" to a strategy object, ``self.impl``
 (:class:`LinearImpl`). :class:`DefaultLinearImpl` is plain PyTorch over :mod:`parallel.mappings`;
 an FP8 GEMM backend or a comm/compute-overlap backend subclasses :class:`LinearImpl` and is passed
-as ``impl=`` (or to the model builder), without touching the models.
+as ``impl=`` (or to the model builder), without touching the models. A strategy with per-layer
+state is set on each built layer instead (``layer.impl = ...``): parallel/tensor_parallel/fp8.py's
+``apply_fp8`` gives every linear its own FP8 impl and scaling state, by layer name.
 
 Weights are initialised as Megatron does with CPU initialisation: the FULL weight is filled by
 ``init_method`` (a function filling a tensor in place, normally driven by a seeded generator) and

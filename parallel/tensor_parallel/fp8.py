@@ -1,0 +1,140 @@
+"""FP8 tensor-parallel linears: a :class:`LinearImpl` per layer over engine.ops.fp8_linear.
+
+:func:`apply_fp8` gives every column- and row-parallel linear of a built stage (except the output
+layer and the names in ``exclude``) its own :class:`Fp8LinearImpl`; with the ``delayed`` recipe the
+layer also gets a :class:`~engine.ops.fp8_linear.DelayedScaling` submodule named ``fp8_scaling``
+(its buffers are the checkpointed state). Embedding, norms and the output layer stay in high
+precision.
+
+Per-tensor scales under TP (recipes ``tensorwise`` and ``delayed``): a tensor sharded over the TP
+group reduces its amax over the group (one 4-byte all-reduce MAX, visible in the ledger), so its
+scale equals the unsharded tensor's:
+
+    column-parallel   weight (out/tp, in) and grad_output (.., out/tp) are sharded: 1 reduce in
+                      forward, 1 in backward. The input is replicated, or with SP gathered in high
+                      precision before it is quantised (so no reduction; an FP8 all-gather, half
+                      the bytes of bf16, is not implemented).
+    row-parallel      input (.., in/tp) and weight (out, in/tp) are sharded: 2 reduces in forward;
+                      grad_output is replicated (SP: all-gathered by the reduce-scatter's backward).
+
+``delayed`` reduces nothing per call: each call records its local amax, and the trainer's
+:func:`update_fp8` all-reduces (MAX) all of a stage's amaxes at once, once per step, over TP and
+DP, so every replica keeps identical histories (Transformer Engine's amax reduction group).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from engine.ops.fp8_linear import RECIPES, DelayedScaling, check_fp8_shapes, delayed_states, fp8_linear, \
+    update_delayed_states
+from parallel import comm
+from parallel.comm import Group
+from parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp
+from parallel.tensor_parallel.layers import ColumnParallelLinear, LinearImpl, RowParallelLinear
+
+ALWAYS_EXCLUDED = ("output_layer",)
+
+
+def _max_over(group: Group):
+    def reduce(amax: torch.Tensor) -> torch.Tensor:
+        out = amax.clone()
+        comm.all_reduce(out, group, op="max")
+        return out
+    return reduce
+
+
+class Fp8LinearImpl(LinearImpl):
+    """One layer's FP8 strategy: ``recipe`` and, for ``delayed``, that layer's scaling ``state``."""
+
+    def __init__(self, recipe: str, *, state: DelayedScaling | None = None):
+        if recipe not in RECIPES:
+            raise ValueError(f"FP8 recipe {recipe!r} is not one of {RECIPES}")
+        self.recipe, self.state = recipe, state
+
+    def _reduce(self, group: Group, sharded: Sequence[str]) -> dict:
+        if self.recipe != "tensorwise" and not (self.recipe == "delayed" and not self.state.started):
+            return {}  # row/block scales are local; delayed reduces once per step (update_fp8)
+        if group.size == 1:
+            return {}
+        r = _max_over(group)
+        return {role: r for role in sharded}
+
+    def column_forward(self, x, weight, bias, *, group, sequence_parallel, gather_output):
+        x = gather_from_sp(x, group) if sequence_parallel else copy_to_tp(x, group)  # (s, b, in)
+        y = fp8_linear(x, weight, bias, recipe=self.recipe, state=self.state,
+                       amax_reduce=self._reduce(group, ("weight", "grad_output")))  # (s, b, out/tp)
+        return gather_from_tp(y, group) if gather_output else y
+
+    def row_forward(self, x, weight, bias, *, group, sequence_parallel):
+        y = fp8_linear(x, weight, None, recipe=self.recipe, state=self.state,
+                       amax_reduce=self._reduce(group, ("input", "weight")))  # (s, b, out) partial
+        y = reduce_scatter_to_sp(y, group) if sequence_parallel else reduce_from_tp(y, group)
+        return y if bias is None else y + bias
+
+    def __repr__(self) -> str:
+        return f"Fp8LinearImpl({self.recipe!r})"
+
+
+def _excluded(name: str, exclude: Iterable[str]) -> bool:
+    return any(name == e or name.endswith("." + e) for e in exclude)
+
+
+def fp8_linear_names(num_layers: int) -> list[str]:
+    """Names ``model.fp8_exclude`` may use: per layer (``layers.<i>.mlp.fc1``) or for all layers (``mlp.fc1``)."""
+    rel = ("attention.qkv", "attention.out", "mlp.fc1", "mlp.fc2")
+    return [*rel, "qkv", "out", "fc1", "fc2", *(f"layers.{i}.{r}" for i in range(num_layers) for r in rel)]
+
+
+def check_exclude(exclude: Sequence[str], num_layers: int) -> None:
+    names = fp8_linear_names(num_layers)
+    unknown = [e for e in exclude if e not in names and e not in ALWAYS_EXCLUDED]
+    if unknown:
+        raise ValueError(f"model.fp8_exclude names {unknown}, which match no linear; use a layer-relative name "
+                         f"({', '.join(names[:4])}, or the short {', '.join(names[4:8])}) or one layer's "
+                         f"(layers.<i>.mlp.fc1, i < {num_layers}). Embedding, norms and the output layer are "
+                         "always high precision")
+
+
+def apply_fp8(stage: nn.Module, recipe: str, *, exclude: Sequence[str] = (), history_len: int = 16,
+              margin: int = 0) -> list[str]:
+    """Switch ``stage``'s TP linears to FP8 in place; returns the names of the linears now in FP8.
+
+    Shapes are checked here, before any data flows: every FP8 linear's TP-local K and N must be
+    multiples of 16.
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"model.fp8={recipe!r} is not one of {('none',) + RECIPES}")
+    converted = []
+    for name, mod in list(stage.named_modules()):
+        if not isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        if _excluded(name, (*ALWAYS_EXCLUDED, *exclude)):
+            continue
+        out_local, in_local = mod.weight.shape
+        check_fp8_shapes(in_local, out_local, where=f"model.fp8={recipe}: linear {name} (TP-local weight "
+                                                    f"{out_local} x {in_local})")
+        state = None
+        if recipe == "delayed":
+            state = DelayedScaling(history_len=history_len, margin=margin, device=mod.weight.device)
+            mod.fp8_scaling = state
+        mod.impl = Fp8LinearImpl(recipe, state=state)
+        converted.append(name)
+    return converted
+
+
+def update_fp8(module: nn.Module, groups: Sequence[Group]) -> None:
+    """Once per optimizer step: all-reduce (MAX) every delayed-scaling amax of ``module`` over
+    ``groups`` (TP and DP) in one stacked tensor per group, then update histories and scales."""
+    states = [s for _, s in delayed_states(module)]
+    if not states:
+        return
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        for g in groups:
+            comm.all_reduce(t, g, op="max")
+        return t
+    update_delayed_states(states, reduce)

@@ -54,11 +54,12 @@ class Row:
     family: str = "llama"
     reshard: Layout | None = None  # the second layout a checkpoint of this row resumes into
     reshard_optimizer: str | None = None  # default: the row's own
+    fp8: str = "none"  # model.fp8 recipe
 
     @property
     def name(self) -> str:
         return (f"{self.family}-{self.dtype}-{'tied' if self.tied else 'untied'}-{self.optimizer}-"
-                + str(self.layout).replace(" ", "-"))
+                + str(self.layout).replace(" ", "-") + ("" if self.fp8 == "none" else f"-fp8{self.fp8}"))
 
 
 def L(**kw) -> Layout:  # noqa: N802 - short constructor for the table below
@@ -84,13 +85,21 @@ DEFAULT_ROWS: tuple[Row, ...] = (
     Row(L(dp=4), "zero1", dtype="bf16", tied=True, reshard=L(tp=2, dp=2, sp=True)),
     Row(L(dp=2), "zero2", dtype="bf16", family="qwen3", reshard=L(tp=2)),
     Row(L(), "plain", family="qwen3", tied=True, reshard=None),
+    # FP8 (docs/fp8.md): the delayed recipe's amax histories travel in checkpoints and reshard.
+    Row(L(dp=2, tp=2, sp=True), "zero1", fp8="delayed", reshard=L(tp=2, pp=2, sp=True)),
+    Row(L(tp=2, pp=2), "plain", dtype="bf16", fp8="tensorwise", reshard=L(dp=4), reshard_optimizer="zero2"),
 )
+FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
 
 # Combinations refused at config time: (overrides, the message fragment the refusal must carry).
 REFUSED: tuple[tuple[tuple[str, ...], str], ...] = (
     (("parallel.cp=2",), "context parallelism is not implemented yet"),
     (("train.activation_checkpointing=selective",), "is not implemented yet"),
     (("optim.distributed=false", "optim.overlap_param_gather=true"), "overlap_param_gather"),
+    (("model.fp8=tensorwise", "model.fp8_backend=te"), "Transformer Engine"),
+    (("model.fp8=tensorwise", "model.fp8_exclude=[\"mlp.fc3\"]"), "match no linear"),
+    (("model.fp8=tensorwise", "model.ffn_hidden_size=344"), r"multiples of 16.*model.fp8_exclude"),
+    (("model.fp8_margin=1",), "model.fp8 = 'none'"),
 )
 
 
@@ -106,17 +115,26 @@ def full_rows() -> list[Row]:
         if family == "qwen3" and tied:
             continue  # kept small: qwen3 tied is a default row
         rows.append(Row(layout, opt, dtype, tied, family, reshard=L(dp=4) if layout != L(dp=4) else L(tp=2, pp=2)))
+    # FP8: every recipe on every layout with TP <= 2 (the test model's attention output is 32 wide: 8 per
+    # rank at TP=4, below the 16 an FP8 GEMM needs), one optimizer mode each, fp32 and bf16.
+    for layout, recipe, dtype in itertools.product([lay for lay in layouts if lay.tp <= 2], FP8_RECIPES,
+                                                   ("fp32", "bf16")):
+        opt = "plain" if layout.dp == 1 else ("zero1", "zero2", "overlap_param_gather", "plain")[
+            FP8_RECIPES.index(recipe)]
+        rows.append(Row(layout, opt, dtype, False, "llama", reshard=L(dp=4) if layout != L(dp=4) else L(tp=2, pp=2),
+                        fp8=recipe))
     return rows
 
 
 def table(results: dict[str, str] | None = None, rows=DEFAULT_ROWS) -> str:
     """A Markdown table of ``rows`` (with each row's result when given)."""
-    head = "| # | family | dtype | embeddings | optimizer | layout | resumes into | result |\n|---|---|---|---|---|---|---|---|"
+    head = ("| # | family | dtype | fp8 | embeddings | optimizer | layout | resumes into | result |\n"
+            "|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for i, r in enumerate(rows, 1):
         into = "—" if r.reshard is None else f"{r.reshard} ({r.reshard_optimizer or r.optimizer})"
         res = (results or {}).get(r.name, "")
-        lines.append(f"| {i} | {r.family} | {r.dtype} | {'tied' if r.tied else 'untied'} | {r.optimizer} | "
+        lines.append(f"| {i} | {r.family} | {r.dtype} | {r.fp8} | {'tied' if r.tied else 'untied'} | {r.optimizer} | "
                      f"{r.layout} | {into} | {res} |")
     return "\n".join(lines)
 

@@ -58,7 +58,8 @@ def _overrides(row: Row, layout, optimizer: str, prefix: str, run_dir: str, *, m
     out = [f"data.paths={prefix}", f"data.tokenizer={prefix}.tokenizer.json", f"data.cache_dir={run_dir}/cache",
            "model.vocab_size=257", "model.hidden_size=32", "model.num_layers=4", "model.ffn_hidden_size=64",
            "model.max_position_embeddings=64", f"model.dtype={row.dtype}",
-           f"model.tie_word_embeddings={str(row.tied).lower()}", *MODEL[row.family], *layout.overrides(),
+           f"model.tie_word_embeddings={str(row.tied).lower()}", f"model.fp8={row.fp8}", *MODEL[row.family],
+           *layout.overrides(),
            *OPTIMIZERS[optimizer], f"train.seq_length={SEQ}", f"train.global_batch_size={GBS}",
            "train.micro_batch_size=1", f"train.steps={STEPS}", "train.eval_interval=0", "train.log_interval=100",
            "optim.warmup_steps=1", "optim.lr=0.01", "checkpoint.interval=0", "logging.tensorboard=false",
@@ -139,7 +140,8 @@ def _check_row(row: Row, r: dict, root: Path) -> str:
     assert r["first"] + r["resumed"] == r["straight"], f"stop + resume differs from straight: {r}"
     line = "train, stop/resume bitwise"
     if row.reshard is not None:
-        rel = 1e-5 if row.dtype == "fp32" else 2e-2
+        # another layout sums in another order; with FP8 a moved rounding can also move a quantisation step
+        rel = (1e-5 if row.fp8 == "none" else 1e-3) if row.dtype == "fp32" else 2e-2
         assert r["reshard"] == pytest.approx([r["straight"][STOP]], rel=rel), r
         line += f", reshard rel {abs(r['reshard'][0] / r['straight'][STOP] - 1):.1e}"
     diff = _export_and_compare(row, root)
@@ -185,12 +187,18 @@ def test_default_rows(corpus, tmp_path):
 
 @pytest.mark.parametrize("overrides, message", REFUSED)
 def test_unsupported_combinations_are_refused_at_config_time(overrides, message):
+    """Refused by the config or by the model's plan (models/hook.py): both before any process group."""
     from engine.config import load_config
+    from models.hook import ModelHook
 
-    with pytest.raises(ValueError, match=message):
-        load_config("tiny_llama_cpu", list(overrides))
+    with pytest.raises((ValueError, ImportError), match=message):
+        ModelHook.from_run_config(load_config("tiny_llama_cpu", list(overrides)), tokenizer_vocab=None)
 
 
 @pytest.mark.composition_full
 def test_full_cross_product(corpus, tmp_path):
-    _run_rows(full_rows(), corpus, tmp_path)
+    """``TESSEL_COMPOSITION_FILTER=fp8`` runs only the rows whose name contains that text."""
+    text = os.environ.get("TESSEL_COMPOSITION_FILTER", "")
+    rows = [r for r in full_rows() if text in r.name]
+    assert rows, f"TESSEL_COMPOSITION_FILTER={text!r} selects no row"
+    _run_rows(rows, corpus, tmp_path)

@@ -85,8 +85,9 @@ def _side_kernels(name: str, args) -> tuple[str, str]:
     return REFERENCE if name == "tessel_ref" else (args.kernels, args.fused_cross_entropy)
 
 
-def _tessel_trainer(args, *, kernels: str = "auto", fused_ce: str = "auto"):
-    """A Trainer for TP=PP=DP=1 from the CPU preset with the benchmark's shapes (as tools/pretrain.py)."""
+def _tessel_trainer(args, *, kernels: str = "auto", fused_ce: str = "auto", fp8: str = "none"):
+    """A Trainer for TP=PP=DP=1 from the CPU preset with the benchmark's shapes (as tools/pretrain.py);
+    ``fp8``: model.fp8 (tools/bench_fp8.py)."""
     from engine.assembly import build_run
     from engine.config import load_config
     from models.hook import ModelHook, hf_config_from_run
@@ -103,7 +104,7 @@ def _tessel_trainer(args, *, kernels: str = "auto", fused_ce: str = "auto"):
         f"train.seq_length={args.seq}", f"train.global_batch_size={args.batch}",
         f"train.micro_batch_size={args.batch}", "train.steps=100000", "train.eval_interval=0",
         "optim.warmup_steps=0", "optim.distributed=false", "checkpoint.interval=0",
-        "logging.tensorboard=false", "logging.jsonl=false", "logging.progress_bar=off",
+        "logging.tensorboard=false", "logging.jsonl=false", "logging.progress_bar=off", f"model.fp8={fp8}",
     ]
     cfg = load_config("tiny_llama_cpu", overrides)
     cfg.validate_world(1)
@@ -111,7 +112,9 @@ def _tessel_trainer(args, *, kernels: str = "auto", fused_ce: str = "auto"):
     device, dtype = args.device, DTYPES[args.dtype]  # the HF side runs on the same device
     model = ModelHook.from_hf(hf, dtype=dtype, sequence_parallel=False, seed=cfg.train.seed,
                               make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
-                              kernels=kernels, fused_cross_entropy=fce)
+                              kernels=kernels, fused_cross_entropy=fce, fp8=fp8)
+    if fp8 != "none":
+        model.check_fp8(tp=1)
     trainer = build_run(cfg, model=model, world=1, data=False, checkpoints=False, log_stream=io.StringIO(),
                         device=device).trainer
     return trainer, hf, cfg

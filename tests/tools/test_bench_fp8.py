@@ -1,0 +1,29 @@
+"""tools/bench_fp8.py end to end on the CPU: at the tiny layer every recipe's GEMM equals its plain
+reference (rel 0 on the CPU); the train-step comparison runs (one recipe against none, to stay short)."""
+from __future__ import annotations
+
+import json
+
+from tools import bench_fp8
+
+
+def test_bench_fp8_gemms_check_every_recipe(tmp_path):
+    out = tmp_path / "fp8.json"
+    assert bench_fp8.main(["--models", "tiny", "--tokens", "32", "--ceiling-n", "64", "--repeats", "1",
+                           "--skip", "step", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["linear"] for r in res["gemms"]["layers"]] == ["qkv", "out", "fc1", "fc2"]
+    for row in res["gemms"]["layers"]:
+        for recipe in bench_fp8.RECIPES:
+            assert row[recipe]["vs_reference_rel"] == 0.0
+            assert row[recipe]["fwd_gemm_tflops"] > 0
+
+
+def test_bench_fp8_train_step_ratio(tmp_path, capsys):
+    out = tmp_path / "fp8.json"
+    assert bench_fp8.main(["--skip", "gemms", "--recipes", "delayed", "--steps", "1", "--warmup", "1",
+                           "--json", str(out)]) == 0
+    step = json.loads(out.read_text())["step"]
+    assert step["preset"] == "cpu-tiny" and step["none"]["speedup_vs_none"] == 1.0
+    assert step["delayed"]["step_s"] > 0
+    assert "model.fp8=delayed" in capsys.readouterr().out

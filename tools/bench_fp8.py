@@ -1,0 +1,238 @@
+"""Benchmark: FP8 linears (engine/ops/fp8_linear.py) against bf16, and the training step with model.fp8.
+
+1. **GEMMs** at the linears of Llama-3 8B and 70B layers (qkv, attention out, fc1, fc2; TP=1),
+   ``--tokens`` rows: for each recipe the forward FP8 GEMM alone (operands quantised beforehand)
+   and the whole ``fp8_linear`` forward + backward (quantisation included), against ``F.linear``
+   in bf16 (fp32 on the CPU) on the same shapes in the same run, and against the machine's measured
+   ceilings (a dense bf16/fp32 matmul and a dense tensorwise ``_scaled_mm``, ``--ceiling-n``^3). Each FP8 result is also
+   checked against the plain-PyTorch reference of its recipe (max relative difference printed).
+2. **Training step** of ``--preset`` (gpu-1b on CUDA, cpu-tiny on CPU; tools/bench_train_step.py's
+   Trainer at TP=PP=DP=1): model.fp8 = none vs each recipe, timed round-robin in the same run; the
+   ratio is the FP8 step speed-up (goal on an H100: 1.3x or more at gpu-1b).
+
+    python3 tools/bench_fp8.py --device cuda --json OUT/bench_fp8.json         (a lent GPU)
+    .venv/bin/python tools/bench_fp8.py --threads 1 --tokens 128 --steps 3     (CPU: correctness, CPU figures)
+
+On the CPU, FP8 ``_scaled_mm`` dequantises into an fp32 matmul: the CPU ratios say nothing about a
+GPU and are printed only to show the benchmark runs. Results: docs/benchmarks/fp8.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from engine.ops.fp8_linear import (E4M3, RECIPES, DelayedScaling, fp8_linear, quantize_blocks,  # noqa: E402
+                                   quantize_rowwise, quantize_tensorwise, quantize_tiles, scaled_gemm,
+                                   scaled_gemm_reference, amax_to_scale)
+
+# (hidden, ffn, heads, kv_heads, head_dim) of the two Llama-3 sizes
+MODELS = {"8b": (4096, 14336, 32, 8, 128), "70b": (8192, 28672, 64, 8, 128),
+          "tiny": (128, 352, 4, 2, 32)}  # tiny: the CPU preset's layer (tests)
+
+
+def layer_shapes(name: str) -> dict[str, tuple[int, int]]:
+    """(out_features N, in_features K) of each linear of one layer, TP=1, SwiGLU fc1 fused."""
+    h, f, heads, kv, hd = MODELS[name]
+    return {"qkv": ((heads + 2 * kv) * hd, h), "out": (h, heads * hd), "fc1": (2 * f, h), "fc2": (h, f)}
+
+
+def _timer(device: str):
+    """``run(fn, n)`` -> median seconds of ``n`` calls (CUDA events on a GPU, wall clock on the CPU)."""
+    from tools.bench_train_step import _time_cuda
+
+    if device == "cuda":
+        return lambda fn, n: statistics.median(_time_cuda(fn, n=n)[1])
+
+    def run(fn, n):
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    return run
+
+
+def _quantised(recipe: str, x, w):
+    if recipe in ("tensorwise", "delayed"):
+        sx = amax_to_scale(x.float().abs().amax().reshape(1), E4M3)
+        sw = amax_to_scale(w.float().abs().amax().reshape(1), E4M3)
+        return quantize_tensorwise(x, E4M3, sx)[0], quantize_tensorwise(w, E4M3, sw)[0]
+    if recipe == "rowwise":
+        return quantize_rowwise(x, E4M3), quantize_rowwise(w, E4M3)
+    return quantize_tiles(x, E4M3), quantize_blocks(w, E4M3)
+
+
+def bench_gemms(args, run) -> dict:
+    dev, n_rep = args.device, args.repeats
+    hp = torch.bfloat16 if dev == "cuda" else torch.float32  # CPU bf16 matmuls can be pathologically slow
+    g = torch.Generator(device=dev).manual_seed(0)
+    out = {"ceilings": {}, "layers": [], "baseline_dtype": str(hp).replace("torch.", "")}
+    n = args.ceiling_n
+    a = torch.randn(n, n, device=dev, dtype=hp, generator=g)
+    b = torch.randn(n, n, device=dev, dtype=hp, generator=g)
+    t = run(lambda: a @ b, n_rep)
+    out["ceilings"]["hp_matmul_tflops"] = 2 * n ** 3 / t / 1e12
+    a8, b8 = a.to(E4M3), b.to(E4M3)
+    one = torch.ones((), device=dev)
+    t = run(lambda: torch._scaled_mm(a8, b8.t(), one, one, out_dtype=torch.bfloat16), n_rep)
+    out["ceilings"]["fp8_scaled_mm_tflops"] = 2 * n ** 3 / t / 1e12
+    del a, b, a8, b8
+    m = args.tokens
+    for model in args.models:
+        for lin, (nf, kf) in layer_shapes(model).items():
+            x = torch.randn(m, kf, device=dev, dtype=hp, generator=g)
+            w = (torch.randn(nf, kf, device=dev, dtype=torch.float32, generator=g) * 0.02)
+            dy = torch.randn(m, nf, device=dev, dtype=hp, generator=g) * 1e-3
+            flops = 2 * m * nf * kf
+            wb = w.to(hp)
+            row = {"model": model, "linear": lin, "M": m, "N": nf, "K": kf}
+            row["hp_fwd_tflops"] = flops / run(lambda: F.linear(x, wb), n_rep) / 1e12
+            xr, wr = x.clone().requires_grad_(), wb.clone().requires_grad_()
+
+            def hp_step():
+                F.linear(xr, wr).backward(dy)
+            row["hp_step_tflops"] = 3 * flops / run(hp_step, n_rep) / 1e12
+            for recipe in args.recipes:
+                qa, qb = _quantised(recipe, x, w)
+                got = scaled_gemm(qa, qb, torch.float32)
+                ref = scaled_gemm_reference(qa, qb, torch.float32)
+                rel = ((got - ref).abs().max() / ref.abs().max()).item()
+                t_gemm = run(lambda: scaled_gemm(qa, qb, torch.bfloat16), n_rep)
+                xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()
+                state = DelayedScaling(device=dev) if recipe == "delayed" else None
+
+                def fp8_step():
+                    fp8_linear(xf, wf, recipe=recipe, state=state).backward(dy)
+                t_step = run(fp8_step, n_rep)
+                row[recipe] = {"fwd_gemm_tflops": flops / t_gemm / 1e12, "step_tflops": 3 * flops / t_step / 1e12,
+                               "vs_reference_rel": rel}
+            out["layers"].append(row)
+            del x, w, dy, xr, wr
+    return out
+
+
+def bench_step(args) -> dict:
+    from tools.bench_train_step import PRESETS, _batch, _tessel_trainer
+
+    preset = dict(PRESETS[args.preset])
+    ns = SimpleNamespace(**preset, device=args.device, dtype=args.dtype)
+    batch = _batch(ns, args.device)
+
+    class Loader:
+        def __next__(self):
+            return batch
+
+    sides = {}
+    for fp8 in ["none", *args.recipes]:
+        trainer, _, _ = _tessel_trainer(ns, fp8=fp8)
+        loader = Loader()
+        for _ in range(args.warmup):
+            trainer.train_step(loader)
+        sides[fp8] = (trainer, loader)
+        if args.device == "cuda":  # one side on the GPU at a time (a 1B model's copies)
+            sides[fp8] = _time_side(args, trainer, loader)
+            del trainer
+            torch.cuda.empty_cache()
+    if args.device == "cuda":
+        times = sides
+    else:  # round-robin on the CPU, alternating the order
+        wall = {k: [] for k in sides}
+        order = list(sides)
+        for i in range(args.steps):
+            for k in (order if i % 2 == 0 else order[::-1]):
+                t0 = time.perf_counter()
+                sides[k][0].train_step(sides[k][1])
+                wall[k].append(time.perf_counter() - t0)
+        times = {k: {"step_s": statistics.median(v)} for k, v in wall.items()}
+    base = times["none"]["step_s"]
+    for k, v in times.items():
+        v["speedup_vs_none"] = base / v["step_s"]
+    return {"preset": args.preset, "dtype": args.dtype, **{k: v for k, v in times.items()}}
+
+
+def _time_side(args, trainer, loader) -> dict:
+    from tools.bench_train_step import _time_cuda
+
+    torch.cuda.reset_peak_memory_stats()
+    losses = []
+    _, times = _time_cuda(lambda: losses.append(trainer.train_step(loader).loss), n=args.steps)
+    return {"step_s": statistics.median(times), "last_loss": losses[-1],
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES))
+    p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["8b", "70b"])
+    p.add_argument("--tokens", type=int, default=None, help="GEMM rows M (default 8192 on CUDA, 128 on CPU)")
+    p.add_argument("--ceiling-n", type=int, default=None, help="ceiling matmul size (default 8192 CUDA, 1024 CPU)")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per GEMM (median; default 20 / 3)")
+    p.add_argument("--preset", default=None, help="train-step preset (default gpu-1b on CUDA, cpu-tiny on CPU)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="model.dtype (default bf16 / fp32)")
+    p.add_argument("--steps", type=int, default=None, help="timed train steps per side (default 10 / 3)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--skip", choices=("gemms", "step"), action="append", default=[])
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        p.error("--device cuda: no GPU visible to torch")
+    args.tokens = args.tokens or (8192 if cuda else 128)
+    args.ceiling_n = args.ceiling_n or (8192 if cuda else 1024)
+    args.repeats = args.repeats or (20 if cuda else 3)
+    args.preset = args.preset or ("gpu-1b" if cuda else "cpu-tiny")
+    args.dtype = args.dtype or ("bf16" if cuda else "fp32")
+    args.steps = args.steps or (10 if cuda else 3)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.tokens % 16:
+        p.error(f"--tokens={args.tokens} must be a multiple of 16 (FP8 GEMM alignment)")
+    res = {"date": datetime.date.today().isoformat(), "device": args.device, "torch": torch.__version__,
+           "machine": torch.cuda.get_device_name(0) if cuda else f"CPU, {torch.get_num_threads()} threads",
+           "command": "python3 tools/bench_fp8.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    run = _timer(args.device)
+    if "gemms" not in args.skip:
+        res["gemms"] = bench_gemms(args, run)
+        c = res["gemms"]["ceilings"]
+        hpn = res["gemms"]["baseline_dtype"]
+        print(f"ceilings ({args.ceiling_n}^3): {hpn} matmul {c['hp_matmul_tflops']:.3f} TFLOP/s, "
+              f"fp8 _scaled_mm {c['fp8_scaled_mm_tflops']:.3f} TFLOP/s")
+        print(f"{'layer':>12} {'M x N x K':>20} {hpn + ' fwd':>9} {hpn + ' f+b':>9} | " +
+              " | ".join(f"{r:>10} fwd {'f+b':>6} {'rel':>7}" for r in args.recipes) + "   (TFLOP/s)")
+        for row in res["gemms"]["layers"]:
+            cells = " | ".join(f"{row[r]['fwd_gemm_tflops']:>14.3f} {row[r]['step_tflops']:>6.3f} "
+                               f"{row[r]['vs_reference_rel']:>7.1e}" for r in args.recipes)
+            print(f"{row['model'] + ' ' + row['linear']:>12} {row['M']:>6} x {row['N']:>5} x {row['K']:>5} "
+                  f"{row['hp_fwd_tflops']:>9.3f} {row['hp_step_tflops']:>9.3f} | {cells}")
+    if "step" not in args.skip:
+        res["step"] = bench_step(args)
+        s = res["step"]
+        print(f"train step, preset {s['preset']} ({s['dtype']}), median of {args.steps}:")
+        for k in ["none", *args.recipes]:
+            v = s[k]
+            extra = f", peak {v['peak_mem_gib']:.1f} GiB, loss {v['last_loss']:.4f}" if "peak_mem_gib" in v else ""
+            print(f"  model.fp8={k:<10} {v['step_s'] * 1e3:9.1f} ms   speed-up vs none {v['speedup_vs_none']:.3f}x{extra}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

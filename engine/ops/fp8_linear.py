@@ -65,17 +65,20 @@ ALIGN = 16    # FP8 GEMM row alignment (elements of 1 byte)
 ROLES = ("input", "weight", "grad_output")
 _FORMAT = {"input": E4M3, "weight": E4M3, "grad_output": E5M2}
 _OP = "fp8_linear"
+GEMM_PATHS: dict[str, str] = {}  # which blockwise GEMM ran last ("native" or the loop): bench and GPU test report it
 
 AmaxReduce = Callable[[Tensor], Tensor]
 
 
 # -- quantisation ----------------------------------------------------------------------------------
 def amax_to_scale(amax: Tensor, fmt: torch.dtype, *, margin: int = 0) -> Tensor:
-    """``fp8_max / amax / 2**margin`` in fp32; 1 where amax is 0, inf or NaN (nothing to scale by)."""
+    """``fp8_max / amax / 2**margin`` in fp32; 1 where amax is 0, inf or NaN (nothing to scale by).
+    Clamped to the largest fp32 (a tiny amax would overflow the scale to inf, and 0 * inf is NaN)."""
     amax = amax.float()
     ok = torch.isfinite(amax) & (amax > 0)
     scale = torch.where(ok, FP8_MAX[fmt] / torch.where(ok, amax, torch.ones_like(amax)), torch.ones_like(amax))
-    return scale / (2.0 ** margin) if margin else scale
+    scale = scale / (2.0 ** margin) if margin else scale
+    return scale.clamp(max=torch.finfo(torch.float32).max)
 
 
 def _cast(t: Tensor, scale: Tensor, fmt: torch.dtype) -> Tensor:
@@ -176,9 +179,11 @@ def _native_blockwise(a: Quantized, b: Quantized) -> Optional[Tensor]:
     if a.data.shape[1] % BLOCK or b.data.shape[0] % BLOCK:
         return None
     try:  # scale_a (M, K/128) outer-dim-major; scale_b (K/128, N/128) for b = (N, K).T
-        sa = a.scale_inv.t().contiguous().t()
-        sb = b.scale_inv.t().contiguous()
-        return torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=torch.bfloat16).float()
+        sa = a.scale_inv.t().contiguous().t()  # (M, K/128), outer-dim-major
+        sb = b.scale_inv.t()  # (K/128, N/128) view: its transpose, b's (N/128, K/128), is row-major
+        out = torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=torch.bfloat16).float()
+        GEMM_PATHS["blockwise"] = "native"
+        return out
     except (RuntimeError, ValueError, NotImplementedError):
         return None
 
@@ -195,6 +200,7 @@ def scaled_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> Tensor:
         native = _native_blockwise(a, b)
         if native is not None:
             return native.to(out_dtype)
+        GEMM_PATHS["blockwise"] = "per-128-slice loop"
         (m, c), n = a.data.shape, b.data.shape[0]
         one = torch.ones((), dtype=torch.float32, device=a.data.device)
         acc = torch.zeros(m, n, dtype=torch.float32, device=a.data.device)
@@ -263,17 +269,19 @@ class DelayedScaling(torch.nn.Module):
 
     def update(self, reduce: Optional[AmaxReduce] = None) -> None:
         """Push this step's amaxes (``reduce``d first, e.g. MAX over TP and DP) into the history and
-        recompute the scales. A role with no recorded amax (0) keeps its previous scale."""
+        recompute the scales. A role with no usable amax this step (none recorded, or non-finite: a
+        skipped step) keeps its history and its scale untouched."""
         amax = self.pending.clone()
         if reduce is not None:
             amax = reduce(amax)
-        amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))  # a non-finite step is skipped
-        self.amax_history.copy_(torch.roll(self.amax_history, 1, dims=1))
-        self.amax_history[:, 0] = amax
+        ok = (torch.isfinite(amax) & (amax > 0)).unsqueeze(1)  # (3, 1): roles that take this step
+        rolled = torch.roll(self.amax_history, 1, dims=1)
+        rolled[:, 0] = torch.where(ok[:, 0], amax, rolled[:, 0])
+        self.amax_history.copy_(torch.where(ok, rolled, self.amax_history))
         ref = self.amax_history.amax(dim=1) if self.algo == "max" else self.amax_history[:, 0]
         for i, role in enumerate(ROLES):
             new = amax_to_scale(ref[i:i + 1], _FORMAT[role], margin=self.margin)
-            self.scale[i:i + 1] = torch.where(ref[i:i + 1] > 0, new, self.scale[i:i + 1])
+            self.scale[i:i + 1] = torch.where(ok[i] & (ref[i:i + 1] > 0), new, self.scale[i:i + 1])
         self.pending.zero_()
         self.steps += 1
 

@@ -157,11 +157,26 @@ def test_update_many_states_with_one_reduction():
 
 
 def test_nonfinite_amax_is_not_pushed():
-    st = DelayedScaling()
-    st.pending.copy_(torch.tensor([float("inf"), float("nan"), 2.0]))
+    st = DelayedScaling(history_len=3)
+    for a in (10.0, 2.0, 3.0):
+        st.pending.fill_(a)
+        st.update()
+    before_hist, before_scale = st.amax_history.clone(), st.scale.clone()
+    st.pending.copy_(torch.tensor([float("inf"), float("nan"), 4.0]))
     st.update()
-    assert st.amax_history[:, 0].tolist() == [0.0, 0.0, 2.0]
-    assert st.scale.tolist()[:2] == [1.0, 1.0]
+    assert torch.equal(st.amax_history[:2], before_hist[:2]) and torch.equal(st.scale[:2], before_scale[:2])
+    assert st.amax_history[2].tolist() == [4.0, 3.0, 2.0]  # the finite role rolls (10 leaves the window)
+
+
+def test_tiny_amax_gives_a_finite_scale():
+    x = torch.zeros(16, 32)
+    x[0, 0] = 1e-38
+    w = torch.randn(16, 32)
+    for recipe in ("tensorwise", "rowwise", "blockwise"):
+        xx = x.clone().requires_grad_()
+        y = fp8_linear(xx, w, recipe=recipe)
+        y.backward(torch.full_like(y, 1e-37))
+        assert torch.isfinite(y).all() and torch.isfinite(xx.grad).all(), recipe
 
 
 def test_blockwise_tiles_and_blocks_have_their_own_scales():

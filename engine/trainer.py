@@ -48,6 +48,11 @@ class StepStats:
     applied: bool
     seconds: float
     comm_bytes: dict[str, float] | None = None  # bytes this rank sent during the step, per mesh axis
+    comm_exposed: dict[str, float] | None = None  # seconds blocked in communication (nothing computed under it), per axis
+
+    @property
+    def comm_exposed_s(self) -> float:
+        return sum((self.comm_exposed or {}).values())
 
 
 class Trainer:
@@ -183,19 +188,21 @@ class Trainer:
     def train_step(self, loader) -> StepStats:
         t0 = time.perf_counter()
         sent_before = self.mesh.ledger.by_axis()
+        blocked_before = dict(self.mesh.ledger.blocked_s)
         self.optimizer.zero_grad()
         micro = [self._to_device(next(loader)) for _ in range(self.num_micro)]
         losses = self._pipeline(micro, train=True)
         allreduce_tied_embedding_grads(self.tied, self.mesh.embedding)
         result = self.optimizer.step()
-        update_fp8(self.chunks, (self.mesh.tp, self.mesh.dp))  # delayed scaling: one amax all-reduce per axis
+        update_fp8(self.chunks, (self.mesh.tp, self.mesh.dp_cp))  # delayed scaling: one amax all-reduce per axis
         loss = self._global_mean_loss(losses)
         self.step += 1
         self.consumed_samples += self.cfg.train.global_batch_size
         sent = self.mesh.ledger.by_axis()
         comm_bytes = {axis: sent[axis] - sent_before.get(axis, 0.0) for axis in sent}
         return StepStats(step=self.step, loss=loss, lr=result.lr, grad_norm=result.grad_norm,
-                         applied=result.applied, seconds=time.perf_counter() - t0, comm_bytes=comm_bytes)
+                         applied=result.applied, seconds=time.perf_counter() - t0, comm_bytes=comm_bytes,
+                         comm_exposed={a: v - blocked_before.get(a, 0.0) for a, v in self.mesh.ledger.blocked_s.items()})
 
     @torch.no_grad()
     def evaluate(self, loader, iters: int) -> float:
@@ -261,7 +268,9 @@ class Trainer:
                                  "tokens_per_s": tokens_per_step / st.seconds, "tflops_per_device": tflops,
                                  "mfu": tflops / self.peak_tflops, "precision": self.precision,
                                  "mem_bytes": M.memory_bytes(),
-                                 "step_time_s": st.seconds, "skipped": 0 if st.applied else 1,
+                                 "step_time_s": st.seconds, "comm_exposed_s": st.comm_exposed_s,
+                                 **{f"comm_exposed_s_{a}": v for a, v in sorted((st.comm_exposed or {}).items())},
+                                 "skipped": 0 if st.applied else 1,
                                  "consumed_samples": self.consumed_samples,
                                  **{f"comm_bytes_{axis}": b for axis, b in sorted((st.comm_bytes or {}).items())}})
             if on_step is not None:

@@ -24,6 +24,7 @@ from models.convert import model_param_spec
 from models.registry import config_from_hf
 from models.transformer import TransformerStage, build_model
 from parallel.tensor_parallel.fp8 import apply_fp8, check_exclude
+from parallel.tensor_parallel.overlap import RingLinearImpl
 
 _CHUNK_PREFIX = re.compile(r"^\d+\.")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -129,6 +130,7 @@ class ModelHook:
     fp8_exclude: tuple[str, ...] = ()
     fp8_amax_history: int = 16
     fp8_margin: int = 0
+    tp_overlap: str = "none"
 
     @classmethod
     def from_hf(cls, hf_config: Mapping[str, Any], **kw) -> "ModelHook":
@@ -147,7 +149,8 @@ class ModelHook:
                            kernels=cfg.model.kernels, fused_cross_entropy=cfg.model.fused_cross_entropy,
                            sequence_parallel=cfg.parallel.sequence_parallel, seed=cfg.train.seed,
                            fp8=cfg.model.fp8, fp8_exclude=tuple(cfg.model.fp8_exclude),
-                           fp8_amax_history=cfg.model.fp8_amax_history, fp8_margin=cfg.model.fp8_margin)
+                           fp8_amax_history=cfg.model.fp8_amax_history, fp8_margin=cfg.model.fp8_margin,
+                           tp_overlap=cfg.parallel.tp_overlap)
         if cfg.model.fp8 != "none":
             if cfg.model.fp8_backend == "te":
                 from parallel.tensor_parallel.fp8_te import te_backend
@@ -200,7 +203,8 @@ class ModelHook:
                             pre_process=pre_process, post_process=post_process, layer_range=layer_range,
                             dtype=self.dtype, device=device, seed=self.seed,
                             make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
-                            kernels=self.kernels, fused_cross_entropy=self.fused_cross_entropy)
+                            kernels=self.kernels, fused_cross_entropy=self.fused_cross_entropy,
+                            linear_impl=RingLinearImpl() if self.tp_overlap == "ring" else None)
         if self.fp8 != "none":
             apply_fp8(stage, self.fp8, exclude=self.fp8_exclude, history_len=self.fp8_amax_history,
                       margin=self.fp8_margin)

@@ -24,7 +24,9 @@ Groups of size 1 never communicate and record nothing. ``payload_bytes`` is alwa
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -97,6 +99,19 @@ class Ledger:
         self.enabled = enabled
         self._totals: dict[tuple[str, str], dict[str, float]] = {}
         self._captures: list[Records] = []
+        # Exposed communication: wall seconds this rank's thread spent blocked in a collective or a
+        # wait (communication nothing was computed under), per axis. The trainer logs its per-step
+        # delta as comm_exposed_s. On the CPU (gloo) that is exact for a one-thread rank; on CUDA it
+        # counts host blocking only (stream-level overlap would need CUDA events: not built).
+        self.blocked_s: dict[str, float] = {}
+
+    def add_blocked(self, axis: str, seconds: float) -> None:
+        if self.enabled:
+            self.blocked_s[axis] = self.blocked_s.get(axis, 0.0) + seconds
+
+    def exposed_seconds(self) -> float:
+        """Total blocked seconds since the start (or reset), all axes."""
+        return sum(self.blocked_s.values())
 
     def add(self, rec: CommRecord) -> None:
         if not self.enabled:
@@ -108,6 +123,7 @@ class Ledger:
     def reset(self) -> None:
         """Zero the running totals (open captures keep their records)."""
         self._totals.clear()
+        self.blocked_s.clear()
 
     def _matching(self, op: str | None, axis: str | None):
         return [d for (o, a), d in self._totals.items() if (op is None or o == op) and (axis is None or a == axis)]
@@ -223,6 +239,30 @@ def _reduce_op(op: str):
         raise ValueError(f"reduce op {op!r} unknown; use one of {sorted(_REDUCE_OPS)}") from None
 
 
+def _blocking(fn):
+    """Time a collective's call as blocked communication when it is synchronous (``async_op`` false)."""
+    @functools.wraps(fn)
+    def timed(t, group, *args, **kwargs):
+        if kwargs.get("async_op") or group.size == 1:
+            return fn(t, group, *args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            return fn(t, group, *args, **kwargs)
+        finally:
+            group.ledger.add_blocked(group.axis, time.perf_counter() - t0)
+    return timed
+
+
+def wait(works, group: Group) -> None:
+    """Wait for async work handles (one or a list), timing the wait as blocked communication."""
+    works = works if isinstance(works, (list, tuple)) else [works]
+    t0 = time.perf_counter()
+    for w in works:
+        w.wait()
+    if works and group.size > 1:
+        group.ledger.add_blocked(group.axis, time.perf_counter() - t0)
+
+
 class _Done:
     """Completed work handle for size-1 groups, so callers can always ``.wait()``."""
 
@@ -233,6 +273,7 @@ class _Done:
         return True
 
 
+@_blocking
 def all_reduce(t: torch.Tensor, group: Group, *, op: str = "sum", async_op: bool = False):
     """In-place all-reduce of ``t`` over ``group``. Returns a work handle if ``async_op``."""
     if group.size == 1:
@@ -253,6 +294,7 @@ def all_reduce(t: torch.Tensor, group: Group, *, op: str = "sum", async_op: bool
     return work
 
 
+@_blocking
 def all_gather(t: torch.Tensor, group: Group, *, dim: int = 0, async_op: bool = False):
     """Concatenate every rank's ``t`` along ``dim`` (rank order). Returns the gathered tensor.
 
@@ -281,6 +323,7 @@ def all_gather(t: torch.Tensor, group: Group, *, dim: int = 0, async_op: bool = 
     return torch.cat(flat.chunk(p, dim=0), dim=dim)
 
 
+@_blocking
 def reduce_scatter(t: torch.Tensor, group: Group, *, dim: int = 0, op: str = "sum", async_op: bool = False):
     """Reduce ``t`` over ``group`` and return this rank's 1/p slice along ``dim``.
 
@@ -310,6 +353,7 @@ def reduce_scatter(t: torch.Tensor, group: Group, *, dim: int = 0, op: str = "su
     return (out, work) if async_op else out
 
 
+@_blocking
 def all_to_all(t: torch.Tensor, group: Group, *, output_split_sizes: list[int] | None = None,
                input_split_sizes: list[int] | None = None, async_op: bool = False):
     """All-to-all along dim 0. Equal splits by default (dim 0 divisible by p). Returns the output."""
@@ -338,6 +382,7 @@ def all_to_all(t: torch.Tensor, group: Group, *, output_split_sizes: list[int] |
     return (out, work) if async_op else out
 
 
+@_blocking
 def broadcast(t: torch.Tensor, group: Group, *, src: int = 0, async_op: bool = False):
     """In-place broadcast from group rank ``src``."""
     if group.size == 1:
@@ -352,6 +397,7 @@ def broadcast(t: torch.Tensor, group: Group, *, src: int = 0, async_op: bool = F
     return work
 
 
+@_blocking
 def send(t: torch.Tensor, group: Group, *, dst: int) -> None:
     """Blocking send to group rank ``dst``."""
     _check_peer(group, dst, "dst")
@@ -359,6 +405,7 @@ def send(t: torch.Tensor, group: Group, *, dst: int) -> None:
     _record(group, "send", _nbytes(t), _nbytes(t), 0, t.dtype)
 
 
+@_blocking
 def recv(t: torch.Tensor, group: Group, *, src: int) -> torch.Tensor:
     """Blocking receive into ``t`` from group rank ``src``; returns ``t``."""
     _check_peer(group, src, "src")

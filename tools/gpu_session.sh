@@ -3,7 +3,7 @@
 #
 #   OUT=/some/folder bash tools/gpu_session.sh [STEP ...]      (from the repository root)
 #
-# STEP: info build test train fp8 kernels (default: all, in that order). Each step is time-boxed, a
+# STEP: info build test train fp8 overlap kernels (default: all, in that order). Each step is time-boxed, a
 # failing step does not stop the next ones, and the whole script keeps within $GPU_SESSION_BUDGET_S
 # (default 560 s, under the device tool's 600 s per command): a step gets min(its cap, time left)
 # and is skipped when less than 20 s are left. The expensive benchmark with no bound of its own
@@ -14,10 +14,12 @@
 #                      status, duration and the tail of its log, and a final summary
 #   build.log          python3 setup.py build_ext --inplace (csrc/ extensions, CUDA parts with nvcc)
 #   pytest_gpu.log     python3 -m pytest -q -m gpu tests/
-#   train_step.log     tools/bench_train_step.py --device cuda --preset gpu-1b --compare-kernels
-#   train_step.json    its results
+#   train_step.log     tools/bench_train_step.py --device cuda --preset gpu-1b --compare-kernels; its JSON
+#                      results at the end of the same file
 #   bench_fp8.log      tools/bench_fp8.py --device cuda: FP8 vs bf16 GEMMs (8B/70B layers) and the gpu-1b
 #                      train step per recipe; its JSON results at the end of the same file
+#   bench_overlap.log  tools/bench_overlap.py --gemm-overhead --device cuda: the ring's chunk GEMMs vs one
+#                      GEMM at 8B shapes (one GPU: no multi-rank overlap); JSON at the end
 #   bench_kernels.log  tools/bench_kernels.py (GPU defaults)
 #   bench_kernels.json its results
 #
@@ -35,7 +37,7 @@ mkdir -p "$OUT" || exit 2
 PY=${PYTHON:-python3}
 BUDGET=${GPU_SESSION_BUDGET_S:-560}
 TAIL_LINES=${TAIL_LINES:-40}
-ALL_STEPS=(info build test train fp8 kernels)
+ALL_STEPS=(info build test train fp8 overlap kernels)
 STEPS=("$@")
 [[ ${#STEPS[@]} -eq 0 ]] && STEPS=("${ALL_STEPS[@]}")
 for s in "${STEPS[@]}"; do
@@ -109,12 +111,16 @@ EOF
     if wanted train; then
         # shellcheck disable=SC2086  # TRAIN_ARGS is a list of words
         run_step train 240 "$OUT/train_step.log" "$PY" tools/bench_train_step.py --device cuda --preset gpu-1b \
-            --compare-kernels --json "$OUT/train_step.json" ${TRAIN_ARGS:-}
+            --compare-kernels --json /dev/stdout ${TRAIN_ARGS:-}
     fi
     if wanted fp8; then
         # shellcheck disable=SC2086
         run_step fp8 180 "$OUT/bench_fp8.log" "$PY" tools/bench_fp8.py --device cuda --json /dev/stdout \
             ${FP8_ARGS:-}
+    fi
+    if wanted overlap; then
+        run_step overlap 60 "$OUT/bench_overlap.log" "$PY" tools/bench_overlap.py --gemm-overhead --device cuda \
+            --json /dev/stdout
     fi
     if wanted kernels; then
         # shellcheck disable=SC2086

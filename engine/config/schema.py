@@ -69,6 +69,7 @@ class TesselConfig:
                                 max_position_embeddings=m.max_position_embeddings)
         self._check_schedule()
         self._check_sequence_split()
+        self._check_overlap()
         self._check_batch()
 
     # ----------------------------------------------------------------------------------------
@@ -134,6 +135,15 @@ class TesselConfig:
                              f"divisible by parallel.tp={tp} (sequence parallelism shards them "
                              f"over tp); choose train.seq_length a multiple of {cp * tp} or set "
                              "parallel.sequence_parallel=false")
+
+    def _check_overlap(self) -> None:
+        from parallel.tensor_parallel.overlap import check_tp_overlap
+
+        par = self.parallel
+        check_tp_overlap(par.tp_overlap, tp=par.tp, sequence_parallel=par.sequence_parallel, device_type="any")
+        if par.tp_overlap != "none" and self.model.fp8 != "none":
+            raise ValueError(f"parallel.tp_overlap={par.tp_overlap!r} with model.fp8={self.model.fp8!r}: FP8 ring "
+                             "collective matmuls are not implemented; set one of them to 'none'")
 
     def _check_batch(self) -> None:
         train = self.train

@@ -16,6 +16,7 @@ from engine.ops.fp8_linear import RECIPES as FP8_RECIPES
 from engine.optim import DECAY_STYLES, NO_DECAY_GROUPS, NONFINITE_ACTIONS as NONFINITE
 from parallel.mesh import AXES as MESH_AXES
 from parallel.pipeline.actions import SCHEDULE_NAMES as SCHEDULES
+from parallel.tensor_parallel.overlap import TP_OVERLAP
 
 # Choice lists come from their owners (the imports above). models/ sits above the engine, so the
 # families are listed here; tests/engine/test_config.py checks them against models.FAMILIES.
@@ -158,6 +159,9 @@ class ModelConfig(Section):
         check_choice(self, "fp8_backend", FP8_BACKENDS)
         check_min(self, "fp8_amax_history", 1)
         check_min(self, "fp8_margin", 0)
+        if self.fp8_margin > 16:
+            raise ValueError(f"model.fp8_margin={self.fp8_margin} divides the scales by 2**{self.fp8_margin}, which "
+                             "pushes every value into the format's subnormals; use 0-2 (16 at most)")
         if self.fp8 == "none":
             used = [k for k, default in (("fp8_exclude", []), ("fp8_backend", "tessel"), ("fp8_amax_history", 16),
                                          ("fp8_margin", 0)) if getattr(self, k) != default]
@@ -198,7 +202,9 @@ class ParallelConfig(Section):
     (virtual) stages, in stage order; ``None`` splits the layers evenly.
     ``sequence_parallel`` at ``tp=1`` is accepted and has no effect (there is nothing to shard),
     so one preset can scale from tp=1 upwards; ``sequence_parallel_active`` says whether it acts.
-    ``vp > 1`` and ``schedule="interleaved"`` go together.
+    ``vp > 1`` and ``schedule="interleaved"`` go together. ``tp_overlap``: "none", or "ring" to run
+    the sequence-parallel linears as ring collective matmuls, communication under the GEMMs
+    (docs/overlap.md; needs tp >= 2 and sequence_parallel); "symm_mem" is refused (not built).
     """
 
     SECTION = "parallel"
@@ -213,8 +219,10 @@ class ParallelConfig(Section):
     order: str = "dp-pp-cp-tp"
     pipeline_layout: list[int] | None = None
     schedule: str = "1f1b"
+    tp_overlap: str = "none"
 
     def _validate(self) -> None:
+        check_choice(self, "tp_overlap", TP_OVERLAP)
         for key in ("tp", "pp", "vp", "cp", "ep"):
             check_min(self, key, 1, why="a parallel degree")
         # Accepted keys must work: these degrees arrive with their capabilities.

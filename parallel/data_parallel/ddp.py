@@ -263,7 +263,7 @@ class DataParallel(torch.nn.Module):
                 self._finalize(*self._inflight[0])
 
     def _finalize(self, buf: ParamAndGradBuffer, bucket: Bucket) -> None:
-        bucket.work.wait()
+        comm.wait(bucket.work, self.dp_group)
         with torch.no_grad():
             if self.sharded and bucket.out is not None and bucket.out.data_ptr() != bucket.shard_grad.data_ptr():
                 bucket.shard_grad.copy_(bucket.out)
@@ -330,7 +330,7 @@ class DataParallel(torch.nn.Module):
             self.finish_param_sync()
 
     def _wait_gather(self, buf: ParamAndGradBuffer, b: Bucket) -> None:
-        b.gather_work.wait()
+        comm.wait(b.gather_work, self.dp_group)
         region = buf.param_region(b)
         if b.gather_out.data_ptr() != region.data_ptr():
             with torch.no_grad():

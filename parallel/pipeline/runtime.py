@@ -120,8 +120,7 @@ def run_schedule(schedule: Schedule, *, rank: int, pp_group: Group, forward_step
             buf = torch.empty(act_shape, dtype=dtype, device=device)
             received[p.tensor] = buf
             ops.append(comm.P2P("recv", buf, p.peer))
-        for w in comm.batch_p2p(ops, pp_group):
-            w.wait()
+        comm.wait(comm.batch_p2p(ops, pp_group), pp_group)
         if forward_only:  # sent downstream: nothing else needs it
             for p in batch_sends:
                 held.pop((p.stage, p.microbatch), None)

@@ -29,6 +29,7 @@ class Layout:
     dp: int = 1
     sp: bool = False
     schedule: str = "1f1b"
+    tp_overlap: str = "none"  # parallel.tp_overlap (ring: collective matmuls, docs/overlap.md)
 
     @property
     def world(self) -> int:
@@ -37,12 +38,12 @@ class Layout:
     def overrides(self) -> list[str]:
         return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.vp={self.vp}",
                 f"parallel.dp={self.dp}", f"parallel.sequence_parallel={str(self.sp).lower()}",
-                f"parallel.schedule={self.schedule}"]
+                f"parallel.schedule={self.schedule}", f"parallel.tp_overlap={self.tp_overlap}"]
 
     def __str__(self) -> str:
         parts = [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("vp", self.vp), ("dp", self.dp)) if v > 1]
         return "x".join(parts or ["1 process"]) + (" sp" if self.sp else "") + (
-            f" {self.schedule}" if self.pp > 1 else "")
+            f" {self.schedule}" if self.pp > 1 else "") + (f" {self.tp_overlap}" if self.tp_overlap != "none" else "")
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ DEFAULT_ROWS: tuple[Row, ...] = (
     # FP8 (docs/fp8.md): the delayed recipe's amax histories travel in checkpoints and reshard.
     Row(L(dp=2, tp=2, sp=True), "zero1", fp8="delayed", reshard=L(tp=2, pp=2, sp=True)),
     Row(L(tp=2, pp=2), "plain", dtype="bf16", fp8="tensorwise", reshard=L(dp=4), reshard_optimizer="zero2"),
+    # Ring collective matmuls (docs/overlap.md), resumed into the plain path.
+    Row(L(tp=2, pp=2, sp=True, tp_overlap="ring"), "plain", tied=True, reshard=L(tp=2, dp=2, sp=True)),
 )
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
 
@@ -100,6 +103,9 @@ REFUSED: tuple[tuple[tuple[str, ...], str], ...] = (
     (("model.fp8=tensorwise", "model.fp8_exclude=[\"mlp.fc3\"]"), "match no linear"),
     (("model.fp8=tensorwise", "model.ffn_hidden_size=344"), r"multiples of 16.*model.fp8_exclude"),
     (("model.fp8_margin=1",), "model.fp8 = 'none'"),
+    (("parallel.tp_overlap=symm_mem",), "symm_mem"),
+    (("parallel.tp_overlap=ring", "parallel.sequence_parallel=false"), "sequence_parallel = true"),
+    (("parallel.tp_overlap=ring", "model.fp8=delayed"), "FP8 ring collective matmuls are not implemented"),
 )
 
 
@@ -115,6 +121,13 @@ def full_rows() -> list[Row]:
         if family == "qwen3" and tied:
             continue  # kept small: qwen3 tied is a default row
         rows.append(Row(layout, opt, dtype, tied, family, reshard=L(dp=4) if layout != L(dp=4) else L(tp=2, pp=2)))
+    # Ring collective matmuls: every sequence-parallel layout, each optimizer mode it has, fp32/bf16.
+    for layout, opt, dtype in itertools.product([L(dp=2, tp=2, sp=True, tp_overlap="ring"),
+                                                 L(tp=2, pp=2, sp=True, tp_overlap="ring"),
+                                                 L(tp=4, sp=True, tp_overlap="ring")], OPTIMIZERS, ("fp32", "bf16")):
+        if layout.dp == 1 and opt != "plain":
+            continue
+        rows.append(Row(layout, opt, dtype, False, "llama", reshard=L(dp=4)))
     # FP8: every recipe on every layout with TP <= 2 (the test model's attention output is 32 wide: 8 per
     # rank at TP=4, below the 16 an FP8 GEMM needs), one optimizer mode each, fp32 and bf16.
     for layout, recipe, dtype in itertools.product([lay for lay in layouts if lay.tp <= 2], FP8_RECIPES,

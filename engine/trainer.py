@@ -168,7 +168,8 @@ class Trainer:
         self.ddp.reset_grad_sync()
         res = run_schedule(self.schedule, rank=self.pp_rank, pp_group=self.mesh.pp,
                            forward_step=self._forward_step(micro, weights), act_shape=self.act_shape,
-                           dtype=self.dtype, device=self.device, grad_sync=grad_sync)
+                           dtype=self.dtype, device=self.device, grad_sync=grad_sync,
+                           early_recv=self.cfg.parallel.p2p_early_recv)
         self.ddp.is_last_microbatch = True
         self.ddp.reset_grad_sync()
         return res.losses
@@ -216,7 +217,8 @@ class Trainer:
                 micro = [self._to_device(next(loader)) for _ in range(self.num_micro)]
                 res = run_schedule(self.eval_schedule, rank=self.pp_rank, pp_group=self.mesh.pp,
                                    forward_step=self._forward_step(micro, self._loss_weights(micro)),
-                                   act_shape=self.act_shape, dtype=self.dtype, device=self.device)
+                                   act_shape=self.act_shape, dtype=self.dtype, device=self.device,
+                                   early_recv=self.cfg.parallel.p2p_early_recv)
                 losses += res.losses
         finally:
             self.chunks.train()

@@ -31,8 +31,10 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUTS = {"tp2": dict(world=2, tp=2, pp=1), "tp4": dict(world=4, tp=4, pp=1, sets=["model.num_key_value_heads=4"]),
-           "tp2xpp2": dict(world=4, tp=2, pp=2)}  # tp4: the preset's 2 kv heads do not split 4 ways
-KEYS = ("step_time_s", "comm_exposed_s", "comm_exposed_s_tp", "comm_bytes_tp")
+           "tp2xpp2": dict(world=4, tp=2, pp=2),
+           "tp2xpp2-early": dict(world=4, tp=2, pp=2, sets=["parallel.p2p_early_recv=true"])}
+# tp4: the preset's 2 kv heads do not split 4 ways; -early: pipeline receives posted one action ahead
+KEYS = ("step_time_s", "comm_exposed_s", "comm_exposed_s_tp", "comm_exposed_s_pp", "comm_bytes_tp")
 
 
 def run_once(layout: str, mode: str, args, run_dir: str) -> list[dict]:
@@ -107,7 +109,7 @@ def gemm_overhead(args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["tp2", "tp4", "tp2xpp2"])
+    p.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["tp2", "tp4", "tp2xpp2", "tp2xpp2-early"])
     p.add_argument("--repeats", type=int, default=2, help="launches per mode, alternating (default 2)")
     p.add_argument("--steps", type=int, default=8, help="steps per launch; the first is not timed")
     p.add_argument("--seq", type=int, default=512)

@@ -205,6 +205,8 @@ class ParallelConfig(Section):
     ``vp > 1`` and ``schedule="interleaved"`` go together. ``tp_overlap``: "none", or "ring" to run
     the sequence-parallel linears as ring collective matmuls, communication under the GEMMs
     (docs/overlap.md; needs tp >= 2 and sequence_parallel); "symm_mem" is refused (not built).
+    ``p2p_early_recv``: post each pipeline receive one action ahead and let sends complete in the
+    background (``parallel.pipeline.actions.p2p_plan``; the same messages, the same results).
     """
 
     SECTION = "parallel"
@@ -220,9 +222,13 @@ class ParallelConfig(Section):
     pipeline_layout: list[int] | None = None
     schedule: str = "1f1b"
     tp_overlap: str = "none"
+    p2p_early_recv: bool = False
 
     def _validate(self) -> None:
         check_choice(self, "tp_overlap", TP_OVERLAP)
+        if self.p2p_early_recv and self.pp == 1:
+            raise ValueError("parallel.p2p_early_recv posts pipeline receives ahead, but parallel.pp = 1 has no "
+                             "pipeline; remove it or set parallel.pp >= 2")
         for key in ("tp", "pp", "vp", "cp", "ep"):
             check_min(self, key, 1, why="a parallel degree")
         # Accepted keys must work: these degrees arrive with their capabilities.

@@ -146,3 +146,50 @@ class Schedule:
         for rank, actions in enumerate(self.ranks):
             lines.append(f"rank {rank}: " + " | ".join(a.describe() for a in actions))
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """What one rank does with messages at the boundary before action ``i`` (``i == len(actions)``:
+    after the last one): ``post`` these (one ``batch_isend_irecv``, each with the label of the action
+    it belongs to), then ``wait`` for these (posted here or earlier) before computing action ``i``."""
+
+    post: tuple[tuple[P2P, str], ...]
+    wait: tuple[P2P, ...]
+
+
+def p2p_plan(schedule: Schedule, rank: int, *, early_recv: bool = False) -> tuple[Boundary, ...]:
+    """Where each message of ``rank`` is posted and where it is waited on: ``len(actions) + 1`` boundaries.
+
+    Blocking (``early_recv=False``, the contract in the module docstring): before action ``i`` post
+    ``actions[i-1].sends + actions[i].recvs`` and wait for all of them.
+
+    Early receives (``early_recv=True``): before action ``i`` post ``actions[i-1].sends`` and the
+    receives of action ``i + 1`` (at ``i = 0`` also action 0's), so each receive is in flight during
+    the action before the one that needs it; wait only for action ``i``'s receives and for the sends
+    posted at the previous boundary (a send completes in the background while one action runs).
+    After the last action: post its sends and wait for every send still open. Messages between two
+    ranks keep their order in each direction, so they pair exactly as in the blocking plan
+    (:func:`parallel.pipeline.validate.validate` checks both plans).
+    """
+    actions = schedule.ranks[rank]
+    n = len(actions)
+
+    def sends(i):
+        return tuple((p, str(actions[i])) for p in actions[i].sends) if 0 <= i < n else ()
+
+    def recvs(i):
+        return tuple((p, str(actions[i])) for p in actions[i].recvs) if 0 <= i < n else ()
+
+    plan = []
+    for b in range(n + 1):
+        if not early_recv:
+            post = sends(b - 1) + recvs(b)
+            plan.append(Boundary(post=post, wait=tuple(p for p, _ in post)))
+            continue
+        post = sends(b - 1) + (recvs(0) if b == 0 else ()) + recvs(b + 1)
+        wait = tuple(p for p, _ in recvs(b)) + tuple(p for p, _ in sends(b - 2))
+        if b == n:
+            wait += tuple(p for p, _ in sends(n - 1))
+        plan.append(Boundary(post=post, wait=wait))
+    return tuple(plan)

@@ -28,7 +28,7 @@ import torch
 
 from parallel import comm
 from parallel.comm import Group
-from parallel.pipeline.actions import ACTIVATION, BACKWARD, FORWARD, GRADIENT, Schedule
+from parallel.pipeline.actions import ACTIVATION, BACKWARD, FORWARD, GRADIENT, P2P, SEND, Schedule, p2p_plan
 
 # forward_step(chunk, x, microbatch) -> Tensor. ``x`` is None on virtual stage 0 (the step reads its
 # own inputs); on the last virtual stage the step returns the microbatch's scalar mean loss.
@@ -82,14 +82,16 @@ def check_stage_shapes(pp_group: Group, *, in_shape: tuple[int, ...] | None, out
 
 def run_schedule(schedule: Schedule, *, rank: int, pp_group: Group, forward_step: ForwardStep,
                  act_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu",
-                 grad_sync: Callable[[int], None] | None = None) -> PipelineResult:
+                 grad_sync: Callable[[int], None] | None = None, early_recv: bool = False) -> PipelineResult:
     """Run ``schedule.ranks[rank]`` with real tensors; gradients accumulate in the chunks' params
     (a forward-only schedule: call it under ``torch.no_grad()``; nothing is kept for a backward).
 
     ``act_shape`` is the per-microbatch shape of every activation crossing a stage boundary.
     ``grad_sync(chunk)`` (optional) is called right before the LAST backward of each model chunk,
     so data-parallel reduction of that chunk can be enabled for it (Megatron's "last microbatch"
-    rule); it receives the chunk index.
+    rule); it receives the chunk index. ``early_recv``: run the early-receive plan of
+    :func:`parallel.pipeline.actions.p2p_plan` (receives in flight one action ahead, sends completing
+    in the background) instead of the blocking one; the same messages in the same order.
     """
     if pp_group.size != schedule.pp:
         raise ValueError(f"the schedule is for pp={schedule.pp} but the pipeline group has {pp_group.size} ranks")
@@ -107,31 +109,38 @@ def run_schedule(schedule: Schedule, *, rank: int, pp_group: Group, forward_step
     result = PipelineResult()
     forward_only = schedule.forward_only
 
-    def post(batch_sends, batch_recvs):
-        ops, sent_outputs = [], []
-        for p in batch_sends:
-            if p.kind == ACTIVATION:
-                t = held[(p.stage, p.microbatch)][1]
-                sent_outputs.append(t)
-            else:
-                t = input_grads.pop((p.stage, p.microbatch))
-            ops.append(comm.P2P("send", t, p.peer))
-        for p in batch_recvs:
-            buf = torch.empty(act_shape, dtype=dtype, device=device)
-            received[p.tensor] = buf
-            ops.append(comm.P2P("recv", buf, p.peer))
-        comm.wait(comm.batch_p2p(ops, pp_group), pp_group)
-        if forward_only:  # sent downstream: nothing else needs it
-            for p in batch_sends:
-                held.pop((p.stage, p.microbatch), None)
-            return
-        for t in sent_outputs:  # sent downstream: only the autograd node is still needed
-            t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
+    plan = p2p_plan(schedule, rank, early_recv=early_recv)
+    works: dict[P2P, object] = {}  # posted, not yet waited: P2P -> work handle
+    sent_outputs: dict[P2P, torch.Tensor] = {}
 
-    prev_sends = ()
-    for a in actions:
-        if prev_sends or a.recvs:
-            post(prev_sends, a.recvs)
+    def boundary(b: int) -> None:
+        """Post the plan's messages at boundary ``b``, then wait for the plan's waits."""
+        ops, posted = [], []
+        for p, _ in plan[b].post:
+            if p.op == SEND:
+                if p.kind == ACTIVATION:
+                    t = held[(p.stage, p.microbatch)][1]
+                    sent_outputs[p] = t
+                else:
+                    t = input_grads.pop((p.stage, p.microbatch))
+                ops.append(comm.P2P("send", t, p.peer))
+            else:
+                buf = torch.empty(act_shape, dtype=dtype, device=device)
+                received[p.tensor] = buf
+                ops.append(comm.P2P("recv", buf, p.peer))
+            posted.append(p)
+        works.update(zip(posted, comm.batch_p2p(ops, pp_group)))
+        comm.wait([works.pop(p) for p in plan[b].wait], pp_group)
+        for p in plan[b].wait:
+            if p.op == SEND and p.kind == ACTIVATION:
+                t = sent_outputs.pop(p)
+                if forward_only:  # sent downstream: nothing else needs it
+                    held.pop((p.stage, p.microbatch), None)
+                else:  # sent downstream: only the autograd node is still needed
+                    t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
+
+    for i, a in enumerate(actions):
+        boundary(i)
         chunk = schedule.chunk_of(a.stage)
         key = (a.stage, a.microbatch)
         if a.op == FORWARD:
@@ -163,9 +172,8 @@ def run_schedule(schedule: Schedule, *, rank: int, pp_group: Group, forward_step
                 assert x is not None and x.grad is not None, f"no input gradient for stage {a.stage}"
                 input_grads[key] = x.grad
             del x, out
-        prev_sends = a.sends
-    if prev_sends:
-        post(prev_sends, ())
+    boundary(len(actions))
+    assert not works, "pipeline finished with messages not waited on"
     assert not held and not input_grads, "pipeline finished with live activations"
     return result
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import Counter
 
 from parallel.pipeline.actions import (ACTIVATION, BACKWARD, FORWARD, GRADIENT, RECV, SEND, P2P,
-                                       Schedule, ScheduleError)
+                                       Schedule, ScheduleError, p2p_plan)
 
 __all__ = ["ScheduleError", "validate"]
 
@@ -107,28 +107,30 @@ def _check_coverage(sched: Schedule) -> None:
 
 
 class _Execution:
-    """All ranks running their lists in order, blocking on every batch (step 3 of :func:`validate`)."""
+    """All ranks running their lists in order under a :func:`p2p_plan` (step 3 of :func:`validate`):
+    at each boundary a rank posts the plan's messages, then blocks until the plan's waits are matched."""
 
-    def __init__(self, sched: Schedule):
+    def __init__(self, sched: Schedule, *, early_recv: bool = False):
         self.sched = sched
         self.actions = sched.ranks
+        self.plans = [p2p_plan(sched, r, early_recv=early_recv) for r in range(sched.pp)]
         self.boundary = [0] * sched.pp            # batch index reached on each rank
-        self.pending = [None] * sched.pp          # unmatched (seq, channel, P2P) of the posted batch
+        self.pending = [None] * sched.pp          # posted, unmatched (seq, channel, P2P), all boundaries so far
+        self.matched = [set() for _ in range(sched.pp)]  # P2Ps of each rank that completed
         self.done = [False] * sched.pp
         self.produced = [set() for _ in range(sched.pp)]   # (op, stage, mb) computed per rank
         self.received = [set() for _ in range(sched.pp)]   # tensors received per rank
         self.posted = {SEND: {}, RECV: {}}        # channel (src, dst) -> [(rank, action label, P2P)]
 
-    def _batch(self, rank: int) -> list[tuple[P2P, str]]:
-        actions, b = self.actions[rank], self.boundary[rank]
-        ops = [(p, str(actions[b - 1])) for p in actions[b - 1].sends] if b > 0 else []
-        ops += [(p, str(actions[b])) for p in actions[b].recvs] if b < len(actions) else []
-        return ops
-
     def _post(self, rank: int) -> None:
-        self.pending[rank] = []
-        for p2p, label in self._batch(rank):
+        if self.pending[rank] is None:
+            self.pending[rank] = []
+        for p2p, label in self.plans[rank][self.boundary[rank]].post:
             self._post_one(rank, p2p, label)
+
+    def _blocked(self, rank: int) -> list[P2P]:
+        """The current boundary's waits that have not completed."""
+        return [p for p in self.plans[rank][self.boundary[rank]].wait if p not in self.matched[rank]]
 
     def _post_one(self, rank: int, p2p: P2P, label: str) -> None:
         if p2p.op == SEND:
@@ -159,6 +161,8 @@ class _Execution:
                                     "two ranks must come in the same order on both sides")
             self.pending[rank].remove((seq, channel, p2p))
             self.pending[peer_rank].remove((seq, channel, peer_p2p))
+            self.matched[rank].add(p2p)
+            self.matched[peer_rank].add(peer_p2p)
             self.received[channel[1]].add(p2p.tensor)
             progressed = True
         return progressed
@@ -191,7 +195,7 @@ class _Execution:
             self._post(rank)
             progressed = True
         progressed |= self._match(rank)
-        while not self.done[rank] and not self.pending[rank]:
+        while not self.done[rank] and not self._blocked(rank):
             if self.boundary[rank] < len(self.actions[rank]):
                 self._compute(rank)
             self.boundary[rank] += 1
@@ -220,7 +224,7 @@ class _Execution:
             actions, b = self.actions[rank], self.boundary[rank]
             where = f"before {actions[b]}" if b < len(actions) else f"after {actions[b - 1]}"
             waits.append(f"rank {rank} {where} waits on "
-                         + ", ".join(f"'{p}'" for _, _, p in self.pending[rank]))
+                         + ", ".join(f"'{p}'" for p in self._blocked(rank)))
         first = next(r for r in range(self.sched.pp) if not self.done[r])
         actions, b = self.actions[first], self.boundary[first]
         label = str(actions[b]) if b < len(actions) else str(actions[b - 1])
@@ -237,3 +241,4 @@ def validate(schedule: Schedule) -> None:
     _check_structure(schedule)
     _check_coverage(schedule)
     _Execution(schedule).run()
+    _Execution(schedule, early_recv=True).run()  # the runtime's early-receive plan must hold as well

@@ -30,6 +30,7 @@ class Layout:
     sp: bool = False
     schedule: str = "1f1b"
     tp_overlap: str = "none"  # parallel.tp_overlap (ring: collective matmuls, docs/overlap.md)
+    early_recv: bool = False  # parallel.p2p_early_recv (pipeline receives posted one action ahead)
 
     @property
     def world(self) -> int:
@@ -38,12 +39,14 @@ class Layout:
     def overrides(self) -> list[str]:
         return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.vp={self.vp}",
                 f"parallel.dp={self.dp}", f"parallel.sequence_parallel={str(self.sp).lower()}",
-                f"parallel.schedule={self.schedule}", f"parallel.tp_overlap={self.tp_overlap}"]
+                f"parallel.schedule={self.schedule}", f"parallel.tp_overlap={self.tp_overlap}",
+                f"parallel.p2p_early_recv={str(self.early_recv).lower()}"]
 
     def __str__(self) -> str:
         parts = [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("vp", self.vp), ("dp", self.dp)) if v > 1]
         return "x".join(parts or ["1 process"]) + (" sp" if self.sp else "") + (
-            f" {self.schedule}" if self.pp > 1 else "") + (f" {self.tp_overlap}" if self.tp_overlap != "none" else "")
+            f" {self.schedule}" if self.pp > 1 else "") + (f" {self.tp_overlap}" if self.tp_overlap != "none" else "") + (
+            " early-recv" if self.early_recv else "")
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,8 @@ DEFAULT_ROWS: tuple[Row, ...] = (
     Row(L(dp=2, tp=2, sp=True), "zero1", fp8="delayed", reshard=L(tp=2, pp=2, sp=True)),
     Row(L(tp=2, pp=2), "plain", dtype="bf16", fp8="tensorwise", reshard=L(dp=4), reshard_optimizer="zero2"),
     # Ring collective matmuls (docs/overlap.md), resumed into the plain path.
-    Row(L(tp=2, pp=2, sp=True, tp_overlap="ring"), "plain", tied=True, reshard=L(tp=2, dp=2, sp=True)),
+    Row(L(tp=2, pp=2, sp=True, tp_overlap="ring", early_recv=True), "plain", tied=True, reshard=L(tp=2, dp=2, sp=True)),
+    Row(L(pp=2, vp=2, dp=2, schedule="interleaved", early_recv=True), "zero1", reshard=L(pp=2, dp=2)),
 )
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
 

@@ -55,7 +55,7 @@ def _reference(num_stages, m):
     return losses, [[lyr.weight.grad.clone(), lyr.bias.grad.clone()] for lyr in layers]
 
 
-def _pipeline_rank(name, pp, vp, m):
+def _pipeline_rank(name, pp, vp, m, early=False):
     rank = dist.get_rank()
     group = Group(axis="pp", ranks=list(range(pp)), rank=rank, pg=dist.group.WORLD, ledger=Ledger())
     sched = build_schedule(name, pp=pp, vp=vp, microbatches=m)
@@ -75,7 +75,7 @@ def _pipeline_rank(name, pp, vp, m):
         return out
 
     res = run_schedule(sched, rank=rank, pp_group=group, forward_step=forward_step, act_shape=(S, B, H),
-                       dtype=torch.float64)
+                       dtype=torch.float64, early_recv=early)
     grads = {s: [[lyr.weight.grad, lyr.bias.grad] for lyr in layers[s * LAYERS_PER_STAGE:(s + 1) * LAYERS_PER_STAGE]]
              for s in my_stages}
     sent = group.ledger.total("sent_bytes", op="send")
@@ -87,20 +87,30 @@ def _run_all(pp):
     out = {}
     for name, vp in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2)):
         for m in (pp, 2 * pp):
-            out[(name, vp, m)] = _pipeline_rank(name, pp, vp, m)
+            for early in (False, True):
+                out[(name, vp, m, early)] = _pipeline_rank(name, pp, vp, m, early)
     return out
 
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_pipeline_parity_ledger_and_peak(pp):
+    """Every schedule with blocking and with early receives (p2p_plan): both equal the reference, and
+    the early-receive run equals the blocking one bit for bit, with the same bytes and peak."""
     results = run_distributed(_run_all, pp, pp, timeout=240)
-    for (name, vp, m), _ in results[0].items():
+    for (name, vp, m, early), _ in results[0].items():
+        if early:
+            for rank in range(pp):
+                a, b = results[rank][(name, vp, m, True)], results[rank][(name, vp, m, False)]
+                assert a[0] == b[0] and a[2:] == b[2:], (name, vp, m, rank)
+                for s in a[1]:
+                    for ga, gb in zip(a[1][s], b[1][s]):
+                        assert all(torch.equal(x, y) for x, y in zip(ga, gb)), (name, vp, m, rank, s)
         ref_losses, ref_grads = _reference(pp * vp, m)
         sched = build_schedule(name, pp=pp, vp=vp, microbatches=m)
         predicted_peak = peak_inflight(sched)
         elems = S * B * H * 8  # fp64 bytes of one activation
         for rank in range(pp):
-            losses, grads, peak, sent, recv = results[rank][(name, vp, m)]
+            losses, grads, peak, sent, recv = results[rank][(name, vp, m, early)]
             if rank == (pp * vp - 1) % pp:
                 assert losses == pytest.approx(ref_losses, abs=1e-12)
             for s, gl in grads.items():
@@ -114,7 +124,7 @@ def test_pipeline_parity_ledger_and_peak(pp):
             boundaries_in = sum(1 for s in range(pp * vp) if s % pp == rank and s > 0)  # grad sends
             assert sent == (boundaries_out + boundaries_in) * m * elems
             assert recv == (boundaries_out + boundaries_in) * m * elems
-        total_sent = sum(results[r][(name, vp, m)][3] for r in range(pp))
+        total_sent = sum(results[r][(name, vp, m, early)][3] for r in range(pp))
         assert total_sent == 2 * (pp * vp - 1) * m * elems  # b*s*h each way per boundary, x v stages
 
 

@@ -459,3 +459,30 @@ def test_forward_only_schedule_is_valid_and_has_no_backward(p, v):
         validate(with_b)
     with pytest.raises(ValueError, match="use vp=1 when pp=1"):
         forward_only(1, 2, 2)
+
+
+def test_early_receive_plan_says_where_each_wait_sits():
+    """p2p_plan(early_recv=True): a receive is posted one boundary before the action that needs it and
+    waited right before that action; a send is waited one boundary after it is posted; the same
+    messages as the blocking plan, in the same order per direction. validate() runs both plans."""
+    from parallel.pipeline import build_schedule
+    from parallel.pipeline.actions import RECV, SEND, p2p_plan
+
+    for name, vp, m in (("1f1b", 1, 4), ("gpipe", 1, 4), ("interleaved", 2, 4)):
+        sched = build_schedule(name, pp=2, vp=vp, microbatches=m)
+        for rank in range(2):
+            actions = sched.ranks[rank]
+            blocking = p2p_plan(sched, rank)
+            early = p2p_plan(sched, rank, early_recv=True)
+            assert len(early) == len(blocking) == len(actions) + 1
+            for kind in (SEND, RECV):  # same messages, same order
+                assert [p for b in blocking for p, _ in b.post if p.op == kind] == \
+                       [p for b in early for p, _ in b.post if p.op == kind]
+            posted_at = {p: i for i, b in enumerate(early) for p, _ in b.post}
+            waited_at = {p: i for i, b in enumerate(early) for p in b.wait}
+            assert posted_at.keys() == waited_at.keys()  # everything posted is waited once
+            for i, a in enumerate(actions):
+                for p in a.recvs:
+                    assert waited_at[p] == i and posted_at[p] == max(i - 1, 0)
+                for p in a.sends:
+                    assert posted_at[p] == i + 1 and waited_at[p] == min(i + 2, len(actions))

@@ -191,8 +191,9 @@ def build_mesh(cfg: TesselConfig, *, world: int | None = None) -> Mesh:
     return Mesh.build(ParallelDims(dp=dp, pp=p.pp, cp=p.cp, tp=p.tp, ep=p.ep), order=p.order)
 
 
-def build_loaders(cfg: TesselConfig, mesh: Mesh, *, train_data=None, valid_data=None):
-    """Data-parallel loaders over ``cfg.data`` (or the given datasets): each dp rank its slice."""
+def build_loaders(cfg: TesselConfig, mesh: Mesh, *, train_data=None, valid_data=None, collate_fn=None):
+    """Data-parallel loaders over ``cfg.data`` (or the given datasets): each dp rank its slice;
+    ``collate_fn`` turns a micro-batch's samples into tensors (default: stack them)."""
     from engine.data.blending import build_gpt_datasets
     from engine.data.loader import DataParallelLoader
 
@@ -206,6 +207,8 @@ def build_loaders(cfg: TesselConfig, mesh: Mesh, *, train_data=None, valid_data=
             seq_length=t.seq_length, seed=t.seed, cache_dir=cache)
     kw = dict(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
               dp_rank=mesh.coords["dp"], dp_size=mesh.dims.dp)
+    if collate_fn is not None:
+        kw["collate_fn"] = collate_fn
     train_loader = DataParallelLoader(train_data, num_workers=cfg.data.num_workers, **kw)
     valid_loader = DataParallelLoader(valid_data, **kw) if valid_data is not None else None
     return train_loader, valid_loader
@@ -214,14 +217,18 @@ def build_loaders(cfg: TesselConfig, mesh: Mesh, *, train_data=None, valid_data=
 def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: int | None = None,
               train_data=None, valid_data=None, data: bool = True, checkpoints: bool = True,
               log_stream=None, device: str | None = None, plan: MemoryPlan | None = None,
-              tokenizer=None) -> Run:
+              tokenizer=None, objective=None, rows_per_sample: int = 1, collate_fn=None,
+              side_files: dict[str, str] | None = None) -> Run:
     """Build every part of this rank's run from ``cfg`` and the model hook ``model`` (see the module
     docstring). ``train_data``/``valid_data``: datasets to use instead of ``cfg.data``; ``data=False``
     builds no loaders; ``checkpoints=False`` (or no ``run_dir`` and no ``checkpoint.dir``) no checkpointer;
     ``device``: where the model lives (default CUDA when available, else CPU); ``plan``: the memory plan
     (:func:`memory_plan`) whose line the start-up log shows; ``tokenizer``: the run's tokenizer, saved with
-    every checkpoint as Hugging Face files (``hf/``), so ``tessel-to-hf`` exports it.
-    Collective: every rank calls it with the same arguments."""
+    every checkpoint as Hugging Face files (``hf/``), so ``tessel-to-hf`` exports it; ``side_files``:
+    those files' texts given directly instead (post-training keeps the base model's, chat template
+    included). Post-training (tools/posttrain.py) passes its ``objective`` (the step's loss,
+    engine/posttrain/objectives.py), ``rows_per_sample`` (a preference pair is 2 rows of the micro-batch)
+    and the datasets' ``collate_fn``. Collective: every rank calls it with the same arguments."""
     mesh = build_mesh(cfg, world=world)
     p, t, o = cfg.parallel, cfg.train, cfg.optim
 
@@ -252,7 +259,8 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
 
     train_loader = valid_loader = None
     if data:
-        train_loader, valid_loader = build_loaders(cfg, mesh, train_data=train_data, valid_data=valid_data)
+        train_loader, valid_loader = build_loaders(cfg, mesh, train_data=train_data, valid_data=valid_data,
+                                                   collate_fn=collate_fn)
 
     checkpointer = None
     ck = cfg.checkpoint
@@ -274,13 +282,15 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
     sp = p.sequence_parallel and p.tp > 1
     trainer = Trainer(cfg, mesh=mesh, chunks=chunks, stages=stages, num_stages=num_stages, ddp=ddp,
                       optimizer=optimizer, schedule=schedule, eval_schedule=eval_schedule,
-                      act_shape=(t.seq_length // p.tp if sp else t.seq_length, t.micro_batch_size, model.hidden_size),
-                      flops_per_step=M.model_flops_per_step(model.flops, batch_size=t.global_batch_size,
+                      act_shape=(t.seq_length // p.tp if sp else t.seq_length, t.micro_batch_size * rows_per_sample,
+                                 model.hidden_size),
+                      flops_per_step=M.model_flops_per_step(model.flops, batch_size=t.global_batch_size * rows_per_sample,
                                                             seq_length=t.seq_length),
                       logger=logger, peak=M.peak_tflops(override=cfg.logging.peak_tflops, dtype=dtype),
-                      param_spec=model.param_spec, plan_line=plan.line() if plan is not None else None)
-    side = {}
-    if tokenizer is not None:
+                      param_spec=model.param_spec, plan_line=plan.line() if plan is not None else None,
+                      objective=objective)
+    side = dict(side_files or {})
+    if tokenizer is not None and not side:
         side = {f"hf/{name}": text for name, text in
                 tokenizer.hf_files(model_max_length=model.config.max_position_embeddings).items()}
     return Run(cfg=cfg, mesh=mesh, model=model, trainer=trainer, train_loader=train_loader,

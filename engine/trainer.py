@@ -49,6 +49,7 @@ class StepStats:
     seconds: float
     comm_bytes: dict[str, float] | None = None  # bytes this rank sent during the step, per mesh axis
     comm_exposed: dict[str, float] | None = None  # seconds blocked in communication (nothing computed under it), per axis
+    extra: dict[str, float] | None = None  # the objective's step metrics (post-training: rewards, margins, ...)
 
     @property
     def comm_exposed_s(self) -> float:
@@ -62,7 +63,8 @@ class Trainer:
                  num_stages: int, ddp: DataParallel, optimizer: Optimizer, schedule: Schedule,
                  eval_schedule: Schedule,
                  act_shape: tuple[int, int, int], flops_per_step: float, logger: M.MetricsLogger,
-                 peak: tuple[float, str], param_spec: Callable | None = None, plan_line: str | None = None):
+                 peak: tuple[float, str], param_spec: Callable | None = None, plan_line: str | None = None,
+                 objective=None):
         self.cfg = cfg
         self.mesh = mesh
         self.dp = mesh.dims.dp
@@ -82,6 +84,11 @@ class Trainer:
         self.peak_tflops, self.peak_source = peak
         self.param_spec = param_spec  # checkpoint keys of the chunks' parameters (from models/)
         self.plan_line = plan_line
+        # The step's loss on the last stage (None: the mean token loss). Post-training objectives
+        # (engine/posttrain/objectives.py) map the per-token losses of a micro-batch to the sum of their
+        # loss over its ``units`` and accumulate their own metrics, reduced once per step.
+        self.objective = objective
+        self._stats: dict[str, torch.Tensor] = {}
         # Everything this rank feeds the model or hands to a collective lives on the model's device
         # (CUDA under NCCL); the data loaders produce CPU tensors.
         self.device = next(chunks.parameters()).device
@@ -134,12 +141,18 @@ class Trainer:
         one float64 over the data-parallel ranks (every pipeline rank of a dp slice loads the same data).
         The counts stay on the device until the weights are done: one host sync per step, not one per
         micro-batch."""
-        counts = torch.stack([mb["loss_mask"].sum() for mb in micro]).to(torch.float64)  # (m,)
+        counts = torch.stack([self._units(mb) for mb in micro]).to(torch.float64)  # (m,)
         total = counts.sum().reshape(1)  # (1,)
         comm.all_reduce(total, self.mesh.dp_cp)
         scale = float(len(micro) * self.mesh.dp_cp.size)
         weights = torch.where(total > 0, counts * scale / total, torch.zeros_like(counts))
         return weights.tolist()
+
+    @staticmethod
+    def _units(batch: dict) -> torch.Tensor:
+        """What a micro-batch's loss is normalised by: its ``units`` (post-training data: loss tokens, or
+        preference pairs) or, for pretraining batches, its loss tokens."""
+        return batch["units"].sum() if "units" in batch else batch["loss_mask"].sum()
 
     def _forward_step(self, micro: list[dict[str, torch.Tensor]], weights: list[float] | None = None):
         last = self.num_stages - 1
@@ -153,7 +166,13 @@ class Trainer:
                 return module(inp, position_ids=batch["position_ids"])
             loss = module(inp, labels=batch["labels"], position_ids=batch["position_ids"],
                           loss_mask=batch["loss_mask"])  # (b, s), masked
-            mean = loss.sum() / batch["loss_mask"].sum().clamp(min=1)
+            if self.objective is None:
+                total = loss.sum()
+            else:
+                total, stats = self.objective.loss(loss, batch)
+                for k, v in stats.items():
+                    self._stats[k] = self._stats.get(k, 0.0) + v.detach().to(torch.float64)
+            mean = total / self._units(batch).clamp(min=1)
             return mean if weights is None else mean * weights[mb]
         return step
 
@@ -197,16 +216,31 @@ class Trainer:
         result = self.optimizer.step()
         update_fp8(self.chunks, (self.mesh.tp, self.mesh.dp_cp))  # delayed scaling: one amax all-reduce per axis
         loss = self._global_mean_loss(losses)
+        extra = self._objective_metrics()
         self.step += 1
         self.consumed_samples += self.cfg.train.global_batch_size
         sent = self.mesh.ledger.by_axis()
         comm_bytes = {axis: sent[axis] - sent_before.get(axis, 0.0) for axis in sent}
         return StepStats(step=self.step, loss=loss, lr=result.lr, grad_norm=result.grad_norm,
                          applied=result.applied, seconds=time.perf_counter() - t0, comm_bytes=comm_bytes,
-                         comm_exposed={a: v - blocked_before.get(a, 0.0) for a, v in self.mesh.ledger.blocked_s.items()})
+                         comm_exposed={a: v - blocked_before.get(a, 0.0) for a, v in self.mesh.ledger.blocked_s.items()},
+                         extra=extra)
+
+    def _objective_metrics(self) -> dict[str, float] | None:
+        """The objective's metrics of the step (or evaluation) just run: its sums from every last stage,
+        reduced in one all-reduce over pp and one over dp, then turned into means by the objective."""
+        if self.objective is None:
+            return None
+        names = self.objective.STATS
+        t = torch.stack([torch.as_tensor(self._stats.get(k, 0.0), dtype=torch.float64, device=self.device)
+                         for k in names])  # (len(STATS),)
+        self._stats = {}
+        comm.all_reduce(t, self.mesh.pp)
+        comm.all_reduce(t, self.mesh.dp_cp)
+        return self.objective.metrics(dict(zip(names, t.tolist())))
 
     @torch.no_grad()
-    def evaluate(self, loader, iters: int) -> float:
+    def evaluate(self, loader, iters: int, *, metrics: dict | None = None) -> float:
         """Mean over ``iters`` global batches of ``loader`` of each batch's token-weighted loss: the
         forward-only schedule, pipelined across micro-batches, through the same runtime as training."""
         self.ddp.finish_param_sync()
@@ -222,7 +256,41 @@ class Trainer:
                 losses += res.losses
         finally:
             self.chunks.train()
-        return self._global_mean_loss(losses)
+        loss = self._global_mean_loss(losses)
+        extra = self._objective_metrics()
+        if metrics is not None and extra:
+            metrics.update(extra)
+        return loss
+
+    @torch.no_grad()
+    def forward_token_losses(self, micro: list[dict[str, torch.Tensor]],
+                             on_last: Callable[[torch.Tensor, dict, int], None]) -> None:
+        """One forward-only pass over ``micro`` (this rank's micro-batches, as many as the schedule's)
+        through the pipeline; on the last stage ``on_last(token_losses (b, s), batch, index)`` receives
+        each micro-batch's per-token losses (masked by its ``loss_mask``). For quantities computed once
+        from the model, e.g. DPO's reference log-probabilities (collective over pp)."""
+        if len(micro) != self.num_micro:
+            raise ValueError(f"forward_token_losses takes {self.num_micro} micro-batches (the schedule's), got {len(micro)}")
+        self.ddp.finish_param_sync()
+        self.chunks.eval()
+        last = self.num_stages - 1
+        micro = [self._to_device(mb) for mb in micro]
+
+        def step(chunk: int, x, mb: int):
+            stage, batch, module = self.my_stages[chunk], micro[mb], self.chunks[chunk]
+            inp = batch["tokens"] if stage == 0 else x
+            if stage != last:
+                return module(inp, position_ids=batch["position_ids"])
+            loss = module(inp, labels=batch["labels"], position_ids=batch["position_ids"],
+                          loss_mask=batch["loss_mask"])  # (b, s)
+            on_last(loss, batch, mb)
+            return loss.sum() * 0.0
+        try:
+            run_schedule(self.eval_schedule, rank=self.pp_rank, pp_group=self.mesh.pp, forward_step=step,
+                         act_shape=self.act_shape, dtype=self.dtype, device=self.device,
+                         early_recv=self.cfg.parallel.p2p_early_recv)
+        finally:
+            self.chunks.train()
 
     # -- the loop -------------------------------------------------------------------------------------
     def _install_signal_handlers(self):
@@ -273,13 +341,14 @@ class Trainer:
                                  "step_time_s": st.seconds, "comm_exposed_s": st.comm_exposed_s,
                                  **{f"comm_exposed_s_{a}": v for a, v in sorted((st.comm_exposed or {}).items())},
                                  "skipped": 0 if st.applied else 1,
-                                 "consumed_samples": self.consumed_samples,
+                                 "consumed_samples": self.consumed_samples, **(st.extra or {}),
                                  **{f"comm_bytes_{axis}": b for axis, b in sorted((st.comm_bytes or {}).items())}})
             if on_step is not None:
                 on_step(self, st)
             if valid_loader is not None and c.eval_interval and self.step % c.eval_interval == 0:
-                vl = self.evaluate(valid_loader, c.eval_iters)
-                self.logger.log({"step": self.step, "loss": vl, "ppl": math.exp(min(vl, 50.0))}, prefix="valid")
+                extra: dict = {}
+                vl = self.evaluate(valid_loader, c.eval_iters, metrics=extra)
+                self.logger.log({"step": self.step, "loss": vl, "ppl": math.exp(min(vl, 50.0)), **extra}, prefix="valid")
             ck = self.cfg.checkpoint
             stop = self._stop_requested()
             if save is not None and ((ck.interval and self.step % ck.interval == 0) or stop

@@ -60,6 +60,9 @@ def plan_run(cfg, *, world: int):
     from engine.data.tokenizer import load_tokenizer
     from models.hook import ModelHook
 
+    if cfg.posttrain.method != "none":
+        raise ValueError(f"posttrain.method={cfg.posttrain.method!r} is post-training: run tools/posttrain.py "
+                         "with this config, or remove the [posttrain] section to pretrain")
     cfg.validate_world(world)
     check_data_paths(list(cfg.data.paths))
     tok = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None

@@ -71,6 +71,13 @@ def coerce(value: Any, annotation: Any, *, name: str) -> Any:
             return None
         raise ValueError(f"{name} cannot be none (type: {type_name(annotation)}); give it "
                          "a value, or leave it out to use the default")
+    if isinstance(inner, type) and issubclass(inner, Section):  # a nested section, e.g. posttrain.lora
+        if isinstance(value, inner):
+            return value
+        if isinstance(value, dict):
+            return inner.from_dict(value)
+        raise ValueError(f"{name} is a table of keys ([{name}] in TOML, or --set {name}.KEY=VALUE), "
+                         f"got {_describe(value)}")
     if typing.get_origin(inner) is list:
         (elem,) = typing.get_args(inner)
         if not isinstance(value, (list, tuple)):
@@ -201,6 +208,7 @@ class Section:
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
-        """The section as plain JSON/TOML-ready data (lists copied)."""
-        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), list) else v)
-                for f in dataclasses.fields(self)}
+        """The section as plain JSON/TOML-ready data (lists copied, nested sections as tables)."""
+        def plain(v):
+            return v.to_dict() if isinstance(v, Section) else list(v) if isinstance(v, list) else v
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}

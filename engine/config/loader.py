@@ -12,9 +12,9 @@ import json
 import os
 import sys
 import tomllib
-from typing import Any
+from typing import Any, Callable
 
-from engine.config._fields import field_types, parse_text, unknown_key_error
+from engine.config._fields import Section, field_types, parse_text, unknown_key_error
 from engine.config.schema import METADATA, SECTIONS, TesselConfig
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -58,6 +58,13 @@ def _read_toml(path: str) -> dict[str, Any]:
     return data
 
 
+def _subtable(parent: dict, key: str, *, where: str = "") -> dict:
+    table = parent.setdefault(key, {})
+    if not isinstance(table, dict):
+        raise ValueError(f"[{where + '.' if where else ''}{key}] must be a table of keys, got {type(table).__name__}")
+    return table
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """A copy of the nested dict ``data`` with each ``section.key=value`` applied in order."""
     out = copy.deepcopy(data)
@@ -73,18 +80,24 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if section not in SECTIONS:
             raise unknown_key_error(section, valid=list(SECTIONS), where=f"--set {item!r}",
                                     what="section")
-        types = field_types(SECTIONS[section])
+        cls, table, where = SECTIONS[section], _subtable(out, section), section
+        *parents, name = name.split(".")
+        for sub in parents:  # nested sections: posttrain.lora.rank
+            types = field_types(cls)
+            if sub not in types or not (isinstance(types[sub], type) and issubclass(types[sub], Section)):
+                raise unknown_key_error(sub, valid=[k for k, t in types.items() if isinstance(t, type)
+                                                    and issubclass(t, Section)] or list(types),
+                                        where=f"section [{where}] (--set {item!r})", what="sub-section")
+            cls, table, where = types[sub], _subtable(table, sub, where=where), f"{where}.{sub}"
+        types = field_types(cls)
         if name not in types:
-            raise unknown_key_error(name, valid=list(types),
-                                    where=f"section [{section}] (--set {item!r})")
-        table = out.setdefault(section, {})
-        if not isinstance(table, dict):
-            raise ValueError(f"[{section}] must be a table of keys, got {type(table).__name__}")
-        table[name] = parse_text(text, types[name], name=f"{section}.{name}")
+            raise unknown_key_error(name, valid=list(types), where=f"section [{where}] (--set {item!r})")
+        table[name] = parse_text(text, types[name], name=f"{where}.{name}")
     return out
 
 
-def load_config(path: str | None, overrides: list[str]) -> TesselConfig:
+def load_config(path: str | None, overrides: list[str], *,
+                defaults: Callable[[dict[str, Any]], None] | None = None) -> TesselConfig:
     """Build a validated config from a TOML file or preset name (or nothing) plus overrides.
 
     ``path`` is an existing file, else a preset name in configs/; a missing path that looks like a
@@ -106,6 +119,8 @@ def load_config(path: str | None, overrides: list[str]) -> TesselConfig:
                              f"name: {', '.join(available_presets())}")
         data = _read_toml(source)
     data = apply_overrides(data, list(overrides))
+    if defaults is not None:  # keys derived from others before validation (tools/posttrain.py: the base model)
+        defaults(data)
     data["source"] = source
     data["overrides"] = list(overrides)
     try:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config._fields import coerce, unknown_key_error
+from engine.config.posttrain import PosttrainConfig
 from engine.config.sections import (CheckpointConfig, DataConfig, LoggingConfig, ModelConfig,
                                     OptimConfig, ParallelConfig, TrainConfig)
 
@@ -26,6 +27,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
+    "posttrain": PosttrainConfig,
 }
 # Provenance fields of the root: written to JSON, not settable from TOML or --set.
 METADATA = ("source", "overrides")
@@ -51,6 +53,7 @@ class TesselConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    posttrain: PosttrainConfig = field(default_factory=PosttrainConfig)
     source: str | None = None
     overrides: list[str] = field(default_factory=list)
 

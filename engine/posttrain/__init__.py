@@ -1,0 +1,1 @@
+"""Post-training: SFT, LoRA, DPO and GRPO losses, rewards, data and generation."""

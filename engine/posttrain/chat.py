@@ -1,0 +1,222 @@
+"""Chat records: read JSONL, render with the model's own chat template, mark the assistant tokens.
+
+Records (one JSON object per line):
+
+* SFT: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`` with at least
+  one assistant turn. Every assistant turn is a training target; everything else is context.
+* DPO: ``{"prompt": str | [messages], "chosen": str | [assistant messages], "rejected": ...}``.
+* GRPO: ``{"messages": [... up to the user turn], "reward": NAME, ...}`` (extra keys go to the reward).
+
+The template is the model's: ``chat_template`` in tokenizer_config.json, or chat_template.jinja
+beside it (transformers 5 writes that file), or a file named by ``posttrain.chat_template``. It is
+rendered with jinja2 in a sandbox, as transformers renders it (``trim_blocks``, ``lstrip_blocks``,
+``raise_exception``, ``tojson``, the special tokens as variables), so the text is the one the model
+was tuned on.
+
+The assistant tokens: for assistant turn ``i`` the template is rendered for ``messages[:i]`` with
+the generation prompt and for ``messages[:i+1]``; the characters between the two renderings are
+that turn's answer (its content and the end-of-turn text the template writes after it). The whole
+conversation is then tokenized once and a token is a target when it starts inside an answer, so
+the ids are exactly those of the rendered text. A template whose rendering of a prefix is not a
+prefix of the longer rendering cannot be masked this way and is refused.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A Jinja chat template and the special-token variables it may use."""
+
+    text: str
+    source: str
+    variables: dict
+
+    def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = False) -> str:
+        return _compile(self.text).render(**self.variables, messages=list(messages),
+                                          add_generation_prompt=add_generation_prompt)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(text: str):
+    """The jinja2 template of ``text`` in transformers' sandboxed environment (pure: cached by text)."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(text)
+    except jinja2.exceptions.TemplateSyntaxError as err:
+        raise ValueError(f"the chat template does not parse as Jinja (line {err.lineno}: {err.message})") from None
+
+
+def _token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def load_chat_template(tokenizer_dir: str | None, *, override: str | None = None) -> ChatTemplate:
+    """The chat template of the tokenizer in ``tokenizer_dir`` (its tokenizer_config.json, or
+    chat_template.jinja beside it), or the Jinja file ``override``. Raises ValueError naming both
+    places and ``posttrain.chat_template`` when there is none."""
+    config: dict = {}
+    cfg_path = os.path.join(tokenizer_dir, "tokenizer_config.json") if tokenizer_dir else None
+    if cfg_path and os.path.isfile(cfg_path):
+        with open(cfg_path, encoding="utf-8") as f:
+            config = json.load(f)
+    variables = {name: _token_text(config.get(name)) for name in
+                 ("bos_token", "eos_token", "pad_token", "unk_token")}
+    if override is not None:
+        if not os.path.isfile(override):
+            raise ValueError(f"posttrain.chat_template={override!r} does not exist; give a Jinja template file")
+        with open(override, encoding="utf-8") as f:
+            return ChatTemplate(text=f.read(), source=override, variables=variables)
+    text = config.get("chat_template")
+    if isinstance(text, list):  # [{"name": "default", "template": ...}, ...]
+        text = next((t.get("template") for t in text if t.get("name") == "default"), None)
+    source = cfg_path
+    jinja_path = os.path.join(tokenizer_dir, "chat_template.jinja") if tokenizer_dir else None
+    if not text and jinja_path and os.path.isfile(jinja_path):
+        with open(jinja_path, encoding="utf-8") as f:
+            text, source = f.read(), jinja_path
+    if not text:
+        where = f"{cfg_path} has no 'chat_template' and there is no {jinja_path}" if tokenizer_dir \
+            else "no tokenizer directory was given"
+        raise ValueError(f"no chat template: {where}. Point posttrain.chat_template at a Jinja template file, or "
+                         "use a tokenizer (data.tokenizer, or the checkpoint's hf/ directory) that has one")
+    return ChatTemplate(text=text, source=source, variables=variables)
+
+
+# -- records --------------------------------------------------------------------------------------------
+
+def read_jsonl(path: str) -> list[dict]:
+    """The JSON objects of a JSONL file (blank lines skipped); errors name the file and line."""
+    if not os.path.isfile(path):
+        raise ValueError(f"posttrain data {path!r} does not exist (resolved to {os.path.abspath(path)})")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{n}: not valid JSON ({err.msg})") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}:{n}: each line must be a JSON object, got {type(rec).__name__}")
+            rec["_where"] = f"{path}:{n}"
+            records.append(rec)
+    if not records:
+        raise ValueError(f"posttrain data {path!r} holds no records")
+    return records
+
+
+def check_messages(messages: Any, *, where: str, need_assistant: bool = True) -> list[dict]:
+    """``messages`` as a list of {role, content} dicts; raises naming the record."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}: message {i} must be an object with 'role' and a string 'content'")
+        if m["role"] not in ROLES:
+            raise ValueError(f"{where}: message {i} has role {m['role']!r}; use one of {ROLES}")
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(f"{where}: the record has no assistant turn, so nothing would be trained on; "
+                         "add an {'role': 'assistant', 'content': ...} message or drop the record")
+    return messages
+
+
+def _as_messages(value, *, role: str, where: str, key: str) -> list[dict]:
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    try:
+        return check_messages(value, where=f"{where} ('{key}')", need_assistant=False)
+    except ValueError:
+        raise ValueError(f"{where}: '{key}' must be a string or a list of {{'role', 'content'}} messages") from None
+
+
+def preference_conversations(rec: dict) -> tuple[list[dict], list[dict]]:
+    """(prompt + chosen, prompt + rejected) message lists of a DPO record."""
+    where = rec.get("_where", "record")
+    for key in ("prompt", "chosen", "rejected"):
+        if key not in rec:
+            raise ValueError(f"{where}: a preference record needs 'prompt', 'chosen' and 'rejected'; '{key}' is missing")
+    prompt = _as_messages(rec["prompt"], role="user", where=where, key="prompt")
+    chosen = _as_messages(rec["chosen"], role="assistant", where=where, key="chosen")
+    rejected = _as_messages(rec["rejected"], role="assistant", where=where, key="rejected")
+    for key, turns in (("chosen", chosen), ("rejected", rejected)):
+        if not any(m["role"] == "assistant" for m in turns):
+            raise ValueError(f"{where}: '{key}' has no assistant message")
+    return prompt + chosen, prompt + rejected
+
+
+# -- tokens ---------------------------------------------------------------------------------------------
+
+def _encode_with_starts(tokenizer, text: str) -> tuple[list[int], list[int]]:
+    """Token ids of ``text`` and each token's start offset in characters."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is not None:
+        enc = backend.encode(text, add_special_tokens=False)
+        return list(enc.ids), [start for start, _ in enc.offsets]
+    ids = tokenizer.encode(text)  # the byte tokenizer: one id per UTF-8 byte
+    starts, pos = [], 0
+    for ch in text:
+        starts += [pos] * len(ch.encode("utf-8"))
+        pos += 1
+    assert len(starts) == len(ids), "byte tokenizer: one token per byte"
+    return ids, starts
+
+
+def assistant_spans(template: ChatTemplate, messages: Sequence[dict], *, where: str = "record") -> tuple[str, list]:
+    """The rendered conversation and the (start, end) character spans of its assistant answers."""
+    full = template.render(messages)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = template.render(messages[:i], add_generation_prompt=True)
+        upto = template.render(messages[:i + 1])
+        if not (upto.startswith(before) and full.startswith(upto)):
+            raise ValueError(f"{where}: the chat template ({template.source}) does not render a conversation's "
+                             f"prefix as a prefix of the whole (at message {i}), so the assistant tokens cannot be "
+                             "told apart; use a template without such context (posttrain.chat_template)")
+        if len(upto) > len(before):
+            spans.append((len(before), len(upto)))
+    return full, spans
+
+
+def tokenize_conversation(template: ChatTemplate, tokenizer, messages: Sequence[dict], *,
+                          where: str = "record") -> tuple[np.ndarray, np.ndarray]:
+    """(ids int64 (n,), target bool (n,)): the rendered conversation's tokens, True on assistant answers."""
+    text, spans = assistant_spans(template, messages, where=where)
+    ids, starts = _encode_with_starts(tokenizer, text)
+    target = np.zeros(len(ids), dtype=bool)
+    st = np.asarray(starts, dtype=np.int64)
+    for a, b in spans:
+        target |= (st >= a) & (st < b)
+    if not target.any():
+        raise ValueError(f"{where}: no token of the rendered conversation falls in an assistant answer "
+                         "(empty answers?); nothing would be trained on")
+    return np.asarray(ids, dtype=np.int64), target
+
+
+def prompt_ids(template: ChatTemplate, tokenizer, messages: Sequence[dict]) -> list[int]:
+    """The token ids that ask the model for the next assistant turn (generation prompt included)."""
+    ids, _ = _encode_with_starts(tokenizer, template.render(messages, add_generation_prompt=True))
+    return ids

@@ -1,0 +1,1 @@
+"""Bundled post-training data (JSONL) and the deterministic scripts that write it; see README.md."""

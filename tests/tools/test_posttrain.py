@@ -1,0 +1,226 @@
+"""tools/posttrain.py: chat SFT and DPO on a converted tiny Llama, at 1 process and TP2 x PP2.
+
+The base is a tiny random Llama saved by transformers with a word-level chat tokenizer (ChatML-like
+template in its tokenizer_config.json), converted with hf-to-tessel. Records are JSONL written here.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallel.testing import run_distributed
+from tests.tools.test_convert import WORDS, make_hf_dir
+
+SPECIAL = ["<unk>", "</s>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant"]
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+STEPS = 3
+
+
+def write_chat_tokenizer(path: Path, *, template: str | None = TEMPLATE) -> None:
+    """Word-level tokenizer over the tiny vocab (100 ids) with chat special tokens and a template."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(SPECIAL + WORDS[:100 - len(SPECIAL)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<|im_start|>", "<|im_end|>", "</s>")])
+    tok.save(str(path / "tokenizer.json"))
+    cfg = {"eos_token": "<|im_end|>", "unk_token": "<unk>"}
+    if template is not None:
+        cfg["chat_template"] = template
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
+def words(rng, n):
+    return " ".join(WORDS[int(i)] for i in torch.randint(0, 90, (n,), generator=rng))
+
+
+def chat_records(n, seed):
+    rng = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        msgs = [{"role": "user", "content": words(rng, 3 + i % 4)},
+                {"role": "assistant", "content": words(rng, 2 + i % 3)}]
+        if i % 3 == 0:  # multi-turn: both answers train
+            msgs += [{"role": "user", "content": words(rng, 2)}, {"role": "assistant", "content": words(rng, 3)}]
+        out.append({"messages": msgs})
+    return out
+
+
+def pref_records(n, seed):
+    rng = torch.Generator().manual_seed(seed)
+    return [{"prompt": words(rng, 3 + i % 3), "chosen": words(rng, 2 + i % 2), "rejected": words(rng, 3)}
+            for i in range(n)]
+
+
+def write_jsonl(path: Path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """(tessel checkpoint dir, hf dir, data dir) of a tiny chat Llama."""
+    from tools.convert_checkpoint import hf_to_tessel
+
+    root = tmp_path_factory.mktemp("posttrain")
+    hf = make_hf_dir(root / "hf", "llama", seed=7)
+    write_chat_tokenizer(hf)
+    ckpt = hf_to_tessel(hf, root / "ckpt", tp=1, pp=1)
+    data = root / "data"
+    data.mkdir()
+    write_jsonl(data / "sft.jsonl", chat_records(24, 1))
+    write_jsonl(data / "sft_valid.jsonl", chat_records(8, 2))
+    write_jsonl(data / "pref.jsonl", pref_records(4, 3))  # one global batch: every step sees every pair
+    return Path(ckpt), hf, data
+
+
+def overrides(ckpt, data, run_dir, method, extra=()):
+    kind = {"sft": ("sft.jsonl", "sft_valid.jsonl"), "dpo": ("pref.jsonl", None)}[method]
+    out = [f"checkpoint.load={ckpt}", f"posttrain.method={method}", f"posttrain.data={data / kind[0]}",
+           "model.dtype=fp32", "train.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=1",
+           f"train.steps={STEPS}", "train.log_interval=100", "optim.warmup_steps=1", "optim.lr=1e-3",
+           "parallel.dp=-1", "checkpoint.interval=0", "logging.tensorboard=false", "logging.progress_bar=off",
+           "logging.peak_tflops=1.0", f"train.run_dir={run_dir}", "data.num_workers=0"]
+    out += [f"posttrain.valid_data={data / kind[1]}", "train.eval_interval=3", "train.eval_iters=1"] if kind[1] \
+        else ["train.eval_interval=0"]
+    return out + list(extra)
+
+
+def _posttrain(ckpt, data, run_dir, method, extra):
+    import torch.distributed as dist
+
+    from engine.config import load_config
+    from tools.posttrain import base_defaults, posttrain_from_config
+
+    cfg = load_config(None, overrides(ckpt, data, run_dir, method, extra), defaults=base_defaults)
+    hist = posttrain_from_config(cfg, run_dir, world=dist.get_world_size())
+    return [(h.loss, h.extra) for h in hist]
+
+
+# -- data: the assistant mask -------------------------------------------------------------------------
+
+def test_assistant_tokens_and_packing(base):
+    from engine.data.tokenizer import load_tokenizer
+    from engine.posttrain.chat import load_chat_template, tokenize_conversation
+    from engine.posttrain.datasets import ChatSFTDataset
+
+    _, hf, _ = base
+    tok = load_tokenizer(str(hf))
+    template = load_chat_template(str(hf))
+    msgs = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3"},
+            {"role": "user", "content": "w4"}, {"role": "assistant", "content": "w5 w6"}]
+    ids, target = tokenize_conversation(template, tok, msgs)
+    text = [tok.backend.id_to_token(int(i)) for i in ids]
+    assert text == ["<|im_start|>", "user", "w1", "w2", "<|im_end|>", "<|im_start|>", "assistant", "w3",
+                    "<|im_end|>", "<|im_start|>", "user", "w4", "<|im_end|>", "<|im_start|>", "assistant",
+                    "w5", "w6", "<|im_end|>"]
+    # Targets: each answer and the end-of-turn token the template writes after it.
+    assert [t for t, m in zip(text, target) if m] == ["w3", "<|im_end|>", "w5", "w6", "<|im_end|>"]
+    ds = ChatSFTDataset([{"messages": msgs}] * 3, template=template, tokenizer=tok, seq_length=40, num_samples=4,
+                        seed=0)
+    assert len(ds.rows) == 2  # 3 conversations of 18 tokens in rows of 40: packed 2 + 1
+    row = ds[0]
+    assert float(row["units"]) == row["loss_mask"].sum() > 0
+    labels_counted = [tok.backend.id_to_token(int(i)) for i, m in zip(row["labels"], row["loss_mask"]) if m]
+    assert labels_counted[:5] == ["w3", "<|im_end|>", "w5", "w6", "<|im_end|>"]
+    assert set(row["position_ids"][18:36].tolist()) == set(range(18))  # positions restart per conversation
+
+
+def test_prompt_and_padding_tokens_have_zero_loss_and_gradient(base):
+    """Changing a prompt or padding token's label changes neither the loss nor any gradient (bitwise)."""
+    from engine.data.tokenizer import load_tokenizer
+    from engine.posttrain.chat import load_chat_template
+    from engine.posttrain.datasets import ChatSFTDataset
+    from models.transformer import build_model
+    from parallel.comm import Group, Ledger
+
+    _, hf, _ = base
+    tok = load_tokenizer(str(hf))
+    ds = ChatSFTDataset(chat_records(4, 5), template=load_chat_template(str(hf)), tokenizer=tok, seq_length=48,
+                        num_samples=1, seed=0)
+    row = {k: torch.from_numpy(v)[None] for k, v in ds[0].items()}
+    mask = row["loss_mask"][0]
+    assert 0 < mask.sum() < mask.numel()
+    stage = build_model(json.loads((hf / "config.json").read_text()),
+                        tp_group=Group(axis="tp", ranks=[0], rank=0, pg=None, ledger=Ledger()))
+
+    def run(labels):
+        stage.zero_grad()
+        loss = stage(row["tokens"], labels=labels, position_ids=row["position_ids"], loss_mask=row["loss_mask"])
+        assert torch.all(loss[0][mask == 0] == 0)
+        loss.sum().backward()
+        return loss.detach().clone(), [p.grad.clone() for p in stage.parameters()]
+
+    loss_a, grads_a = run(row["labels"])
+    other = row["labels"].clone()
+    other[0][mask == 0] = (other[0][mask == 0] + 7) % 90  # every non-target label changed
+    loss_b, grads_b = run(other)
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+
+
+# -- training ------------------------------------------------------------------------------------------
+
+def test_sft_tp2_pp2_equals_one_process(base, tmp_path):
+    ckpt, _, data = base
+    one = run_distributed(_posttrain, 1, ckpt, data, str(tmp_path / "one"), "sft", [], timeout=240)[0]
+    four = run_distributed(_posttrain, 4, ckpt, data, str(tmp_path / "tp2pp2"), "sft",
+                           ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"], timeout=300)[0]
+    assert len(one) == STEPS
+    for (a, _), (b, _) in zip(one, four):
+        assert abs(a - b) <= 1e-5 * abs(a), (one, four)
+    metrics = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    valid = [m for m in metrics if m["split"] == "valid"]
+    assert len(valid) == 1 and valid[0]["step"] == STEPS and valid[0]["loss"] > 0  # held-out records evaluated
+
+
+def test_dpo_tp2_pp2_equals_one_process(base, tmp_path):
+    ckpt, _, data = base
+    one = run_distributed(_posttrain, 1, ckpt, data, str(tmp_path / "one"), "dpo", [], timeout=240)[0]
+    four = run_distributed(_posttrain, 4, ckpt, data, str(tmp_path / "tp2pp2"), "dpo",
+                           ["parallel.tp=2", "parallel.pp=2"], timeout=300)[0]
+    # Step 1 runs the reference weights: every margin is 0 and the loss is log 2.
+    assert one[0][0] == pytest.approx(0.6931471805599453, abs=1e-6)
+    assert one[0][1]["rewards_margin"] == pytest.approx(0.0, abs=1e-6)
+    margins = [e["rewards_margin"] for _, e in one]
+    assert 0 < margins[1] < margins[2]  # the same pairs every step: the policy moves toward the chosen answers
+    assert one[-1][0] < one[0][0]
+    for (a, ea), (b, eb) in zip(one, four):
+        assert abs(a - b) <= 1e-5 * abs(a), (one, four)
+        for k in ea:
+            assert ea[k] == pytest.approx(eb[k], rel=1e-4, abs=1e-6), (k, ea, eb)
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+def _prepare(ckpt, data, run_dir, method, extra=()):
+    from engine.config import load_config
+    from tools.posttrain import base_defaults, prepare
+
+    cfg = load_config(None, overrides(ckpt, data, run_dir, method, extra), defaults=base_defaults)
+    return prepare(cfg, world=1)
+
+
+def test_bad_input_fails_before_training(base, tmp_path):
+    ckpt, hf, data = base
+    bad = write_jsonl(tmp_path / "noassist.jsonl", [{"messages": [{"role": "user", "content": "w1"}]}])
+    with pytest.raises(ValueError, match=r"noassist.jsonl:1: the record has no assistant turn"):
+        _prepare(ckpt, data, tmp_path, "sft", [f"posttrain.data={bad}"])
+    plain = tmp_path / "plain_tok"
+    plain.mkdir()
+    write_chat_tokenizer(plain, template=None)
+    with pytest.raises(ValueError, match=r"no chat template: .*posttrain.chat_template"):
+        _prepare(ckpt, data, tmp_path, "sft", [f"data.tokenizer={plain}"])
+    long = write_jsonl(tmp_path / "long.jsonl", [{"messages": [{"role": "user", "content": "w1 " * 40},
+                                                               {"role": "assistant", "content": "w2"}]}])
+    with pytest.raises(ValueError, match=r"train.seq_length=32.*posttrain.truncate"):
+        _prepare(ckpt, data, tmp_path, "sft", [f"posttrain.data={long}"])
+    with pytest.raises(ValueError, match=r"'chosen' is missing"):
+        _prepare(ckpt, data, tmp_path, "dpo", [f"posttrain.data={write_jsonl(tmp_path / 'p.jsonl', [{'prompt': 'w1'}])}"])
+    with pytest.raises(ValueError, match=r"posttrain.method is 'none'"):
+        _prepare(ckpt, data, tmp_path, "sft", ["posttrain.method=none"])

@@ -1,0 +1,197 @@
+"""Post-train a converted model over TP x PP x DP: supervised fine-tuning on chat records, or DPO.
+
+    torchrun --nproc-per-node N tools/posttrain.py --config configs/<preset>.toml \\
+        --set checkpoint.load=BASE_CKPT --set posttrain.method=sft --set posttrain.data=chat.jsonl [--run-dir DIR]
+
+The same assembly line and loop as tools/pretrain.py (docs/architecture.md) with post-training data
+and, for DPO, a different step loss (engine/posttrain/). The base weights come from ``checkpoint.load``
+(a checkpoint written by ``convert_checkpoint.py hf-to-tessel`` or by a run); its ``hf/`` directory
+supplies the architecture (``model.hf_config``), the tokenizer (``data.tokenizer``) and the chat
+template unless the config names them. The run directory holds what pretraining's holds; its
+checkpoints keep the base's ``hf/`` files, so ``tessel-to-hf`` exports a model that chats the same way.
+A run directory that already holds a complete checkpoint resumes from it.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # runnable from a checkout without installing
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from engine.config import add_config_args, load_config  # noqa: E402
+from parallel.mesh import init_distributed  # noqa: E402
+
+HF_SUBDIR = "hf"
+
+
+def base_defaults(data: dict[str, Any]) -> None:
+    """Fill ``model.hf_config`` and ``data.tokenizer`` from the base checkpoint's ``hf/`` directory
+    when the config leaves them unset (raw config dict, before validation)."""
+    load = (data.get("checkpoint") or {}).get("load")
+    if not load:
+        return
+    hf = base_hf_dir(load)
+    if hf is None:
+        return
+    model = data.setdefault("model", {})
+    if "hf_config" not in model and not any(k in model for k in ("hidden_size", "num_layers")) \
+            and (hf / "config.json").is_file():
+        model["hf_config"] = str(hf / "config.json")
+    d = data.setdefault("data", {})
+    if "tokenizer" not in d and (hf / "tokenizer.json").is_file():
+        d["tokenizer"] = str(hf)
+
+
+def base_hf_dir(load: str) -> Path | None:
+    """The Hugging Face side files of the checkpoint ``load``: ``hf/`` in its step directory (trainer
+    checkpoints) or beside the step directories (hf-to-tessel conversions); None when neither exists."""
+    from engine.checkpoint import CheckpointError, resolve_checkpoint
+
+    try:
+        step_dir = resolve_checkpoint(load)
+    except CheckpointError as e:
+        raise ValueError(f"checkpoint.load: {e}") from None
+    for hf in (step_dir / HF_SUBDIR, step_dir.parent / HF_SUBDIR):
+        if hf.is_dir():
+            return hf
+    return None
+
+
+@dataclass
+class Prepared:
+    """Everything checked and built before any process group exists."""
+
+    model: Any  # models.hook.ModelHook
+    plan: Any  # engine.assembly.MemoryPlan
+    tokenizer: Any
+    train_data: Any
+    valid_data: Any = None
+    side_files: dict[str, str] = field(default_factory=dict)
+
+
+def _side_files(hf: Path | None) -> dict[str, str]:
+    """The base's hf/ files (tokenizer, its config with the chat template, generation config), kept in
+    every checkpoint of the run; config.json is not one of them (the checkpoint's model_config is)."""
+    if hf is None:
+        return {}
+    return {f"{HF_SUBDIR}/{p.name}": p.read_text(encoding="utf-8") for p in sorted(hf.iterdir())
+            if p.is_file() and p.name != "config.json" and p.suffix in (".json", ".jinja", ".txt", ".model")}
+
+
+def _tokenizer_dir(spec: str) -> str | None:
+    return spec if os.path.isdir(spec) else os.path.dirname(os.path.abspath(spec))
+
+
+def prepare(cfg, *, world: int) -> Prepared:
+    """The checks that need no communication, in order: method, layout, base checkpoint, tokenizer,
+    chat template, every record (tokenized here, so a bad record fails before training), model,
+    memory plan. Raises ValueError naming the problem and the fix."""
+    from engine.assembly import memory_plan
+    from engine.data.tokenizer import load_tokenizer
+    from engine.posttrain.chat import load_chat_template, read_jsonl
+    from engine.posttrain.datasets import ChatSFTDataset, PreferenceDataset
+    from models.hook import ModelHook
+
+    pt, t = cfg.posttrain, cfg.train
+    if pt.method == "none":
+        raise ValueError("posttrain.method is 'none': set posttrain.method=sft or dpo (tools/pretrain.py pretrains)")
+    cfg.validate_world(world)
+    if not cfg.checkpoint.load:
+        raise ValueError("post-training starts from a model: set checkpoint.load to a Tessel checkpoint (convert a "
+                         "Hugging Face model with tools/convert_checkpoint.py hf-to-tessel)")
+    hf = base_hf_dir(cfg.checkpoint.load)
+    if not cfg.data.tokenizer:
+        raise ValueError(f"no tokenizer: the base checkpoint {cfg.checkpoint.load} has no hf/tokenizer.json; set "
+                         "data.tokenizer")
+    tok = load_tokenizer(cfg.data.tokenizer)
+    template = load_chat_template(_tokenizer_dir(cfg.data.tokenizer), override=pt.chat_template)
+    n_eval = (t.steps // t.eval_interval + 1) * t.eval_iters * t.global_batch_size if t.eval_interval else 0
+
+    def dataset(path, num_samples):
+        kw = dict(template=template, tokenizer=tok, seq_length=t.seq_length, num_samples=num_samples, seed=t.seed,
+                  truncate=pt.truncate)
+        if pt.method == "sft":
+            return ChatSFTDataset(read_jsonl(path), pack=pt.packed, **kw)
+        return PreferenceDataset(read_jsonl(path), **kw)
+
+    if t.eval_interval and pt.valid_data is None:
+        raise ValueError(f"train.eval_interval={t.eval_interval} but posttrain.valid_data is unset; give held-out "
+                         "records or set train.eval_interval=0")
+    train = dataset(pt.data, t.steps * t.global_batch_size)
+    valid = dataset(pt.valid_data, n_eval) if pt.valid_data and n_eval else None
+    model = ModelHook.from_run_config(cfg, tokenizer_vocab=tok.vocab_size)
+    plan = memory_plan(cfg, model, world=world)
+    if not plan.fits:
+        raise ValueError(plan.error())
+    return Prepared(model=model, plan=plan, tokenizer=tok, train_data=train, valid_data=valid,
+                    side_files=_side_files(hf))
+
+
+def run_posttrain(cfg, prep: Prepared, run_dir: str | None, *, world: int):
+    """Build, (DPO: score the reference once), resume, train. Returns the step stats."""
+    from engine.assembly import build_run
+    from engine.checkpoint.trainer_state import load_trainer
+    from engine.posttrain.datasets import collate_pairs
+    from engine.posttrain.objectives import DPOObjective, attach_reference_logps
+
+    pt = cfg.posttrain
+    objective = None
+    if pt.method == "dpo":
+        objective = DPOObjective(beta=pt.dpo.beta, label_smoothing=pt.dpo.label_smoothing, loss_type=pt.dpo.loss_type)
+    kw = dict(objective=objective, rows_per_sample=2, collate_fn=collate_pairs) if objective else {}
+    run = build_run(cfg, model=prep.model, run_dir=run_dir or cfg.train.run_dir, world=world, plan=prep.plan,
+                    train_data=prep.train_data, valid_data=prep.valid_data, side_files=prep.side_files, **kw)
+    if objective is not None:
+        # The reference is the base model: scored before any resume, so a resumed run uses the same numbers.
+        load_trainer(run.trainer, cfg.checkpoint.load, group=run.mesh.world, model_only=True)
+        for data in (prep.train_data, prep.valid_data):
+            if data is not None:
+                attach_reference_logps(run.trainer, data, objective, micro_batch_size=cfg.train.micro_batch_size)
+        run.trainer.logger.info(f"tessel: reference log-probabilities of {prep.train_data.num_records} preference "
+                                "pairs computed with the base weights")
+    run.resume()
+    return run.train()
+
+
+def posttrain_from_config(cfg, run_dir: str | None, *, world: int):
+    """Prepare, build, train in-process (tests and tools). Returns the step stats."""
+    return run_posttrain(cfg, prepare(cfg, world=world), run_dir, world=world)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(parser)
+    parser.add_argument("--run-dir", default=None, help="run directory (default: train.run_dir)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.config_overrides or [], defaults=base_defaults)
+        prep = prepare(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
+    except (ValueError, FileNotFoundError) as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"posttrain.py: {e}", file=sys.stderr)
+        return 2
+    rank, world = init_distributed()
+    try:
+        run_posttrain(cfg, prep, args.run_dir, world=world)
+        return 0
+    except ValueError as e:
+        print(f"posttrain.py (rank {rank}): {e}", file=sys.stderr)
+        return 2
+    finally:
+        gc.collect()  # free the run's process groups while the interpreter is alive (see pretrain.py)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        gc.collect()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,6 +9,10 @@ q_per_group = 1.
 Masks: causal; plus a sliding window (key j visible from query i iff ``i - window < j <= i``, as
 Hugging Face); plus a per-document mask for packed sequences (tokens attend within their document
 only), from ``cu_seqlens`` or from ``position_ids`` that restart.
+
+Inference: a :class:`KVCache` keeps each layer's k and v ``(b, max_len, groups_local, hd)`` on this TP
+rank, indexed by position; a forward with a cache writes its tokens' k/v at their positions and attends
+over the cached prefix (:class:`CacheMasks`). Training never passes a cache.
 """
 from __future__ import annotations
 
@@ -91,6 +95,75 @@ class AttentionMasks:
         return mask.unsqueeze(1)  # (b or 1, 1, s, s)
 
 
+class CacheMasks:
+    """The masks of one cached forward: query at position p (its cache index) sees the keys at
+    positions ``p - window < j <= p``. :meth:`get` gives a bool ``(b, 1, s, L)`` mask over the first
+    ``L`` cache entries (``L`` = the largest position + 1); never None (SDPA's causal path assumes
+    s == L). Every query sees at least itself, so no row is fully masked (no NaN from padding)."""
+
+    def __init__(self, position_ids: torch.Tensor, *, length: int):
+        self.position_ids = position_ids
+        self.length = length
+        self._cache: dict[int | None, torch.Tensor] = {}
+
+    def get(self, window: int | None) -> torch.Tensor:
+        if window is not None and window >= self.length:
+            window = None  # the window covers every cached key
+        if window not in self._cache:
+            j = torch.arange(self.length, device=self.position_ids.device)  # (L,)
+            p = self.position_ids.unsqueeze(-1)  # (b, s, 1)
+            mask = j <= p  # (b, s, L)
+            if window is not None:
+                mask &= j > p - window
+            self._cache[window] = mask.unsqueeze(1)  # (b, 1, s, L)
+        return self._cache[window]
+
+
+class KVCache:
+    """Keys and values of the layers of one stage on one TP rank, for incremental decoding.
+
+    ``k[layer]``, ``v[layer]``: ``(b, max_len, groups_local, hd)``, the entry at index ``j`` of row ``i``
+    belonging to the token at position ``j`` of sequence ``i`` (rotary already applied). A forward
+    calls :meth:`begin` with its tokens' ``position_ids`` (b, s) (these are the write indices, so rows
+    of different lengths each write at their own positions), then each layer calls :meth:`append`.
+    Entries past a row's current position may hold stale values (right padding, earlier steps); the
+    masks never show them, and the next token at that position overwrites them.
+    """
+
+    def __init__(self, *, layers, batch: int, max_len: int, groups_local: int, head_dim: int, dtype, device):
+        if batch < 1 or max_len < 1:
+            raise ValueError(f"KVCache(batch={batch}, max_len={max_len}): both must be >= 1")
+        self.batch, self.max_len = batch, max_len
+        shape = (batch, max_len, groups_local, head_dim)
+        self.k = {int(i): torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.v = {int(i): torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self._rows = torch.arange(batch, device=device).unsqueeze(1)  # (b, 1)
+        self._positions: torch.Tensor | None = None
+        self._length = 0
+
+    def begin(self, position_ids: torch.Tensor) -> CacheMasks:
+        """Start a forward whose tokens sit at ``position_ids`` (b, s); returns its masks."""
+        if position_ids.dim() != 2 or position_ids.shape[0] != self.batch:
+            raise ValueError(f"a cached forward needs position_ids (b, s) with b = {self.batch} (the cache's "
+                             f"batch); got {tuple(position_ids.shape)}")
+        lo, hi = int(position_ids.min()), int(position_ids.max())
+        if lo < 0 or hi >= self.max_len:
+            raise ValueError(f"positions [{lo}, {hi}] do not fit the KV cache of max_len={self.max_len}; "
+                             "build the cache for the prompt length plus the new tokens")
+        self._positions = position_ids
+        self._length = hi + 1
+        return CacheMasks(position_ids, length=self._length)
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (s, b, g, hd) of this forward's tokens; return the layer's cached
+        ``(L, b, g, hd)`` k and v (views), L = the largest position of this forward + 1."""
+        assert self._positions is not None, "KVCache.begin(position_ids) must start each cached forward"
+        ck, cv = self.k[layer], self.v[layer]
+        ck[self._rows, self._positions] = k.transpose(0, 1).to(ck.dtype)  # (b, s, g, hd) at their positions
+        cv[self._rows, self._positions] = v.transpose(0, 1).to(cv.dtype)
+        return ck[:, :self._length].transpose(0, 1), cv[:, :self._length].transpose(0, 1)  # (L, b, g, hd)
+
+
 def core_attention(q, k, v, *, mask: torch.Tensor | None, scale: float, dropout_p: float,
                    rng: RNGTracker | None) -> torch.Tensor:
     """Softmax attention. q (s, b, nh, hd); k, v (s, b, ng, hd) with nh a multiple of ng (query
@@ -141,6 +214,7 @@ class SelfAttention(nn.Module):
         self.groups_local = cfg.num_kv_heads // tp
         self.heads_local = self.groups_local * self.q_per_group
         self.scale = cfg.attention_scale if cfg.attention_scale is not None else cfg.head_dim ** -0.5
+        self.layer_number = layer_number
         self.window = cfg.sliding_window(layer_number)
         self.dropout_p = cfg.attention_dropout
         self.rng = rng
@@ -159,7 +233,10 @@ class SelfAttention(nn.Module):
                                      device=device, init_method=init(prefix + "out.weight", output=True),
                                      impl=linear_impl)
 
-    def forward(self, x: torch.Tensor, *, rope: ops.RopeTables | None, masks: AttentionMasks) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, rope: ops.RopeTables | None, masks: AttentionMasks | CacheMasks,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+        """``kv_cache`` (inference): append this forward's k/v and attend over the cached prefix;
+        ``masks`` are then the cache's (:meth:`KVCache.begin`)."""
         qkv = self.qkv(x)  # (s, b, groups_local * (q_per_group + 2) * hd)
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups_local, self.q_per_group + 2, self.head_dim)  # (s, b, g, qpg+2, hd)
@@ -170,6 +247,8 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = ops.apply_rope(q, k, rope, backend=self.kernels)
+        if kv_cache is not None:
+            k, v = kv_cache.append(self.layer_number, k, v)  # (L, b, g, hd) each: the prefix and these tokens
         ctx = core_attention(q, k, v, mask=masks.get(self.window), scale=self.scale,
                              dropout_p=self.dropout_p if self.training else 0.0, rng=self.rng)
         return self.out(ctx)

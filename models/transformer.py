@@ -6,6 +6,9 @@ device, seed) -> a :class:`TransformerStage`.
 
 Activations are sequence-first ``(s, b, h)``; with sequence parallelism (SP) every tensor between
 the TP regions (embedding output, residual stream, norms, stage boundaries) is ``(s/tp, b, h)``.
+
+Inference (engine/posttrain/generate.py): ``forward(..., kv_cache=stage.new_kv_cache(...))`` runs
+with a KV cache (models/attention.py), inside ``stage.without_sequence_parallel()``.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from torch import nn
 
 from engine.ops.fused_linear_ce import fused_linear_cross_entropy
 from models import ops
-from models.attention import (AttentionMasks, SelfAttention, document_ids_from_cu_seqlens,
+from models.attention import (AttentionMasks, KVCache, SelfAttention, document_ids_from_cu_seqlens,
                               document_ids_from_positions, positions_from_documents)
 from models.config import TransformerConfig
 from models.init import Initializer
@@ -113,9 +116,9 @@ class TransformerLayer(nn.Module):
         self.post_attention_norm = Norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, **kw)
         self.mlp = MLP(cfg, layer_number=layer_number, tp_group=tp_group, init=init, linear_impl=linear_impl, **kw)
 
-    def forward(self, x: torch.Tensor, *, rope, masks: AttentionMasks) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, rope, masks: AttentionMasks, kv_cache: KVCache | None = None) -> torch.Tensor:
         drop = dict(training=self.training, partitioned=self.sequence_parallel, rng=self.rng)
-        h = self.attention(self.input_norm(x), rope=rope, masks=masks)
+        h = self.attention(self.input_norm(x), rope=rope, masks=masks, kv_cache=kv_cache)
         normed, x = self.post_attention_norm(_hidden_dropout(h, self.hidden_dropout, **drop), residual=x)
         h = self.mlp(normed)
         return x + _hidden_dropout(h, self.hidden_dropout, **drop)
@@ -230,7 +233,8 @@ class TransformerStage(nn.Module):
     # -- forward -------------------------------------------------------------------------------------
     def forward(self, input: torch.Tensor, *, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                cu_seqlens: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                logits_index: torch.Tensor | None = None) -> torch.Tensor:
         """``input``: token ids (b, s) if ``pre_process``, else the previous stage's hidden state
         (s, b, h), or (s/tp, b, h) with SP. ``position_ids`` (b, s) or (1, s), default 0..s-1 (or
         restarting per document with ``cu_seqlens``); positions that restart mark packed documents.
@@ -240,8 +244,19 @@ class TransformerStage(nn.Module):
         given (targets already aligned with the inputs; -100 ignored; multiplied by ``loss_mask``),
         else this rank's logits (b, s, padded_vocab/tp) (see :func:`gather_logits`). Without
         ``post_process``: the hidden state for the next stage, shaped like the input hidden state.
+
+        Inference: ``kv_cache`` (:meth:`new_kv_cache`) with ``position_ids`` (b, s) (each token's
+        position = its cache index; rows may differ) writes these tokens' keys and values and attends
+        over the cached prefix; needs ``without_sequence_parallel()`` when the stage was built with SP.
+        ``logits_index`` (b,) (with ``post_process``): return only the logits of token
+        ``logits_index[i]`` of row i, (b, 1, padded_vocab/tp).
         """
         x, b, s = self._stage_input(input)
+        if kv_cache is not None:
+            return self._cached_forward(input, x, b, s, kv_cache=kv_cache, position_ids=position_ids,
+                                        logits_index=logits_index)
+        if logits_index is not None:
+            raise ValueError("logits_index is for cached inference: pass kv_cache= too (or slice the logits)")
         tp = self.tp_group.size
         if self.sequence_parallel and s % tp:
             raise ValueError(f"sequence length {s} is not divisible by the tensor-parallel size {tp}, which "
@@ -262,12 +277,7 @@ class TransformerStage(nn.Module):
         masks = AttentionMasks(seq_len=s, doc_ids=doc_ids, device=device)
         if self.pre_process:
             x = self.embedding(input, position_ids.expand(b, s))
-        rope = None
-        if self.inv_freq is not None:
-            freq = self.inv_freq
-            if freq.dtype != torch.float32:  # model.to(bf16) cast the buffer: recompute at full precision
-                freq = inv_freq(self.config.rope, head_dim=self.config.head_dim, device=freq.device)
-            rope = ops.RopeTables(position_ids, freq)
+        rope = self._rope(position_ids)
         for layer in self.layers.values():
             x = layer(x, rope=rope, masks=masks)
         if not self.post_process:
@@ -289,6 +299,60 @@ class TransformerStage(nn.Module):
                 raise ValueError(f"loss_mask must be (b, s) = ({b}, {s}); got {tuple(loss_mask.shape)}")
             loss = loss * loss_mask.to(loss.dtype)
         return loss
+
+    def _rope(self, position_ids: torch.Tensor) -> ops.RopeTables | None:
+        if self.inv_freq is None:
+            return None
+        freq = self.inv_freq
+        if freq.dtype != torch.float32:  # model.to(bf16) cast the buffer: recompute at full precision
+            freq = inv_freq(self.config.rope, head_dim=self.config.head_dim, device=freq.device)
+        return ops.RopeTables(position_ids, freq)
+
+    def _cached_forward(self, input, x, b: int, s: int, *, kv_cache: KVCache, position_ids, logits_index):
+        if self.sequence_parallel:
+            raise ValueError("a forward with a KV cache cannot shard one-token steps over the sequence; run it "
+                             "inside `with stage.without_sequence_parallel():` (same weights, same result)")
+        if position_ids is None or position_ids.shape != (b, s):
+            raise ValueError(f"a forward with a KV cache needs position_ids (b, s) = ({b}, {s}), each token's "
+                             f"position (its cache index); got "
+                             f"{None if position_ids is None else tuple(position_ids.shape)}")
+        masks = kv_cache.begin(position_ids)
+        if self.pre_process:
+            x = self.embedding(input, position_ids)  # (s, b, h)
+        rope = self._rope(position_ids)
+        for layer in self.layers.values():
+            x = layer(x, rope=rope, masks=masks, kv_cache=kv_cache)
+        if not self.post_process:
+            return x
+        if logits_index is not None:
+            if logits_index.shape != (b,):
+                raise ValueError(f"logits_index must be (b,) = ({b},); got {tuple(logits_index.shape)}")
+            x = x[logits_index, torch.arange(b, device=x.device)].unsqueeze(0)  # (1, b, h)
+        return self._logits(self.final_norm(x)).transpose(0, 1)  # (s|1, b, V_local) -> (b, s|1, V_local)
+
+    def new_kv_cache(self, *, batch: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
+        """An empty KV cache for this stage's layers on this TP rank: k and v
+        (batch, max_len, num_kv_heads/tp, head_dim) per layer, in ``dtype`` (default: the weights')."""
+        p = next(self.parameters())
+        return KVCache(layers=[int(i) for i in self.layers], batch=batch, max_len=max_len,
+                       groups_local=self.config.num_kv_heads // self.tp_group.size, head_dim=self.config.head_dim,
+                       dtype=dtype or p.dtype, device=p.device)
+
+    @contextlib.contextmanager
+    def without_sequence_parallel(self):
+        """Run this stage without sequence parallelism for the duration: every submodule with a
+        ``sequence_parallel`` flag (linears, embedding, layers) gets False, and its own value back
+        afterwards. Same weights, same mathematics: inputs are then (s, b, h) on every TP rank, which
+        one-token decode steps need. Not for training steps (the parameters' gradient marks assume SP)."""
+        saved = [(m, m.sequence_parallel) for m in self.modules()
+                 if isinstance(getattr(m, "sequence_parallel", None), bool)]
+        try:
+            for m, _ in saved:
+                m.sequence_parallel = False
+            yield self
+        finally:
+            for m, flag in saved:
+                m.sequence_parallel = flag
 
     def _stage_input(self, input: torch.Tensor):
         tp = self.tp_group.size

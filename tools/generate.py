@@ -1,0 +1,171 @@
+"""Generate continuations from a Tessel checkpoint at any TP x PP layout, with a KV cache.
+
+    torchrun --nproc-per-node 4 tools/generate.py --ckpt CKPT --tp 2 --pp 2 --tokens prompts.json \\
+        --max-new-tokens 32 [--temperature 0] [--top-p 1.0] [--stop-token ID ...] [--seed 0] --json out.json
+    torchrun --nproc-per-node 1 tools/generate.py --ckpt CKPT --text prompts.json --max-new-tokens 32
+
+The checkpoint (written by tools/convert_checkpoint.py or by the trainer, any layout) is loaded into the
+launch layout exactly as tools/evaluate.py loads it (world size = tp * pp; dp = 1). ``--tokens`` takes a
+JSON list of token-id lists (one prompt each; a flat list is one prompt); ``--text`` a JSON list of strings,
+tokenized with the checkpoint's tokenizer (``CKPT/hf``, or ``--tokenizer``). All prompts form one batch
+(engine/posttrain/generate.py). ``--json`` gets ``{"tokens": [[continuation ids], ...]}`` (plus ``"text"``,
+the decoded continuations, with ``--text``); each continuation ends at its first ``--stop-token`` (included)
+or after ``--max-new-tokens``. ``--temperature 0`` (default) is greedy decoding.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # runnable from a checkout without installing
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from engine.checkpoint import (CheckpointError, ShardingContext, load_checkpoint, module_sharded_tensors,  # noqa: E402
+                               read_metadata, resolve_checkpoint)
+from engine.posttrain.generate import check_generate_args, generate  # noqa: E402
+from parallel import comm  # noqa: E402
+from parallel.mesh import Mesh, ParallelDims, init_distributed  # noqa: E402
+from tools.evaluate import DTYPES, build_stage, read_token_file  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="checkpoint root (newest complete step) or step directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokens", help="JSON file: a list of token-id lists (or one flat list)")
+    src.add_argument("--text", help="JSON file: a list of prompt strings (tokenized with the checkpoint's tokenizer)")
+    p.add_argument("--max-new-tokens", type=int, required=True, help="most tokens generated per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sampling")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: no cut)")
+    p.add_argument("--stop-token", type=int, action="append", default=[], metavar="ID",
+                   help="stop a sequence after this id (repeatable)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (the same on every rank)")
+    p.add_argument("--pad-id", type=int, default=0, help="id filling the batch's padding (never attended to)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--pipeline-layout", default=None, help="layers per stage, e.g. 8,8,7,7 (default: even)")
+    p.add_argument("--dtype", default="fp32", help="fp32 (default) or bf16")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="vocab padding multiple (128)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer spec for --text (default: the checkpoint's hf/)")
+    p.add_argument("--config", default=None, help="config.json to use instead of the checkpoint's model_config")
+    p.add_argument("--json", default=None, help="write the result as JSON to this file")
+    p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the checkpoint files")
+    return p
+
+
+def _options(args: argparse.Namespace) -> dict:
+    """The options tools/evaluate.py's build_stage reads, checked."""
+    for name in ("tp", "pp"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name}={getattr(args, name)} must be an integer >= 1")
+    if args.dtype not in DTYPES:
+        raise ValueError(f"--dtype={args.dtype!r} must be one of {', '.join(DTYPES)}")
+    layout = None
+    if args.pipeline_layout is not None:
+        try:
+            layout = [int(x) for x in args.pipeline_layout.split(",")]
+        except ValueError:
+            raise ValueError(f"--pipeline-layout={args.pipeline_layout!r} must be comma-separated layer counts, "
+                             "e.g. 8,8,7,7") from None
+    return {"tp": args.tp, "pp": args.pp, "pipeline_layout": layout, "dtype": args.dtype,
+            "make_vocab_size_divisible_by": args.make_vocab_size_divisible_by}
+
+
+def _tokenizer(args, step_dir: Path):
+    from engine.data.tokenizer import load_tokenizer
+
+    spec = args.tokenizer
+    if spec is None:
+        found = [p for p in (step_dir / "hf", step_dir.parent / "hf") if (p / "tokenizer.json").is_file()]
+        if not found:
+            raise ValueError(f"no tokenizer.json beside checkpoint {step_dir} (looked in hf/); pass --tokenizer")
+        spec = str(found[0])
+    return load_tokenizer(spec)
+
+
+def _read_prompts(args, *, step_dir: Path, vocab_size: int):
+    """(prompts as id lists, the tokenizer for --text else None)."""
+    if args.tokens is not None:
+        return read_token_file(args.tokens, vocab_size=vocab_size)[0], None
+    try:
+        with open(args.text, encoding="utf-8") as f:
+            texts = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--text {args.text}: cannot read a JSON list of strings ({e})") from None
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise ValueError(f"--text {args.text}: expected a non-empty JSON list of prompt strings")
+    tok = _tokenizer(args, step_dir)
+    return [tok.encode(t) for t in texts], tok
+
+
+def run_generate(argv: list[str] | None = None) -> dict:
+    """Everything but the process exit: returns ``{"tokens": [...]}`` (and ``"text"`` with --text) on
+    every rank (collective)."""
+    from models.convert import model_param_spec
+
+    args = build_parser().parse_args(argv)
+    opts = _options(args)
+    step_dir = resolve_checkpoint(args.ckpt)
+    meta = read_metadata(step_dir)
+    if args.config is not None:
+        with open(args.config) as f:
+            model_config = json.load(f)
+    elif meta.get("model_config"):
+        model_config = meta["model_config"]
+    else:
+        raise ValueError(f"checkpoint {step_dir} stores no model_config; pass --config CONFIG.JSON")
+    from models import config_from_hf
+
+    cfg = config_from_hf(model_config)
+    prompts, tok = _read_prompts(args, step_dir=step_dir, vocab_size=cfg.vocab_size)
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    stop_tokens=args.stop_token, seed=args.seed, pad_id=args.pad_id)
+    check_generate_args(prompts, vocab_size=cfg.vocab_size, max_positions=cfg.max_position_embeddings, **sampling)
+    init_distributed()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    tp, pp = opts["tp"], opts["pp"]
+    if world != tp * pp:
+        raise ValueError(f"world size {world} != tp*pp = {tp}*{pp}; launch {tp * pp} processes (torchrun "
+                         "--nproc-per-node) or change --tp/--pp (generation runs with dp=1)")
+    mesh = Mesh.build(ParallelDims(dp=1, pp=pp, tp=tp))
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    _, stage = build_stage(model_config, mesh, opts, device=device)
+    tensors = module_sharded_tensors(stage, ctx=ShardingContext.from_mesh(mesh), hook=model_param_spec)
+    load_checkpoint(step_dir, tensors=tensors, group=mesh.world, strict=True,
+                    verify=not args.no_verify, allow_dtype_cast=True)
+    out = generate(stage, mesh=mesh, prompts=prompts, **sampling)
+    result = {"tokens": out}
+    if tok is not None:
+        result["text"] = [tok.decode(ids) for ids in out]
+    if mesh.rank == 0:
+        n = sum(len(c) for c in out)
+        print(f"generate: {n} tokens for {len(out)} prompts (tp={tp}, pp={pp}, {step_dir})")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f)
+    comm.barrier(mesh.world)  # the JSON exists once every rank returns
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        run_generate(argv)
+    except (ValueError, CheckpointError, FileNotFoundError) as e:
+        print(f"generate.py (rank {rank}): error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized() and "TORCHELASTIC_RUN_ID" in os.environ:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -82,6 +82,7 @@ setup(
     version="0.1.0",
     description="Performance-first Megatron-style model-parallel training engine for transformers",
     packages=find_packages(include=["engine", "engine.*", "parallel", "parallel.*", "models", "models.*"]),
+    package_data={"engine.posttrain.data": ["*.jsonl", "README.md"]},  # the bundled post-training sets
     python_requires=">=3.10",
     install_requires=[
         TORCH_PIN,
@@ -91,12 +92,14 @@ setup(
         "triton==3.7.1; platform_system == \"Linux\"",
         "tqdm>=4.60",
         "tensorboard>=2.14",
+        "jinja2>=3.1",  # chat templates (engine/posttrain/chat.py), as transformers renders them
     ],
     extras_require={
         "test": [
             "pytest>=8",
             "pytest-xdist>=3",
             "transformers==5.23.0",
+            "peft==0.21.2",  # the oracle for LoRA exports (tests only)
         ],
         # CPU machines run Triton kernels in the interpreter; GPU machines need it compiled.
         "triton": ["triton==3.7.1"],

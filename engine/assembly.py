@@ -146,19 +146,39 @@ class Run:
     side_files: dict = field(default_factory=dict)  # written into every checkpoint (the tokenizer, hf/)
 
     # -- the policy pretrain.py needs, in one place ---------------------------------------------------
+    @property
+    def lora(self) -> bool:
+        """Adapters train, the base is frozen: checkpoints hold the adapters (and their optimizer state)
+        only, and the base always comes from ``checkpoint.load``."""
+        return bool(self.cfg.posttrain.lora.rank)
+
+    def load_base(self) -> None:
+        """The weights of ``checkpoint.load``, model only (with LoRA: the frozen base; the adapters keep
+        their initialisation); the optimizer's masters are re-derived from them."""
+        from engine.checkpoint.trainer_state import load_trainer
+
+        load_trainer(self.trainer, self.cfg.checkpoint.load, group=self.mesh.world, model_only=True,
+                     params="frozen" if self.lora else "all")
+
     def resume(self) -> str | None:
         """Resume from the checkpoint directory's latest complete checkpoint, else initialise the weights
-        from ``checkpoint.load`` (model only); returns what was loaded (None: a fresh start)."""
+        from ``checkpoint.load`` (model only); returns what was loaded (None: a fresh start). With LoRA the
+        base always comes from ``checkpoint.load`` and a checkpoint of the run restores the adapters."""
         from engine.checkpoint.trainer_state import load_trainer
 
         latest = self.checkpointer.latest() if self.checkpointer is not None else None
+        if self.lora and self.cfg.checkpoint.load:
+            self.load_base()
         if latest is not None:
-            load_trainer(self.trainer, latest, group=self.mesh.world, loader=self.train_loader)
+            load_trainer(self.trainer, latest, group=self.mesh.world, loader=self.train_loader,
+                         params="trainable" if self.lora else "all")
             self.trainer.logger.info(f"tessel: resumed from {latest} at step {self.trainer.step}")
             return str(latest)
         if self.cfg.checkpoint.load:
-            load_trainer(self.trainer, self.cfg.checkpoint.load, group=self.mesh.world, model_only=True)
-            self.trainer.logger.info(f"tessel: initialised the weights from {self.cfg.checkpoint.load} (model only)")
+            if not self.lora:
+                self.load_base()
+            self.trainer.logger.info(f"tessel: initialised the weights from {self.cfg.checkpoint.load} (model only"
+                                     + (", frozen base under LoRA adapters)" if self.lora else ")"))
             return self.cfg.checkpoint.load
         return None
 
@@ -167,7 +187,8 @@ class Run:
         from engine.checkpoint.trainer_state import save_trainer
 
         return save_trainer(self.checkpointer, self.trainer, loader=self.train_loader,
-                            model_config=self.model.hf_config, side_files=self.side_files)
+                            model_config=self.model.hf_config, side_files=self.side_files,
+                            params="trainable" if self.lora else "all")
 
     def train(self) -> list[StepStats]:
         """The loop, saving every ``checkpoint.interval`` steps, at the end and on SIGTERM/SIGINT."""
@@ -242,6 +263,11 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
         model.build_stage(mesh, pre_process=s == 0, post_process=s == num_stages - 1, layer_range=ranges[s],
                           device=device)
         for s in stages])
+    lora = cfg.posttrain.lora
+    if lora.rank:  # adapters on the built chunks, base frozen: DataParallel and the optimizer see adapters only
+        from engine.posttrain.lora import apply_lora
+
+        apply_lora(chunks, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets, seed=t.seed)
 
     ddp = DataParallel(chunks, dp_group=mesh.dp_cp, tp_group=mesh.tp,
                        zero_stage=o.zero_stage if o.distributed else 0, bucket_size_mb=o.bucket_size_mb,

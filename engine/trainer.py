@@ -93,7 +93,8 @@ class Trainer:
         # (CUDA under NCCL); the data loaders produce CPU tensors.
         self.device = next(chunks.parameters()).device
         self.dtype = next(chunks.parameters()).dtype
-        self.tied = [q for q in chunks.parameters() if getattr(q, "shared_embedding", False)]
+        # Tied embedding copies whose gradients the embedding group sums (frozen ones, under LoRA, have none).
+        self.tied = [q for q in chunks.parameters() if getattr(q, "shared_embedding", False) and q.requires_grad]
         # A rank receives activations if any of its virtual stages is not stage 0 (with vp > 1,
         # pipeline rank 0 also runs stage pp, fed by the last rank).
         receives = any(s > 0 for s in stages)

@@ -2,6 +2,8 @@
 
     python tools/convert_checkpoint.py hf-to-tessel --hf HF_DIR --out CKPT_DIR --tp 2 --pp 2 [--dtype keep]
     python tools/convert_checkpoint.py tessel-to-hf --ckpt CKPT_DIR --out HF_DIR [--dtype keep] [--max-shard-size 2GB]
+    python tools/convert_checkpoint.py lora-to-peft --ckpt CKPT_DIR --out ADAPTER_DIR
+    python tools/convert_checkpoint.py lora-to-peft --ckpt CKPT_DIR --out HF_DIR --merge [--base BASE_CKPT]
 
 hf-to-tessel reads config.json and the safetensors files (one file, or shards + model.safetensors.index.json)
 lazily and writes, in one process, the rank file of every (tp, pp) position of the layout, one tensor at a
@@ -9,9 +11,12 @@ time: peak memory stays near the largest tensor. The result is a complete Tessel
 (``CKPT_DIR/step_00000000/`` + ``latest``; the HF config in its metadata) that the trainer and
 tools/evaluate.py load at any layout, plus ``CKPT_DIR/hf/`` with config.json, generation_config.json and
 the tokenizer files. tessel-to-hf reads a checkpoint of any layout (the converter's or the trainer's) and
-writes a directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads. Both write into a
-temporary directory next to ``--out`` and rename it into place only when everything succeeded.
-See docs/convert.md.
+writes a directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads. lora-to-peft exports a
+LoRA run's adapters (tools/lora_export.py) as adapter_config.json + adapter_model.safetensors for
+``peft.PeftModel.from_pretrained``, or with ``--merge`` the merged weights (W + alpha/r * B A) as a Hugging
+Face directory (the base from ``--base``, the run's checkpoint.load, when CKPT holds the adapters only).
+All write into a temporary directory next to ``--out`` and rename it into place only when everything
+succeeded. See docs/convert.md and docs/posttrain.md.
 """
 from __future__ import annotations
 
@@ -285,9 +290,16 @@ def _verify(step_dir: Path, meta: dict) -> None:
         raise CheckpointError("; ".join(errors) + " (pass --no-verify to skip the check)")
 
 
-def _export_entries(cfg, saved: dict, *, where: str):
+def _export_entries(cfg, saved: dict, *, where: str, adapters: bool = False):
     """The Hugging Face entries to export, each with its checkpoint key and saved shape; ValueError
-    listing missing / unexpected / mis-shaped model tensors."""
+    listing missing / unexpected / mis-shaped model tensors. LoRA adapter tensors are refused (they
+    need lora-to-peft) unless ``adapters`` (a merge reads them itself)."""
+    lora = sorted(k for k in saved if k.startswith(MODEL_PREFIX) and k.endswith((".lora_A", ".lora_B")))
+    if lora and not adapters:
+        raise ValueError(f"{where} holds LoRA adapters ({len(lora)} tensors, e.g. {lora[0]}); export them with "
+                         "lora-to-peft (a PEFT adapter), or lora-to-peft --merge (merged Hugging Face weights)")
+    skip = set(lora)
+    saved = {k: v for k, v in saved.items() if k not in skip}
     entries = family(cfg.model_type).hf_entries(cfg, layers=range(cfg.num_layers), pre_process=True,
                                                 post_process=True)
     out, missing, mismatched = [], [], []
@@ -396,8 +408,11 @@ def _find_side_dir(step_dir: Path, explicit: str | None) -> Path | None:
 
 def tessel_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "keep", max_shard_size: str = "2GB",
                  hf_files: str | None = None, config_path: str | None = None, verify: bool = True,
-                 force: bool = False) -> Path:
-    """Export a Tessel checkpoint (any layout) as a Hugging Face directory; returns ``out``."""
+                 force: bool = False, transform=None) -> Path:
+    """Export a Tessel checkpoint (any layout) as a Hugging Face directory; returns ``out``.
+
+    ``transform(key, full) -> full`` (the LoRA merge) may change each full TP=1-layout tensor before it
+    is mapped to Hugging Face keys; with it, adapter tensors in the checkpoint are skipped."""
     out_dtype = _out_dtype(dtype)
     max_bytes = parse_size(max_shard_size)
     step_dir = resolve_checkpoint(ckpt)
@@ -414,7 +429,7 @@ def tessel_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str 
         _verify(step_dir, meta)
     saved = meta["tensors"]
     items = []
-    for e, key, shape in _export_entries(cfg, saved, where=str(step_dir)):
+    for e, key, shape in _export_entries(cfg, saved, where=str(step_dir), adapters=transform is not None):
         src_dtype = dtype_from_name(saved[key]["dtype"])
         dt = out_dtype or src_dtype
         hf = list(zip(e.hf_keys, hf_shapes(e, shape, cfg)))
@@ -436,7 +451,7 @@ def tessel_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str 
                 for batch in _read_batches(shard, limit=READ_BATCH_BYTES):
                     fulls = read_logical(step_dir, meta, [(it["key"], it["shape"], it["src_dtype"]) for it in batch])
                     for it, full in zip(batch, fulls):
-                        tensors = to_hf(it["entry"], full, cfg)
+                        tensors = to_hf(it["entry"], full if transform is None else transform(it["key"], full), cfg)
                         for k, _ in it["hf"]:
                             writer.write(k, tensors[k].to(it["dtype"]))
                             weight_map[k] = fname
@@ -500,6 +515,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--config", default=None, help="config.json to use instead of the checkpoint's model_config")
     b.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the checkpoint files")
     b.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    c = sub.add_parser("lora-to-peft", help="LoRA checkpoint -> PEFT adapter directory (--merge: merged HF weights)")
+    c.add_argument("--ckpt", required=True, help="checkpoint of a LoRA run (root or step directory; any layout)")
+    c.add_argument("--out", required=True, help="adapter directory (or, with --merge, Hugging Face directory) to create")
+    c.add_argument("--merge", action="store_true", help="write merged Hugging Face weights W + alpha/r * B A")
+    c.add_argument("--base", default=None, help="with --merge: the base checkpoint (the run's checkpoint.load); "
+                                                "default --ckpt when it holds the base weights too")
+    c.add_argument("--base-model", default=None, help="base_model_name_or_path to record in adapter_config.json")
+    c.add_argument("--dtype", default="keep", help="keep | bf16 | fp16 | fp32 (default keep)")
+    c.add_argument("--max-shard-size", default="2GB", help="with --merge: largest safetensors file (default 2GB)")
+    c.add_argument("--hf-files", default=None, help="with --merge: tokenizer / generation files to copy")
+    c.add_argument("--config", default=None, help="config.json to use instead of the checkpoint's model_config")
+    c.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the checkpoint files")
+    c.add_argument("--force", action="store_true", help="replace a non-empty --out")
     return parser
 
 
@@ -511,6 +539,13 @@ def main(argv: list[str] | None = None) -> int:
                                pipeline_layout=args.pipeline_layout,
                                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, force=args.force)
             print(f"wrote Tessel checkpoint {out} (tp={args.tp}, pp={args.pp}); Hugging Face files in {out / HF_SUBDIR}")
+        elif args.command == "lora-to-peft":
+            from tools.lora_export import lora_to_peft
+
+            out = lora_to_peft(args.ckpt, args.out, merge=args.merge, base=args.base, base_model=args.base_model,
+                               dtype=args.dtype, max_shard_size=args.max_shard_size, hf_files=args.hf_files,
+                               config_path=args.config, verify=not args.no_verify, force=args.force)
+            print(f"wrote {'merged Hugging Face model' if args.merge else 'PEFT adapter'} {out}")
         else:
             out = tessel_to_hf(args.ckpt, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
                                hf_files=args.hf_files, config_path=args.config, verify=not args.no_verify,

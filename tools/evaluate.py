@@ -14,6 +14,9 @@ a JSON list of ids or a list of lists (each evaluated as its own sequence); ``--
 full-vocabulary fp32 logits for them (padding cut off): key ``logits`` (s, vocab) for a flat list,
 ``logits.<i>`` (s_i, vocab) for each sequence of a list of lists. The loss is the summed next-token
 negative log-likelihood divided by the number of predicted tokens; perplexity = exp(loss).
+A LoRA run's checkpoint (``trainer_state.lora`` in its metadata) is evaluated as the adapted model:
+adapters are added with the recorded settings (engine/posttrain/lora.py); a checkpoint holding only
+the adapters takes its base weights from ``--base BASE_CKPT`` (the run's checkpoint.load).
 """
 from __future__ import annotations
 
@@ -65,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="fp32 (default) or bf16")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=None, help="vocab padding multiple (128)")
     p.add_argument("--config", default=None, help="config.json to use instead of the checkpoint's model_config")
+    p.add_argument("--base", default=None, help="base checkpoint of an adapter-only LoRA checkpoint")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="training-config overrides this tool reads: " + ", ".join(SET_KEYS))
     p.add_argument("--json", default=None, help="also write the result as JSON to this file")
@@ -207,8 +211,6 @@ def build_stage(model_config: dict, mesh: Mesh, opts: dict, *, device):
 
 def run_evaluate(argv: list[str] | None = None) -> dict:
     """Everything but the process exit: returns the result dict on every rank (collective)."""
-    from models.convert import model_param_spec
-
     args = build_parser().parse_args(argv)
     opts = resolve_options(args)
     init_distributed()
@@ -229,9 +231,7 @@ def run_evaluate(argv: list[str] | None = None) -> dict:
     else:
         raise ValueError(f"checkpoint {step_dir} stores no model_config; pass --config CONFIG.JSON")
     cfg, stage = build_stage(model_config, mesh, opts, device=device)
-    tensors = module_sharded_tensors(stage, ctx=ShardingContext.from_mesh(mesh), hook=model_param_spec)
-    load_checkpoint(step_dir, tensors=tensors, group=mesh.world, strict=True,
-                    verify=not args.no_verify, allow_dtype_cast=True)
+    _load_weights(stage, mesh, step_dir, meta, base=args.base, verify=not args.no_verify)
 
     flat = False
     if args.tokens:
@@ -261,6 +261,32 @@ def run_evaluate(argv: list[str] | None = None) -> dict:
     if dist.is_initialized():
         dist.barrier()  # the logits file and JSON exist once every rank returns
     return result
+
+
+def _load_weights(stage, mesh: Mesh, step_dir: Path, meta: dict, *, base: str | None, verify: bool) -> None:
+    """Load the checkpoint into ``stage``; a LoRA checkpoint gets its adapters first (and its base
+    weights from ``base`` when it holds only the adapters)."""
+    from engine.checkpoint.trainer_state import select_params
+    from engine.posttrain.lora import apply_lora, settings_from_metadata
+    from models.convert import model_param_spec
+
+    lora = settings_from_metadata(meta)
+    if lora is None and base is not None:
+        raise ValueError(f"--base applies to adapter-only LoRA checkpoints; {step_dir} is not one")
+    parts = [(step_dir, "all")]
+    if lora is not None:
+        settings, adapters_only = lora
+        apply_lora(stage, rank=settings.rank, alpha=settings.alpha, dropout=settings.dropout,
+                   targets=settings.targets)
+        if adapters_only and base is None:
+            raise ValueError(f"checkpoint {step_dir} holds only LoRA adapters; pass --base BASE_CKPT, the "
+                             "checkpoint the run loaded its base weights from (checkpoint.load)")
+        if base is not None:
+            parts = [(resolve_checkpoint(base), "frozen"), (step_dir, "trainable")]
+    ctx = ShardingContext.from_mesh(mesh)
+    for path, params in parts:
+        tensors = module_sharded_tensors(stage, ctx=ctx, hook=select_params(model_param_spec, params))
+        load_checkpoint(path, tensors=tensors, group=mesh.world, strict=True, verify=verify, allow_dtype_cast=True)
 
 
 @torch.no_grad()

@@ -105,6 +105,11 @@ def prepare(cfg, *, world: int) -> Prepared:
     if pt.method == "none":
         raise ValueError("posttrain.method is 'none': set posttrain.method=sft or dpo (tools/pretrain.py pretrains)")
     cfg.validate_world(world)
+    if pt.lora.rank:
+        from engine.posttrain.lora import check_lora
+
+        check_lora(rank=pt.lora.rank, alpha=pt.lora.alpha, dropout=pt.lora.dropout, targets=pt.lora.targets,
+                   fp8=cfg.model.fp8, tp_overlap=cfg.parallel.tp_overlap)
     if not cfg.checkpoint.load:
         raise ValueError("post-training starts from a model: set checkpoint.load to a Tessel checkpoint (convert a "
                          "Hugging Face model with tools/convert_checkpoint.py hf-to-tessel)")
@@ -139,7 +144,6 @@ def prepare(cfg, *, world: int) -> Prepared:
 def run_posttrain(cfg, prep: Prepared, run_dir: str | None, *, world: int):
     """Build, (DPO: score the reference once), resume, train. Returns the step stats."""
     from engine.assembly import build_run
-    from engine.checkpoint.trainer_state import load_trainer
     from engine.posttrain.datasets import collate_pairs
     from engine.posttrain.objectives import DPOObjective, attach_reference_logps
 
@@ -152,7 +156,7 @@ def run_posttrain(cfg, prep: Prepared, run_dir: str | None, *, world: int):
                     train_data=prep.train_data, valid_data=prep.valid_data, side_files=prep.side_files, **kw)
     if objective is not None:
         # The reference is the base model: scored before any resume, so a resumed run uses the same numbers.
-        load_trainer(run.trainer, cfg.checkpoint.load, group=run.mesh.world, model_only=True)
+        run.load_base()
         for data in (prep.train_data, prep.valid_data):
             if data is not None:
                 attach_reference_logps(run.trainer, data, objective, micro_batch_size=cfg.train.micro_batch_size)

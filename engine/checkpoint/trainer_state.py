@@ -18,6 +18,12 @@ What is saved (keys are layout-independent):
 * ``fp8.<layer>.{amax_history,scale,steps}``: FP8 delayed-scaling state (model.fp8 = "delayed"),
   keyed by the linear's global name, so it follows its layer into any layout.
 
+``params`` selects the model parameters saved or loaded: ``"all"``, ``"trainable"`` (requires_grad:
+with LoRA the adapters alone, an adapter-only checkpoint; the optimizer only ever holds trainable
+parameters) or ``"frozen"`` (the rest: the base weights a LoRA run takes from ``checkpoint.load``).
+A LoRA run (engine/posttrain/lora.py) records its settings as ``trainer_state.lora`` (rank, alpha,
+dropout, targets, scaling, ``adapters_only``), which tools/lora_export.py and tools/evaluate.py read.
+
 RNG states are restored only into the same layout (world size and degrees); after a resharding
 the streams keep their fresh seeding (they cannot be mapped between different rank sets).
 """
@@ -33,7 +39,10 @@ from engine.checkpoint.load import LoadResult, load_checkpoint
 from engine.checkpoint.save import SaveHandle
 from engine.checkpoint.sharded import ShardedTensor
 from engine.ops.fp8_linear import delayed_states
+from engine.posttrain.lora import lora_settings
 from parallel.comm import Group
+
+PARAM_SELECTIONS = ("all", "trainable", "frozen")
 
 
 def _hook(trainer, hook: Callable | None) -> Callable:
@@ -44,14 +53,34 @@ def _hook(trainer, hook: Callable | None) -> Callable:
     return hook
 
 
-def trainer_tensors(trainer, *, hook: Callable | None = None, optimizer: bool = True) -> list[ShardedTensor]:
-    """ShardedTensors viewing the trainer's parameters and (with ``optimizer``) its optimizer state."""
+def select_params(hook: Callable, params: str) -> Callable:
+    """``hook`` (name, param) -> ParamSpec, returning None (skip) for parameters outside ``params``
+    (one of :data:`PARAM_SELECTIONS`)."""
+    if params not in PARAM_SELECTIONS:
+        raise ValueError(f"params={params!r} must be one of {PARAM_SELECTIONS} ('trainable': with LoRA, the "
+                         "adapters only; 'frozen': the base weights)")
+    if params == "all":
+        return hook
+
+    def selected(name, p):
+        return hook(name, p) if p.requires_grad == (params == "trainable") else None
+    return selected
+
+
+def trainer_tensors(trainer, *, hook: Callable | None = None, optimizer: bool = True,
+                    params: str = "all") -> list[ShardedTensor]:
+    """ShardedTensors viewing the trainer's parameters (those ``params`` selects) and (with
+    ``optimizer``) its optimizer state."""
     ctx = ShardingContext.from_mesh(trainer.mesh)
-    layouts = module_layouts(trainer.chunks, ctx=ctx, hook=_hook(trainer, hook))
-    params = dict(trainer.chunks.named_parameters())
+    layouts = module_layouts(trainer.chunks, ctx=ctx, hook=select_params(_hook(trainer, hook), params))
+    if not layouts:
+        raise ValueError(f"params={params!r} selects none of this rank's parameters (every one is "
+                         f"{'frozen' if params == 'trainable' else 'trainable'}): without LoRA adapters use "
+                         "params='all'")
+    by_name = dict(trainer.chunks.named_parameters())
     out: list[ShardedTensor] = []
     for name, layout in layouts.items():
-        out.extend(layout.sharded(params[name].detach(), prefix="model."))
+        out.extend(layout.sharded(by_name[name].detach(), prefix="model."))
     # FP8 delayed-scaling state (amax histories, scales, update counts): identical on every TP and
     # DP replica (reduced each step), keyed by the layer's global name; replica 0 writes.
     replica = ctx.replica_rank * ctx.tp_size + ctx.tp_rank
@@ -69,36 +98,49 @@ def trainer_tensors(trainer, *, hook: Callable | None = None, optimizer: bool = 
 
 
 def save_trainer(checkpointer: Checkpointer, trainer, *, loader=None, model_config: dict | None = None,
-                 hook: Callable | None = None, side_files: dict[str, str] | None = None) -> SaveHandle:
+                 hook: Callable | None = None, side_files: dict[str, str] | None = None,
+                 params: str = "all") -> SaveHandle:
     """Save ``trainer`` at its current step through ``checkpointer`` (collective over its group).
 
     Waits for an in-flight parameter all-gather first (with ZeRO the parameters are only complete
     once it lands). ``loader`` (``state_dict()``) and ``model_config`` (the HF config dict) go in
     the metadata; ``side_files`` (e.g. the run's tokenizer as ``hf/tokenizer.json``) go in the step directory.
+    ``params="trainable"`` writes only the trainable parameters (a LoRA run's adapters) besides the
+    optimizer state; resume it with ``load_trainer(..., params="trainable")`` after loading the base.
     """
     trainer.ddp.finish_param_sync()
     state = {**trainer.state_dict(), "optimizer": trainer.optimizer.state_dict(),
              "loader": loader.state_dict() if loader is not None else None,
              "config": trainer.cfg.to_dict() if hasattr(trainer.cfg, "to_dict") else None}
-    return checkpointer.save(step=trainer.step, tensors=trainer_tensors(trainer, hook=hook), model_config=model_config,
+    lora = lora_settings(trainer.chunks)
+    if lora is not None:
+        state["lora"] = lora.to_json(adapters_only=params == "trainable")
+    tensors = trainer_tensors(trainer, hook=hook, params=params)
+    return checkpointer.save(step=trainer.step, tensors=tensors, model_config=model_config,
                              layout=trainer.layout(), trainer_state=state, rank_state=trainer.rng_state(),
                              side_files=side_files)
 
 
 def load_trainer(trainer, path: str | os.PathLike, *, group: Group | None, loader=None, model_only: bool = False,
-                 strict: bool = True, verify: bool = True, hook: Callable | None = None) -> LoadResult:
+                 strict: bool = True, verify: bool = True, hook: Callable | None = None,
+                 params: str = "all") -> LoadResult:
     """Restore ``trainer`` from a checkpoint written in any layout (collective over ``group``).
 
     Full resume: parameters, optimizer shards, step counters, the loader position and (same layout
     only) the RNG streams. ``model_only=True`` (fine-tuning): only the parameters are read, the
-    optimizer's fp32 masters are re-derived from them and the counters stay at zero.
+    optimizer's fp32 masters are re-derived from them and the counters stay at zero. ``params``
+    restricts the parameters read: a LoRA run loads its base with ``model_only=True,
+    params="frozen"`` (from ``checkpoint.load``), then resumes an adapter-only checkpoint with
+    ``params="trainable"``.
     """
     if group is not None and group.size == 1:
         group = None  # one process: no collectives
-    tensors = trainer_tensors(trainer, hook=hook, optimizer=not model_only)
+    tensors = trainer_tensors(trainer, hook=hook, optimizer=not model_only, params=params)
     # A checkpoint written without FP8 delayed scaling (or by another recipe) starts fresh histories.
+    # Model-only loads start a fine-tune: a checkpoint of another precision (an fp32 conversion into a
+    # bf16 run) is cast, as loading a Hugging Face model in another dtype would.
     result = load_checkpoint(path, tensors=tensors, group=group, layout=trainer.layout(), strict=strict,
-                             verify=verify, optional=("fp8.",))
+                             verify=verify, optional=("fp8.",), allow_dtype_cast=model_only)
     if model_only:
         trainer.optimizer.reset_masters_from_params()
         return result

@@ -224,3 +224,24 @@ def test_bad_input_fails_before_training(base, tmp_path):
         _prepare(ckpt, data, tmp_path, "dpo", [f"posttrain.data={write_jsonl(tmp_path / 'p.jsonl', [{'prompt': 'w1'}])}"])
     with pytest.raises(ValueError, match=r"posttrain.method is 'none'"):
         _prepare(ckpt, data, tmp_path, "sft", ["posttrain.method=none"])
+
+
+def test_sft_with_lora_tp2_equals_one_process_and_saves_adapters_only(base, tmp_path):
+    """LoRA through tools/posttrain.py: TP=2 (SP) equals 1 process; the run's checkpoint holds the
+    adapters and their optimizer state only, and records the settings."""
+    from engine.checkpoint import read_metadata, resolve_checkpoint
+
+    ckpt, _, data = base
+    lora = ["posttrain.lora.rank=4", "posttrain.lora.alpha=8", "posttrain.lora.targets=qkv,fc2",
+            f"checkpoint.interval={STEPS}", "optim.lr=1e-2"]
+    one = run_distributed(_posttrain, 1, ckpt, data, str(tmp_path / "one"), "sft", lora, timeout=240)[0]
+    two = run_distributed(_posttrain, 2, ckpt, data, str(tmp_path / "tp2"), "sft",
+                          lora + ["parallel.tp=2", "parallel.sequence_parallel=true"], timeout=240)[0]
+    for (a, _), (b, _) in zip(one, two):
+        assert abs(a - b) <= 1e-5 * abs(a), (one, two)
+    assert one[-1][0] < one[0][0]
+    meta = read_metadata(resolve_checkpoint(tmp_path / "one" / "checkpoints"))
+    model_keys = [k for k in meta["tensors"] if k.startswith("model.")]
+    assert model_keys and all(".lora_A" in k or ".lora_B" in k for k in model_keys), model_keys
+    assert meta["trainer_state"]["lora"]["adapters_only"] is True
+    assert meta["trainer_state"]["lora"]["rank"] == 4

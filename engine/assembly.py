@@ -190,13 +190,18 @@ class Run:
                             model_config=self.model.hf_config, side_files=self.side_files,
                             params="trainable" if self.lora else "all")
 
-    def train(self) -> list[StepStats]:
-        """The loop, saving every ``checkpoint.interval`` steps, at the end and on SIGTERM/SIGINT."""
+    def train(self, *, on_step=None) -> list[StepStats]:
+        """The loop, saving every ``checkpoint.interval`` steps, at the end and on SIGTERM/SIGINT;
+        ``on_step(trainer, stats)`` runs after each step (collective calls allowed: every rank runs it)."""
         ck = self.checkpointer
-        history = self.trainer.train(
-            self.train_loader, self.valid_loader, save=self.save if ck is not None else None,
-            # Commit a finished async save at the first step boundary after its writes land (collective).
-            on_step=(lambda tr, st: ck.maybe_finalize()) if ck is not None else None)
+
+        def after_step(tr, st):
+            if ck is not None:
+                ck.maybe_finalize()  # commit a finished async save at the first step boundary after its writes land
+            if on_step is not None:
+                on_step(tr, st)
+        history = self.trainer.train(self.train_loader, self.valid_loader, save=self.save if ck is not None else None,
+                                     on_step=after_step)
         if ck is not None:
             ck.finalize()  # an async save must be committed before exit
         return history

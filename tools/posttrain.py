@@ -1,10 +1,11 @@
-"""Post-train a converted model over TP x PP x DP: supervised fine-tuning on chat records, or DPO.
+"""Post-train a converted model over TP x PP x DP: supervised fine-tuning on chat records, DPO or GRPO.
 
     torchrun --nproc-per-node N tools/posttrain.py --config configs/<preset>.toml \\
         --set checkpoint.load=BASE_CKPT --set posttrain.method=sft --set posttrain.data=chat.jsonl [--run-dir DIR]
 
 The same assembly line and loop as tools/pretrain.py (docs/architecture.md) with post-training data
-and, for DPO, a different step loss (engine/posttrain/). The base weights come from ``checkpoint.load``
+and, for DPO and GRPO, a different step loss (engine/posttrain/); GRPO's data are rollouts generated
+by the model being trained (engine/posttrain/rollout.py). The base weights come from ``checkpoint.load``
 (a checkpoint written by ``convert_checkpoint.py hf-to-tessel`` or by a run); its ``hf/`` directory
 supplies the architecture (``model.hf_config``), the tokenizer (``data.tokenizer``) and the chat
 template unless the config names them. The run directory holds what pretraining's holds; its
@@ -76,6 +77,7 @@ class Prepared:
     train_data: Any
     valid_data: Any = None
     side_files: dict[str, str] = field(default_factory=dict)
+    grpo: dict = field(default_factory=dict)  # GRPO: records, prompt ids, the reward registry
 
 
 def _side_files(hf: Path | None) -> dict[str, str]:
@@ -131,14 +133,35 @@ def prepare(cfg, *, world: int) -> Prepared:
     if t.eval_interval and pt.valid_data is None:
         raise ValueError(f"train.eval_interval={t.eval_interval} but posttrain.valid_data is unset; give held-out "
                          "records or set train.eval_interval=0")
-    train = dataset(pt.data, t.steps * t.global_batch_size)
-    valid = dataset(pt.valid_data, n_eval) if pt.valid_data and n_eval else None
+    grpo = {}
+    if pt.method == "grpo":
+        from engine.posttrain.rollout import check_rollout_shape, prompt_records, reward_registry
+
+        g = pt.grpo
+        check_rollout_shape(g, global_batch_size=t.global_batch_size, dp=cfg.validate_world(world))
+        if cfg.checkpoint.interval % g.steps_per_rollout:
+            raise ValueError(f"checkpoint.interval={cfg.checkpoint.interval} is not a multiple of "
+                             f"posttrain.grpo.steps_per_rollout={g.steps_per_rollout}: save on rollout boundaries, so "
+                             "a resume regenerates the same rollout")
+        registry = reward_registry(g.reward_modules)
+        kw = dict(template=template, tokenizer=tok, registry=registry, seq_length=t.seq_length,
+                  max_new_tokens=g.max_new_tokens)
+        grpo["registry"] = registry
+        grpo["records"] = read_jsonl(pt.data)
+        grpo["prompts"] = prompt_records(grpo["records"], **kw)
+        if pt.valid_data:
+            grpo["valid_records"] = read_jsonl(pt.valid_data)
+            grpo["valid_prompts"] = prompt_records(grpo["valid_records"], **kw)
+        train = valid = None
+    else:
+        train = dataset(pt.data, t.steps * t.global_batch_size)
+        valid = dataset(pt.valid_data, n_eval) if pt.valid_data and n_eval else None
     model = ModelHook.from_run_config(cfg, tokenizer_vocab=tok.vocab_size)
     plan = memory_plan(cfg, model, world=world)
     if not plan.fits:
         raise ValueError(plan.error())
     return Prepared(model=model, plan=plan, tokenizer=tok, train_data=train, valid_data=valid,
-                    side_files=_side_files(hf))
+                    side_files=_side_files(hf), grpo=grpo)
 
 
 def run_posttrain(cfg, prep: Prepared, run_dir: str | None, *, world: int):
@@ -148,6 +171,8 @@ def run_posttrain(cfg, prep: Prepared, run_dir: str | None, *, world: int):
     from engine.posttrain.objectives import DPOObjective, attach_reference_logps
 
     pt = cfg.posttrain
+    if pt.method == "grpo":
+        return _run_grpo(cfg, prep, run_dir, world=world)
     objective = None
     if pt.method == "dpo":
         objective = DPOObjective(beta=pt.dpo.beta, label_smoothing=pt.dpo.label_smoothing, loss_type=pt.dpo.loss_type)
@@ -164,6 +189,39 @@ def run_posttrain(cfg, prep: Prepared, run_dir: str | None, *, world: int):
                                 "pairs computed with the base weights")
     run.resume()
     return run.train()
+
+
+def _run_grpo(cfg, prep: Prepared, run_dir: str | None, *, world: int):
+    """Rollouts as the loader, GRPO as the step loss; held-out greedy reward as the evaluation (logged
+    before the first step and every ``train.eval_interval`` steps)."""
+    from engine.assembly import build_run
+    from engine.posttrain.rollout import GRPOObjective, RolloutLoader, heldout_reward
+
+    t, g, d = cfg.train, cfg.posttrain.grpo, prep.grpo
+    run = build_run(cfg, model=prep.model, run_dir=run_dir or t.run_dir, world=world, plan=prep.plan, data=False,
+                    objective=GRPOObjective(g), side_files=prep.side_files)
+    tr = run.trainer
+    reference = None
+    if g.kl_beta > 0 and not run.lora:  # the KL's reference: the base weights (under LoRA: adapters off)
+        run.load_base()
+        tr.ddp.finish_param_sync()
+        reference = [p.detach().clone() for p in tr.chunks.parameters()]
+    run.train_loader = RolloutLoader(tr, d["records"], d["prompts"], tokenizer=prep.tokenizer, registry=d["registry"],
+                                     grpo=g, seq_length=t.seq_length, global_batch_size=t.global_batch_size,
+                                     micro_batch_size=t.micro_batch_size, seed=t.seed, reference=reference)
+    run.resume()
+    on_step = None
+    if "valid_records" in d:
+        def evaluate(step: int):
+            r = heldout_reward(tr, d["valid_records"], d["valid_prompts"], tokenizer=prep.tokenizer,
+                               registry=d["registry"], max_new_tokens=g.max_new_tokens)
+            tr.logger.log({"step": step, "reward": r}, prefix="valid")
+        evaluate(tr.step)  # before this run's first step
+
+        def on_step(trainer, st):
+            if t.eval_interval and trainer.step % t.eval_interval == 0:
+                evaluate(trainer.step)
+    return run.train(on_step=on_step)
 
 
 def posttrain_from_config(cfg, run_dir: str | None, *, world: int):

@@ -1,5 +1,5 @@
-"""The ``[posttrain]`` section (tools/posttrain.py) and its nested tables ``[posttrain.lora]`` and
-``[posttrain.dpo]``: what to fine-tune on, with which objective, and which parameters train.
+"""The ``[posttrain]`` section (tools/posttrain.py) and its nested tables ``[posttrain.lora]``,
+``[posttrain.dpo]`` and ``[posttrain.grpo]``: what to fine-tune on, with which objective, and which parameters train.
 
 Pretraining (tools/pretrain.py) refuses a config whose ``posttrain.method`` is not "none", and
 tools/posttrain.py refuses one where it is: a key either works or is rejected.
@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from engine.config._fields import Section
 from engine.config.sections import check_choice, check_min, check_nonempty, check_positive
 
-METHODS = ("none", "sft", "dpo")  # "grpo" arrives with its trainer (engine/posttrain/grpo.py holds the loss)
-DPO_LOSSES = ("sigmoid", "ipo")
+from engine.posttrain.dpo import DPO_LOSS_TYPES as DPO_LOSSES
+from engine.posttrain.grpo import ADVANTAGE_SCALES, LOSS_LEVELS, RATIO_LEVELS
+
+METHODS = ("none", "sft", "dpo", "grpo")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -60,9 +62,52 @@ class DpoConfig(Section):
 
 
 @dataclass(kw_only=True, frozen=True)
+class GrpoConfig(Section):
+    """Group relative policy optimisation (engine/posttrain/rollout.py, grpo.py). Each rollout samples
+    ``group_size`` completions of up to ``max_new_tokens`` tokens per prompt (``temperature``, ``top_p``)
+    with the current weights, scores them with the records' reward functions, normalises the rewards
+    per group (``advantage_scale``: "std", or "none" for Dr. GRPO) and feeds ``steps_per_rollout``
+    optimizer steps. Loss: the clipped surrogate (``clip_low``; ``clip_high`` > clip_low is DAPO's
+    clip-higher, unset = clip_low) with token or sequence (GSPO) importance ratios (``ratio_level``),
+    normalised per token (DAPO) or per sequence (``loss_level``), plus ``kl_beta`` times the k3 KL to
+    the base weights. ``reward_modules``: Python modules whose ``register(registry)`` adds reward
+    functions to the shipped ones (arithmetic, format)."""
+
+    SECTION = "posttrain.grpo"
+
+    group_size: int = 4
+    steps_per_rollout: int = 1
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float | None = None
+    kl_beta: float = 0.0
+    ratio_level: str = "token"
+    loss_level: str = "token"
+    advantage_scale: str = "std"
+    reward_modules: list[str] = field(default_factory=list)
+
+    def _validate(self) -> None:
+        check_min(self, "group_size", 2, why="advantages compare samples of the same prompt")
+        check_min(self, "steps_per_rollout", 1)
+        check_min(self, "max_new_tokens", 1)
+        check_positive(self, "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"posttrain.grpo.top_p={self.top_p} must be in (0, 1]")
+        if not 0.0 < self.clip_low < 1.0:
+            raise ValueError(f"posttrain.grpo.clip_low={self.clip_low} must be in (0, 1)")
+        check_positive(self, "clip_high")
+        check_min(self, "kl_beta", 0.0)
+        check_choice(self, "ratio_level", RATIO_LEVELS)
+        check_choice(self, "loss_level", LOSS_LEVELS)
+        check_choice(self, "advantage_scale", ADVANTAGE_SCALES)
+
+
+@dataclass(kw_only=True, frozen=True)
 class PosttrainConfig(Section):
-    """Post-training (tools/posttrain.py). ``method``: "sft" (chat records, loss on assistant tokens)
-    or "dpo" (preference records); "none" for pretraining. ``data``/``valid_data``: JSONL files of
+    """Post-training (tools/posttrain.py). ``method``: "sft" (chat records, loss on assistant tokens),
+    "dpo" (preference records) or "grpo" (prompt records with a reward); "none" for pretraining. ``data``/``valid_data``: JSONL files of
     records (docs/posttrain.md). ``chat_template``: a Jinja file to use instead of the tokenizer's
     own (tokenizer_config.json ``chat_template`` or chat_template.jinja beside it). ``pack``: SFT
     packs several conversations per row (document-aware attention, positions restarting per
@@ -79,21 +124,20 @@ class PosttrainConfig(Section):
     truncate: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
 
     def _validate(self) -> None:
-        if self.method == "grpo":
-            raise ValueError("posttrain.method='grpo' is not wired into tools/posttrain.py yet (the GRPO loss, "
-                             "rewards and generation exist: engine/posttrain/); use sft or dpo")
         check_choice(self, "method", METHODS)
         for key in ("data", "valid_data", "chat_template"):
             check_nonempty(self, key)
         if self.method != "none" and not self.data:
-            raise ValueError(f"posttrain.method={self.method!r} needs posttrain.data: a JSONL file of "
-                             + ("chat records {'messages': [...]}" if self.method == "sft"
-                                else "preference records {'prompt', 'chosen', 'rejected'}"))
-        if self.method == "dpo" and self.pack:
-            raise ValueError("posttrain.pack=true does not apply to dpo: each preference pair is two padded rows "
-                             "(chosen, rejected); remove posttrain.pack")
+            kind = {"sft": "chat records {'messages': [...]}",
+                    "dpo": "preference records {'prompt', 'chosen', 'rejected'}",
+                    "grpo": "prompt records {'messages': [...], 'reward': NAME, ...}"}[self.method]
+            raise ValueError(f"posttrain.method={self.method!r} needs posttrain.data: a JSONL file of {kind}")
+        if self.method in ("dpo", "grpo") and self.pack:
+            raise ValueError(f"posttrain.pack=true does not apply to {self.method}: each sequence is a padded row "
+                             "of its own; remove posttrain.pack")
 
     @property
     def packed(self) -> bool:

@@ -231,7 +231,7 @@ def run_evaluate(argv: list[str] | None = None) -> dict:
     else:
         raise ValueError(f"checkpoint {step_dir} stores no model_config; pass --config CONFIG.JSON")
     cfg, stage = build_stage(model_config, mesh, opts, device=device)
-    _load_weights(stage, mesh, step_dir, meta, base=args.base, verify=not args.no_verify)
+    load_weights(stage, mesh, step_dir, meta, base=args.base, verify=not args.no_verify)
 
     flat = False
     if args.tokens:
@@ -263,7 +263,7 @@ def run_evaluate(argv: list[str] | None = None) -> dict:
     return result
 
 
-def _load_weights(stage, mesh: Mesh, step_dir: Path, meta: dict, *, base: str | None, verify: bool) -> None:
+def load_weights(stage, mesh: Mesh, step_dir: Path, meta: dict, *, base: str | None, verify: bool) -> None:
     """Load the checkpoint into ``stage``; a LoRA checkpoint gets its adapters first (and its base
     weights from ``base`` when it holds only the adapters)."""
     from engine.checkpoint.trainer_state import select_params

@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 4 tools/generate.py --ckpt CKPT --tp 2 --pp 2 --tokens prompts.json \\
         --max-new-tokens 32 [--temperature 0] [--top-p 1.0] [--stop-token ID ...] [--seed 0] --json out.json
     torchrun --nproc-per-node 1 tools/generate.py --ckpt CKPT --text prompts.json --max-new-tokens 32
+    torchrun --nproc-per-node 1 tools/generate.py --ckpt CKPT --records heldout.jsonl --max-new-tokens 48
 
 The checkpoint (written by tools/convert_checkpoint.py or by the trainer, any layout) is loaded into the
 launch layout exactly as tools/evaluate.py loads it (world size = tp * pp; dp = 1). ``--tokens`` takes a
@@ -11,6 +12,12 @@ tokenized with the checkpoint's tokenizer (``CKPT/hf``, or ``--tokenizer``). All
 (engine/posttrain/generate.py). ``--json`` gets ``{"tokens": [[continuation ids], ...]}`` (plus ``"text"``,
 the decoded continuations, with ``--text``); each continuation ends at its first ``--stop-token`` (included)
 or after ``--max-new-tokens``. ``--temperature 0`` (default) is greedy decoding.
+
+``--records`` takes chat prompt records (JSONL ``{"messages": [...], "reward": NAME, ...}``, as GRPO reads
+them): each is rendered with the tokenizer's chat template and its generation prompt, generation stops at
+the tokenizer's end-of-turn token, and records naming a reward are scored (engine/posttrain/rewards.py;
+``--reward-module`` adds yours): the JSON gets ``"reward"`` (the mean) and ``"rewards"`` (each record's).
+A LoRA checkpoint generates as the adapted model (``--base BASE_CKPT`` when it holds only the adapters).
 """
 from __future__ import annotations
 
@@ -27,12 +34,11 @@ if ROOT not in sys.path:  # runnable from a checkout without installing
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from engine.checkpoint import (CheckpointError, ShardingContext, load_checkpoint, module_sharded_tensors,  # noqa: E402
-                               read_metadata, resolve_checkpoint)
+from engine.checkpoint import CheckpointError, read_metadata, resolve_checkpoint  # noqa: E402
 from engine.posttrain.generate import check_generate_args, generate  # noqa: E402
 from parallel import comm  # noqa: E402
 from parallel.mesh import Mesh, ParallelDims, init_distributed  # noqa: E402
-from tools.evaluate import DTYPES, build_stage, read_token_file  # noqa: E402
+from tools.evaluate import DTYPES, build_stage, load_weights, read_token_file  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--tokens", help="JSON file: a list of token-id lists (or one flat list)")
     src.add_argument("--text", help="JSON file: a list of prompt strings (tokenized with the checkpoint's tokenizer)")
+    src.add_argument("--records", help="JSONL chat prompt records, rendered with the chat template (and scored "
+                                       "when they name a reward)")
+    p.add_argument("--reward-module", action="append", default=[], metavar="MODULE",
+                   help="a module whose register(registry) adds reward functions (repeatable)")
+    p.add_argument("--base", default=None, help="base checkpoint of an adapter-only LoRA checkpoint")
     p.add_argument("--max-new-tokens", type=int, required=True, help="most tokens generated per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sampling")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: no cut)")
@@ -78,22 +89,36 @@ def _options(args: argparse.Namespace) -> dict:
             "make_vocab_size_divisible_by": args.make_vocab_size_divisible_by}
 
 
+def _tokenizer_spec(args, step_dir: Path) -> str:
+    """``--tokenizer``, else the checkpoint's hf/ directory (in the step directory or beside it)."""
+    if args.tokenizer is not None:
+        return args.tokenizer
+    found = [p for p in (step_dir / "hf", step_dir.parent / "hf") if (p / "tokenizer.json").is_file()]
+    if not found:
+        raise ValueError(f"no tokenizer.json beside checkpoint {step_dir} (looked in hf/); pass --tokenizer")
+    return str(found[0])
+
+
 def _tokenizer(args, step_dir: Path):
     from engine.data.tokenizer import load_tokenizer
 
-    spec = args.tokenizer
-    if spec is None:
-        found = [p for p in (step_dir / "hf", step_dir.parent / "hf") if (p / "tokenizer.json").is_file()]
-        if not found:
-            raise ValueError(f"no tokenizer.json beside checkpoint {step_dir} (looked in hf/); pass --tokenizer")
-        spec = str(found[0])
-    return load_tokenizer(spec)
+    return load_tokenizer(_tokenizer_spec(args, step_dir))
 
 
 def _read_prompts(args, *, step_dir: Path, vocab_size: int):
-    """(prompts as id lists, the tokenizer for --text else None)."""
+    """(prompts as id lists, the tokenizer for --text/--records else None, the records for --records)."""
     if args.tokens is not None:
-        return read_token_file(args.tokens, vocab_size=vocab_size)[0], None
+        return read_token_file(args.tokens, vocab_size=vocab_size)[0], None, None
+    if args.records is not None:
+        from engine.posttrain.chat import check_messages, load_chat_template, prompt_ids, read_jsonl
+
+        tok = _tokenizer(args, step_dir)
+        spec = _tokenizer_spec(args, step_dir)
+        template = load_chat_template(spec if os.path.isdir(spec) else os.path.dirname(os.path.abspath(spec)))
+        records = read_jsonl(args.records)
+        for rec in records:
+            check_messages(rec.get("messages"), where=rec["_where"], need_assistant=False)
+        return [prompt_ids(template, tok, r["messages"]) for r in records], tok, records
     try:
         with open(args.text, encoding="utf-8") as f:
             texts = json.load(f)
@@ -102,14 +127,12 @@ def _read_prompts(args, *, step_dir: Path, vocab_size: int):
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
         raise ValueError(f"--text {args.text}: expected a non-empty JSON list of prompt strings")
     tok = _tokenizer(args, step_dir)
-    return [tok.encode(t) for t in texts], tok
+    return [tok.encode(t) for t in texts], tok, None
 
 
 def run_generate(argv: list[str] | None = None) -> dict:
-    """Everything but the process exit: returns ``{"tokens": [...]}`` (and ``"text"`` with --text) on
-    every rank (collective)."""
-    from models.convert import model_param_spec
-
+    """Everything but the process exit: returns ``{"tokens": [...]}`` (and ``"text"`` with --text or
+    --records, ``"reward"``/``"rewards"`` for scored records) on every rank (collective)."""
     args = build_parser().parse_args(argv)
     opts = _options(args)
     step_dir = resolve_checkpoint(args.ckpt)
@@ -124,9 +147,16 @@ def run_generate(argv: list[str] | None = None) -> dict:
     from models import config_from_hf
 
     cfg = config_from_hf(model_config)
-    prompts, tok = _read_prompts(args, step_dir=step_dir, vocab_size=cfg.vocab_size)
+    prompts, tok, records = _read_prompts(args, step_dir=step_dir, vocab_size=cfg.vocab_size)
+    stops = args.stop_token or ([tok.eod_id] if records is not None else [])
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                    stop_tokens=args.stop_token, seed=args.seed, pad_id=args.pad_id)
+                    stop_tokens=stops, seed=args.seed, pad_id=args.pad_id)
+    scored = [r for r in records or [] if "reward" in r]
+    if scored:
+        from engine.posttrain.rollout import reward_registry
+
+        registry = reward_registry(args.reward_module)
+        registry.check_records(scored)
     check_generate_args(prompts, vocab_size=cfg.vocab_size, max_positions=cfg.max_position_embeddings, **sampling)
     init_distributed()
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -137,16 +167,18 @@ def run_generate(argv: list[str] | None = None) -> dict:
     mesh = Mesh.build(ParallelDims(dp=1, pp=pp, tp=tp))
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     _, stage = build_stage(model_config, mesh, opts, device=device)
-    tensors = module_sharded_tensors(stage, ctx=ShardingContext.from_mesh(mesh), hook=model_param_spec)
-    load_checkpoint(step_dir, tensors=tensors, group=mesh.world, strict=True,
-                    verify=not args.no_verify, allow_dtype_cast=True)
+    load_weights(stage, mesh, step_dir, meta, base=args.base, verify=not args.no_verify)
     out = generate(stage, mesh=mesh, prompts=prompts, **sampling)
     result = {"tokens": out}
     if tok is not None:
         result["text"] = [tok.decode(ids) for ids in out]
+    if scored:
+        result["rewards"] = [registry.score(r, t) if "reward" in r else None for r, t in zip(records, result["text"])]
+        result["reward"] = sum(x for x in result["rewards"] if x is not None) / len(scored)
     if mesh.rank == 0:
         n = sum(len(c) for c in out)
-        print(f"generate: {n} tokens for {len(out)} prompts (tp={tp}, pp={pp}, {step_dir})")
+        print(f"generate: {n} tokens for {len(out)} prompts (tp={tp}, pp={pp}, {step_dir})"
+              + (f"; mean reward {result['reward']:.4f} over {len(scored)} records" if scored else ""))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f)

@@ -57,9 +57,9 @@ def pref_records(n, seed):
             for i in range(n)]
 
 
-def prompt_records(n, seed):
+def prompt_records(n, seed, rewards=("share_of_w1",)):
     rng = torch.Generator().manual_seed(seed)
-    return [{"messages": [{"role": "user", "content": words(rng, 2 + i % 3)}], "reward": "share_of_w1"}
+    return [{"messages": [{"role": "user", "content": words(rng, 2 + i % 3)}], "reward": rewards[i % len(rewards)]}
             for i in range(n)]
 
 
@@ -83,7 +83,7 @@ def base(tmp_path_factory):
     write_jsonl(data / "sft_valid.jsonl", chat_records(8, 2))
     write_jsonl(data / "pref.jsonl", pref_records(4, 3))  # one global batch: every step sees every pair
     write_jsonl(data / "prompts.jsonl", prompt_records(8, 4))
-    write_jsonl(data / "prompts_heldout.jsonl", prompt_records(4, 5))
+    write_jsonl(data / "prompts_heldout.jsonl", prompt_records(4, 5, ("share_of_w1", "words_over_6")))
     return Path(ckpt), hf, data
 
 
@@ -305,3 +305,27 @@ def test_grpo_resume_on_a_rollout_boundary_is_bitwise(base, tmp_path):
     assert len(first) == 2 and len(rest) == 2
     assert full[1][0] != 0.0 and full[3][0] != 0.0  # rollout 1 moved the weights that rollout 2 samples with
     assert first + rest == full
+
+
+def _generate(argv):
+    from tools.generate import run_generate
+
+    return run_generate(argv)
+
+
+def test_generate_records_scores_rewards_like_the_grpo_evaluation(base, tmp_path):
+    """tools/generate.py --records renders prompt records with the chat template and scores them; on the
+    base model its mean reward equals GRPO's held-out evaluation at step 0 (the same greedy decoding)."""
+    ckpt, _, data = base
+    argv = ["--ckpt", str(ckpt), "--records", str(data / "prompts_heldout.jsonl"), "--max-new-tokens", "6",
+            "--reward-module", "tests.tools.grpo_rewards", "--tp", "2", "--pp", "2"]
+    out = run_distributed(_generate, 4, argv, timeout=120)[0]
+    assert len(out["rewards"]) == 4 and out["reward"] == pytest.approx(sum(out["rewards"]) / 4)
+    from tests.tools.grpo_rewards import share_of_w1, words_over_6
+    assert out["rewards"] == [(share_of_w1, words_over_6)[i % 2]({}, t) for i, t in enumerate(out["text"])]
+    assert out["reward"] > 0
+    run = tmp_path / "grpo"
+    run_distributed(_posttrain, 1, ckpt, data, str(run), "grpo", GRPO + ["train.steps=2", "checkpoint.interval=2"],
+                    timeout=240)
+    step0 = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"valid"' in x][0]
+    assert step0["step"] == 0 and step0["reward"] == pytest.approx(out["reward"], abs=1e-12)

@@ -324,6 +324,8 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
     if tokenizer is not None and not side:
         side = {f"hf/{name}": text for name, text in
                 tokenizer.hf_files(model_max_length=model.config.max_position_embeddings).items()}
+    if side:  # the architecture beside the tokenizer, as conversions write it: a checkpoint is a complete base
+        side["hf/config.json"] = json.dumps(model.hf_config, indent=2, sort_keys=True) + "\n"
     return Run(cfg=cfg, mesh=mesh, model=model, trainer=trainer, train_loader=train_loader,
                valid_loader=valid_loader, checkpointer=checkpointer, run_dir=run_dir, side_files=side)
 

@@ -192,6 +192,9 @@ def test_sft_tp2_pp2_equals_one_process(base, tmp_path):
     metrics = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     valid = [m for m in metrics if m["split"] == "valid"]
     assert len(valid) == 1 and valid[0]["step"] == STEPS and valid[0]["loss"] > 0  # held-out records evaluated
+    # The run's checkpoint is a complete base for the next stage (architecture, tokenizer, chat template).
+    prep = _prepare(tmp_path / "one" / "checkpoints", data, tmp_path / "next", "dpo")
+    assert prep.model.hf_config["hidden_size"] == 64 and "hf/tokenizer_config.json" in prep.side_files
 
 
 def test_dpo_tp2_pp2_equals_one_process(base, tmp_path):

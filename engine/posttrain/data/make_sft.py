@@ -28,6 +28,8 @@ from engine.posttrain.data.make_arithmetic import problem, prompt_text, solve, w
 
 SFT_SEED = 21
 PREFERENCE_SEED = 22
+HELDOUT_PREFERENCE_SEED = 23
+NUM_HELDOUT_PREFERENCES = 48
 NUM_SFT = 240
 NUM_PREFERENCES = 180
 TASKS = ("arithmetic", "reverse", "uppercase", "count_letter", "larger", "next_day")
@@ -108,13 +110,14 @@ _MAKERS = {"arithmetic": _arithmetic, "reverse": _reverse, "uppercase": _upperca
            "count_letter": _count_letter, "larger": _larger, "next_day": _next_day}
 
 
-def _examples(seed: int, count: int):
+def _examples(seed: int, count: int, *, exclude: frozenset = frozenset()):
     """(task, system or None, user, right, wrong) x count: an equal share per task, shuffled; user texts
-    are distinct while the family has new ones (next_day has only 14)."""
+    are distinct while the family has new ones (next_day has only 14), and none is in ``exclude``
+    (except next_day's, which cannot avoid repeats)."""
     rng = random.Random(seed)
     # Keep the GRPO held-out questions unseen, so that their reward measures generalisation after SFT/DPO.
     heldout = {r["messages"][-1]["content"] for r in arithmetic_records()["arithmetic_heldout.jsonl"]}
-    out, seen = [], set(heldout)
+    out, seen = [], set(heldout) | set(exclude)
     for k in range(count):
         task = TASKS[k % len(TASKS)]
         for _ in range(100):  # next_day has only 14 distinct questions: repeats allowed once exhausted
@@ -145,9 +148,19 @@ def preference_records() -> list[dict]:
             for task, system, user, right, wrong in _examples(PREFERENCE_SEED, NUM_PREFERENCES)]
 
 
+def heldout_preference_records() -> list[dict]:
+    """Preference pairs whose questions are not in preferences.jsonl (DPO's validation set)."""
+    train = frozenset(r["prompt"][-1]["content"] for r in preference_records())
+    return [{"prompt": _prompt(system, user), "chosen": [{"role": "assistant", "content": right}],
+             "rejected": [{"role": "assistant", "content": wrong}], "task": task}
+            for task, system, user, right, wrong in _examples(HELDOUT_PREFERENCE_SEED, NUM_HELDOUT_PREFERENCES,
+                                                              exclude=train)]
+
+
 def build_records() -> dict[str, list[dict]]:
     """{file name: records}, the exact content of the bundled files."""
-    return {"sft_instructions.jsonl": sft_records(), "preferences.jsonl": preference_records()}
+    return {"sft_instructions.jsonl": sft_records(), "preferences.jsonl": preference_records(),
+            "preferences_heldout.jsonl": heldout_preference_records()}
 
 
 def main() -> None:

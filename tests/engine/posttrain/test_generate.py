@@ -174,3 +174,31 @@ def test_two_chunks_on_one_pipeline_rank_equal_one_stage():
                                   _stage("llama", pre_process=False, layer_range=(1, 2))])
     kw = dict(prompts=PROMPTS, max_new_tokens=5, temperature=0.7, top_p=0.8, seed=3)
     assert generate(chunks, **kw) == generate(whole, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (marked gpu)")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_generate_on_cuda_equals_transformers_greedy(family, tmp_path):
+    """One GPU: Tessel's KV-cache greedy decoding (fp32, models/ops' CUDA kernels) equals transformers'
+    generate() on the same weights."""
+    import transformers
+
+    from engine.posttrain.generate import generate
+    from models import SafetensorsState, build_model, load_hf_state_dict
+    from parallel.comm import Group
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**tiny.config(family)))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf.save_pretrained(tmp_path)
+    hf = hf.to("cuda", torch.float32).eval()
+    stage = build_model(tiny.config(family), tp_group=Group.trivial("tp"), dtype=torch.float32, device="cuda")
+    load_hf_state_dict(stage, SafetensorsState(str(tmp_path)))
+    out = generate(stage, prompts=PROMPTS, max_new_tokens=6, tp_group=Group.trivial("tp"),
+                   pp_group=Group.trivial("pp"))
+    for p, got in zip(PROMPTS, out):
+        ref = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        assert got == ref[0, len(p):].tolist(), (family, p)

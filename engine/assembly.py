@@ -319,7 +319,7 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
                                                             seq_length=t.seq_length),
                       logger=logger, peak=M.peak_tflops(override=cfg.logging.peak_tflops, dtype=dtype),
                       param_spec=model.param_spec, plan_line=plan.line() if plan is not None else None,
-                      objective=objective)
+                      objective=objective, rows_per_sample=rows_per_sample)
     side = dict(side_files or {})
     if tokenizer is not None and not side:
         side = {f"hf/{name}": text for name, text in

@@ -64,7 +64,7 @@ class Trainer:
                  eval_schedule: Schedule,
                  act_shape: tuple[int, int, int], flops_per_step: float, logger: M.MetricsLogger,
                  peak: tuple[float, str], param_spec: Callable | None = None, plan_line: str | None = None,
-                 objective=None):
+                 objective=None, rows_per_sample: int = 1):
         self.cfg = cfg
         self.mesh = mesh
         self.dp = mesh.dims.dp
@@ -88,6 +88,7 @@ class Trainer:
         # (engine/posttrain/objectives.py) map the per-token losses of a micro-batch to the sum of their
         # loss over its ``units`` and accumulate their own metrics, reduced once per step.
         self.objective = objective
+        self.rows_per_sample = rows_per_sample  # rows of the micro-batch per sample (a preference pair: 2)
         self._stats: dict[str, torch.Tensor] = {}
         # Everything this rank feeds the model or hands to a collective lives on the model's device
         # (CUDA under NCCL); the data loaders produce CPU tensors.
@@ -326,7 +327,7 @@ class Trainer:
         self._install_signal_handlers()
         self.log_start()
         history = []
-        tokens_per_step = c.global_batch_size * c.seq_length
+        tokens_per_step = c.global_batch_size * self.rows_per_sample * c.seq_length
         max_steps = c.steps
         if c.max_tokens:
             max_steps = min(max_steps, math.ceil(c.max_tokens / tokens_per_step))
@@ -349,7 +350,8 @@ class Trainer:
             if valid_loader is not None and c.eval_interval and self.step % c.eval_interval == 0:
                 extra: dict = {}
                 vl = self.evaluate(valid_loader, c.eval_iters, metrics=extra)
-                self.logger.log({"step": self.step, "loss": vl, "ppl": math.exp(min(vl, 50.0)), **extra}, prefix="valid")
+                ppl = {"ppl": math.exp(min(vl, 50.0))} if self.objective is None else {}  # a token loss only
+                self.logger.log({"step": self.step, "loss": vl, **ppl, **extra}, prefix="valid")
             ck = self.cfg.checkpoint
             stop = self._stop_requested()
             if save is not None and ((ck.interval and self.step % ck.interval == 0) or stop

@@ -44,11 +44,11 @@ def base_defaults(data: dict[str, Any]) -> None:
     if hf is None:
         return
     model = data.setdefault("model", {})
-    if "hf_config" not in model and not any(k in model for k in ("hidden_size", "num_layers")) \
+    if not model.get("hf_config") and not any(model.get(k) for k in ("hidden_size", "num_layers")) \
             and (hf / "config.json").is_file():
         model["hf_config"] = str(hf / "config.json")
     d = data.setdefault("data", {})
-    if "tokenizer" not in d and (hf / "tokenizer.json").is_file():
+    if not d.get("tokenizer") and (hf / "tokenizer.json").is_file():
         d["tokenizer"] = str(hf)
 
 
@@ -107,6 +107,9 @@ def prepare(cfg, *, world: int) -> Prepared:
     if pt.method == "none":
         raise ValueError("posttrain.method is 'none': set posttrain.method=sft or dpo (tools/pretrain.py pretrains)")
     cfg.validate_world(world)
+    if cfg.data.paths:
+        raise ValueError("data.paths names pretraining data, which post-training does not read: give the records "
+                         "as posttrain.data (and posttrain.valid_data), and remove data.paths")
     if pt.lora.rank:
         from engine.posttrain.lora import check_lora
 

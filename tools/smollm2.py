@@ -15,6 +15,8 @@ Steps (each artefact's path is printed at the end and written to WORK_DIR/summar
    with transformers in fp32 on the same token ids.
 4. ``export/``: ``convert_checkpoint.py tessel-to-hf``; transformers loads it, its tensors are compared
    bitwise with step 1's, and its greedy continuation of the prompt with the original's.
+5. ``generate``: ``tools/generate.py --records`` at TP=1 on 8 held-out arithmetic chat prompts (48 new
+   tokens, KV cache, stop at the end of turn) against transformers' greedy ``generate()``, token for token.
 
 The post-training work fine-tunes ``tessel/`` (a model-only checkpoint; load it with model_only=True).
 """
@@ -116,9 +118,9 @@ def make_hf_dir(gguf: Path, out: Path) -> Path:
     return out
 
 
-def _torchrun(nproc: int, args: list[str], *, timeout: float) -> None:
+def _torchrun(nproc: int, args: list[str], *, timeout: float, tool: str = "evaluate.py") -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           os.path.join(ROOT, "tools", "evaluate.py"), *args]
+           os.path.join(ROOT, "tools", tool), *args]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
@@ -189,6 +191,9 @@ def run(work: Path, *, hf_cache: Path, convert_tp: int = 3, convert_pp: int = 2,
     t = time.perf_counter()
     tessel_to_hf(ckpt, export, force=True)
     times["tessel_to_hf_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    gen = generate_check(ckpt, original, tok, work, timeout=timeout)
+    times["generate_s"] = time.perf_counter() - t
     a, b = SafetensorsState(hf_dir), SafetensorsState(export)
     bitwise = set(a.keys()) == set(b.keys()) and all(torch.equal(a[k], b[k]) for k in a.keys())
     hf_tok = AutoTokenizer.from_pretrained(hf_dir)
@@ -205,13 +210,41 @@ def run(work: Path, *, hf_cache: Path, convert_tp: int = 3, convert_pp: int = 2,
         "prompt": PROMPT, "prompt_logits_max_abs_diff": float((got_logits - ref_logits).abs().max()),
         "prompt_logits_max_abs": float(ref_logits.abs().max()),
         "export_bitwise_identical": bitwise, "greedy_original": cont_orig, "greedy_exported": cont_export,
-        "greedy_match": cont_orig == cont_export, "seconds": times,
+        "greedy_match": cont_orig == cont_export, **gen, "seconds": times,
         "artefacts": {"hf": str(hf_dir), "tessel_checkpoint": str(ckpt), "exported_hf": str(export),
                       "eval_json": str(work / "eval_text.json"), "prompt_logits": str(work / "prompt_logits.safetensors"),
                       "text": str(text_file)},
     }
     (work / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+GENERATE_RECORDS = 8  # the first held-out arithmetic prompts of engine/posttrain/data
+GENERATE_TOKENS = 48
+
+
+def generate_check(ckpt: Path, model, tok, work: Path, *, timeout: float) -> dict:
+    """tools/generate.py at TP1 (KV cache, chat template, stop at end of turn) against transformers'
+    greedy generate() on the same prompt ids: token for token."""
+    from engine.posttrain.chat import load_chat_template, prompt_ids, read_jsonl
+
+    src = Path(ROOT) / "engine" / "posttrain" / "data" / "arithmetic_heldout.jsonl"
+    records = read_jsonl(str(src))[:GENERATE_RECORDS]
+    rec_file, out_file = work / "generate_records.jsonl", work / "generate.json"
+    rec_file.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "_where"}) + "\n" for r in records))
+    _torchrun(1, ["--ckpt", str(ckpt), "--records", str(rec_file), "--max-new-tokens", str(GENERATE_TOKENS),
+                  "--json", str(out_file)], timeout=timeout, tool="generate.py")
+    ours = json.loads(out_file.read_text())["tokens"]
+    template = load_chat_template(str(ckpt / "hf"))
+    equal = 0
+    with torch.no_grad():
+        for rec, got in zip(records, ours):
+            ids = prompt_ids(template, tok, rec["messages"])
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=GENERATE_TOKENS, do_sample=False,
+                                 eos_token_id=tok.eod_id, pad_token_id=tok.eod_id)[0, len(ids):].tolist()
+            equal += ref == got
+    return {"generate_prompts": len(records), "generate_equal": equal, "generate_match": equal == len(records),
+            "generate_tokens": sum(len(o) for o in ours)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in s["artefacts"].items():
         print(f"  {k:18s} {v}")
     ok = (s["loss_abs_diff"] < 1e-4 and s["tokens_match"] and s["prompt_logits_max_abs_diff"] < 1e-3
-          and s["export_bitwise_identical"] and s["greedy_match"])
+          and s["export_bitwise_identical"] and s["greedy_match"] and s["generate_match"])
     print("smollm2: all checks passed" if ok else "smollm2: a check FAILED (see above)")
     return 0 if ok else 1
 

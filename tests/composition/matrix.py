@@ -3,8 +3,8 @@ embeddings and model family. tests/composition/test_matrix.py runs every row thr
 own path (train, stop at ``train.max_tokens`` and resume, resume into the row's second layout, export
 to Hugging Face); ``python -m tests.composition.matrix`` prints the table docs/composition.md holds.
 
-A capability lands with its rows (recompute, ZeRO-3, FP8, TP overlap, context and expert parallelism,
-zero-bubble schedules add theirs); a combination it does not support is refused at config time, and
+A capability lands with its rows (recompute, ZeRO-3, FP8, TP overlap, post-training, context and expert
+parallelism, zero-bubble schedules add theirs); a combination it does not support is refused at config time, and
 gets a row in REFUSED with the message it must give.
 """
 from __future__ import annotations
@@ -59,11 +59,14 @@ class Row:
     reshard: Layout | None = None  # the second layout a checkpoint of this row resumes into
     reshard_optimizer: str | None = None  # default: the row's own
     fp8: str = "none"  # model.fp8 recipe
+    method: str = "pretrain"  # or a posttrain.method (sft, dpo, grpo) from a converted base
+    lora: bool = False  # posttrain.lora.rank > 0: adapter-only checkpoints, exported merged
 
     @property
     def name(self) -> str:
         return (f"{self.family}-{self.dtype}-{'tied' if self.tied else 'untied'}-{self.optimizer}-"
-                + str(self.layout).replace(" ", "-") + ("" if self.fp8 == "none" else f"-fp8{self.fp8}"))
+                + str(self.layout).replace(" ", "-") + ("" if self.fp8 == "none" else f"-fp8{self.fp8}")
+                + ("" if self.method == "pretrain" else f"-{self.method}") + ("-lora" if self.lora else ""))
 
 
 def L(**kw) -> Layout:  # noqa: N802 - short constructor for the table below
@@ -95,7 +98,14 @@ DEFAULT_ROWS: tuple[Row, ...] = (
     # Ring collective matmuls (docs/overlap.md), resumed into the plain path.
     Row(L(tp=2, pp=2, sp=True, tp_overlap="ring", early_recv=True), "plain", tied=True, reshard=L(tp=2, dp=2, sp=True)),
     Row(L(pp=2, vp=2, dp=2, schedule="interleaved", early_recv=True), "zero1", reshard=L(pp=2, dp=2)),
+    # Post-training (docs/posttrain.md) from a converted base: LoRA adapters reshard; DPO's reference
+    # log-probabilities are recomputed from the base on resume; GRPO regenerates the rollout (same seeds at
+    # the same dp size).
+    Row(L(tp=2, pp=2, sp=True), "plain", method="sft", lora=True, reshard=L(dp=4), reshard_optimizer="zero1"),
+    Row(L(dp=2, pp=2), "zero1", method="dpo", tied=True, reshard=L(dp=2, tp=2, sp=True)),
+    Row(L(dp=2, tp=2, sp=True), "zero2", method="grpo", reshard=L(dp=2, pp=2), reshard_optimizer="plain"),
 )
+METHODS = ("pretrain", "sft", "dpo", "grpo")
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
 
 # Combinations refused at config time: (overrides, the message fragment the refusal must carry).
@@ -140,19 +150,33 @@ def full_rows() -> list[Row]:
             FP8_RECIPES.index(recipe)]
         rows.append(Row(layout, opt, dtype, False, "llama", reshard=L(dp=4) if layout != L(dp=4) else L(tp=2, pp=2),
                         fp8=recipe))
+    # Post-training from a converted base: every layout, each method (SFT also with LoRA), fp32, one
+    # optimizer mode each. GRPO resumes into a layout of the same dp size (its rollout seeds are per dp rank).
+    same_dp = {1: [L(tp=2, pp=2, sp=True), L(tp=4), L(pp=4)], 2: [L(dp=2, tp=2, sp=True), L(dp=2, pp=2)], 4: [L(dp=4)]}
+    for k, layout in enumerate(layouts):
+        for j, (method, lora) in enumerate((("sft", False), ("sft", True), ("dpo", False), ("grpo", False))):
+            opt = "plain" if layout.dp == 1 else list(OPTIMIZERS)[(k + j) % len(OPTIMIZERS)]
+            if method == "grpo":
+                other = [lay for lay in same_dp[layout.dp] if lay != layout] or [layout]
+                reshard, reshard_opt = other[0], ("plain" if opt != "plain" or layout.dp == 1 else "zero1")
+            else:
+                reshard, reshard_opt = (L(dp=4) if layout != L(dp=4) else L(tp=2, pp=2)), None
+            rows.append(Row(layout, opt, "fp32", k % 2 == 1, "llama", reshard=reshard, reshard_optimizer=reshard_opt,
+                            method=method, lora=lora))
     return rows
 
 
 def table(results: dict[str, str] | None = None, rows=DEFAULT_ROWS) -> str:
     """A Markdown table of ``rows`` (with each row's result when given)."""
-    head = ("| # | family | dtype | fp8 | embeddings | optimizer | layout | resumes into | result |\n"
-            "|---|---|---|---|---|---|---|---|---|")
+    head = ("| # | method | family | dtype | fp8 | embeddings | optimizer | layout | resumes into | result |\n"
+            "|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for i, r in enumerate(rows, 1):
         into = "—" if r.reshard is None else f"{r.reshard} ({r.reshard_optimizer or r.optimizer})"
         res = (results or {}).get(r.name, "")
-        lines.append(f"| {i} | {r.family} | {r.dtype} | {r.fp8} | {'tied' if r.tied else 'untied'} | {r.optimizer} | "
-                     f"{r.layout} | {into} | {res} |")
+        method = r.method + (" + LoRA" if r.lora else "")
+        lines.append(f"| {i} | {method} | {r.family} | {r.dtype} | {r.fp8} | {'tied' if r.tied else 'untied'} | "
+                     f"{r.optimizer} | {r.layout} | {into} | {res} |")
     return "\n".join(lines)
 
 

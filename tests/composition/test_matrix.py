@@ -10,6 +10,11 @@
    ``tools/evaluate.py --dump-logits`` of the checkpoint within 1e-4 (exported and evaluated in fp32), and
    ``AutoTokenizer`` loads the run's tokenizer from it (no ``--hf-files``) and encodes as the run did.
 
+Post-training rows (``method`` sft, dpo, grpo) run tools/posttrain.py's path instead, from a base made
+here (a random transformers model of the same architecture with the byte tokenizer and a chat template,
+converted with hf-to-tessel) on small chat, preference and prompt records; a LoRA row exports merged
+weights with ``lora-to-peft --merge --base`` and evaluates with ``--base``.
+
 Rows of one world size share one process group (one launch per world size), on a tiny model and a
 byte-tokenized corpus built here. ``pytest -m composition_full`` runs the cross product instead.
 """
@@ -54,18 +59,90 @@ def corpus(tmp_path_factory):
     return prefix
 
 
+POSTTRAIN_SEQ = 64
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% if m['role'] == 'assistant' %}"
+            "<|endoftext|>{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+POSTTRAIN = {  # method -> (records file, extra overrides)
+    "sft": ("chat.jsonl", ["posttrain.method=sft"]),
+    "dpo": ("pairs.jsonl", ["posttrain.method=dpo"]),
+    # kl_beta > 0 and two steps per rollout: a loss that is not 0 by construction (at ratio 1 with equal
+    # completion lengths the surrogate's value is exactly 0, its gradient is not)
+    "grpo": ("prompts.jsonl", ["posttrain.method=grpo", "posttrain.grpo.group_size=4", "posttrain.grpo.max_new_tokens=8",
+                               "posttrain.grpo.reward_modules=tests.tools.grpo_rewards", "posttrain.grpo.kl_beta=0.1",
+                               "posttrain.grpo.steps_per_rollout=2"]),
+}
+
+
+def _posttrain_data(root: Path) -> Path:
+    """Chat, preference and prompt records in plain words (byte-tokenized)."""
+    d = root / "posttrain_data"
+    if d.exists():
+        return d
+    d.mkdir(parents=True)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    chat, pairs, prompts = [], [], []
+    for i in range(16):
+        q, a, b = words[i % 10], words[(i * 3 + 1) % 10], words[(i * 7 + 2) % 10]
+        chat.append({"messages": [{"role": "user", "content": f"{q} {a}?"}, {"role": "assistant", "content": f"{b} {a}"}]})
+        pairs.append({"prompt": f"{q}?", "chosen": f"{a} {b}", "rejected": f"{b}"})
+        prompts.append({"messages": [{"role": "user", "content": f"{q} {b}"}], "reward": "words_over_6"})
+    for name, recs in (("chat.jsonl", chat), ("pairs.jsonl", pairs), ("prompts.jsonl", prompts)):
+        (d / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return d
+
+
+def _posttrain_base(row: Row, root: Path) -> Path:
+    """A Tessel checkpoint of a random transformers model with the row's architecture, whose hf/ holds the
+    byte tokenizer (as Hugging Face files) with a chat template."""
+    import transformers
+
+    from engine.config import load_config
+    from engine.data.tokenizer import ByteTokenizer
+    from models.hook import hf_config_from_run
+    from tools.convert_checkpoint import hf_to_tessel
+
+    out = root / f"base-{row.family}-{'tied' if row.tied else 'untied'}"
+    if out.exists():
+        return out
+    cfg = load_config("tiny_llama_cpu", _model_overrides(row) + [f"train.seq_length={POSTTRAIN_SEQ}"])
+    hf_cfg = hf_config_from_run(cfg.model, vocab_size=257)
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hf_cfg))
+    hf = root / (out.name + "-hf")
+    model.save_pretrained(hf)
+    files = ByteTokenizer().hf_files(model_max_length=64)
+    tok_cfg = json.loads(files["tokenizer_config.json"])
+    tok_cfg["chat_template"] = TEMPLATE
+    (hf / "tokenizer.json").write_text(files["tokenizer.json"])
+    (hf / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    return hf_to_tessel(hf, out)
+
+
+def _model_overrides(row: Row) -> list[str]:
+    return ["model.vocab_size=257", "model.hidden_size=32", "model.num_layers=4", "model.ffn_hidden_size=64",
+            "model.max_position_embeddings=64", f"model.dtype={row.dtype}",
+            f"model.tie_word_embeddings={str(row.tied).lower()}", f"model.fp8={row.fp8}", *MODEL[row.family]]
+
+
 def _overrides(row: Row, layout, optimizer: str, prefix: str, run_dir: str, *, max_steps: int | None = None):
-    out = [f"data.paths={prefix}", f"data.tokenizer={prefix}.tokenizer.json", f"data.cache_dir={run_dir}/cache",
-           "model.vocab_size=257", "model.hidden_size=32", "model.num_layers=4", "model.ffn_hidden_size=64",
-           "model.max_position_embeddings=64", f"model.dtype={row.dtype}",
-           f"model.tie_word_embeddings={str(row.tied).lower()}", f"model.fp8={row.fp8}", *MODEL[row.family],
-           *layout.overrides(),
-           *OPTIMIZERS[optimizer], f"train.seq_length={SEQ}", f"train.global_batch_size={GBS}",
+    seq = SEQ if row.method == "pretrain" else POSTTRAIN_SEQ
+    if row.method == "pretrain":
+        data = [f"data.paths={prefix}", f"data.tokenizer={prefix}.tokenizer.json", f"data.cache_dir={run_dir}/cache"]
+    else:
+        root = Path(run_dir).parent.parent  # run_dir = ROOT/<row>/<straight|resumed|reshard>
+        records, extra = POSTTRAIN[row.method]
+        data = [f"checkpoint.load={root / ('base-' + row.family + '-' + ('tied' if row.tied else 'untied'))}",
+                f"posttrain.data={root / 'posttrain_data' / records}", *extra, "data.num_workers=0"]
+        if row.lora:
+            data += ["posttrain.lora.rank=4", "posttrain.lora.alpha=8"]
+    out = [*data, *_model_overrides(row), *layout.overrides(),
+           *OPTIMIZERS[optimizer], f"train.seq_length={seq}", f"train.global_batch_size={GBS}",
            "train.micro_batch_size=1", f"train.steps={STEPS}", "train.eval_interval=0", "train.log_interval=100",
            "optim.warmup_steps=1", "optim.lr=0.01", "checkpoint.interval=0", "logging.tensorboard=false",
            "logging.jsonl=false", "logging.progress_bar=off", "logging.peak_tflops=1.0", f"train.run_dir={run_dir}"]
     if max_steps is not None:
-        out.append(f"train.max_tokens={max_steps * GBS * SEQ}")
+        rows = 2 if row.method == "dpo" else 1  # a preference pair is two rows
+        out.append(f"train.max_tokens={max_steps * GBS * rows * seq}")
     return out
 
 
@@ -75,9 +152,15 @@ def _train(row: Row, layout, optimizer: str, prefix: str, run_dir: str, *, max_s
     from engine.config import load_config
     from tools.pretrain import train_from_config
 
-    cfg = load_config("tiny_llama_cpu", _overrides(row, layout, optimizer, prefix, run_dir, max_steps=max_steps))
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
+    overrides = _overrides(row, layout, optimizer, prefix, run_dir, max_steps=max_steps)
+    if row.method != "pretrain":
+        from tools.posttrain import base_defaults, posttrain_from_config
+
+        cfg = load_config("tiny_llama_cpu", overrides + ["data.paths=[]", "data.tokenizer=none"], defaults=base_defaults)
+        return [h.loss for h in posttrain_from_config(cfg, run_dir, world=world)]
+    cfg = load_config("tiny_llama_cpu", overrides)
     return [h.loss for h in train_from_config(cfg, run_dir, rank=rank, world=world)]
 
 
@@ -113,10 +196,17 @@ def _export_and_compare(row: Row, root: Path) -> float:
 
     d = root / row.name
     hf = d / "hf"
-    tessel_to_hf(d / "straight" / "checkpoints", hf, dtype="fp32")
+    base = []
+    if row.lora:  # adapter-only checkpoints: merged weights out, the base in for evaluation
+        from tools.lora_export import lora_to_peft
+
+        base = ["--base", str(root / f"base-{row.family}-{'tied' if row.tied else 'untied'}")]
+        lora_to_peft(d / "straight" / "checkpoints", hf, merge=True, base=base[1], dtype="fp32")
+    else:
+        tessel_to_hf(d / "straight" / "checkpoints", hf, dtype="fp32")
     (d / "tokens.json").write_text(json.dumps(TOKENS))
     run_evaluate(["--ckpt", str(d / "straight" / "checkpoints"), "--tokens", str(d / "tokens.json"),
-                  "--dump-logits", str(d / "logits.safetensors"), "--set", "model.dtype=fp32"])
+                  "--dump-logits", str(d / "logits.safetensors"), "--set", "model.dtype=fp32", *base])
     ours = load_file(str(d / "logits.safetensors"))
     # The run's tokenizer travelled with its checkpoints into the export.
     from transformers import AutoTokenizer
@@ -137,6 +227,7 @@ def _export_and_compare(row: Row, root: Path) -> float:
 
 def _check_row(row: Row, r: dict, root: Path) -> str:
     assert len(r["straight"]) == STEPS, r
+    assert all(loss != 0.0 for loss in r["straight"][STOP:]), f"a zero loss proves nothing: {r}"
     assert r["first"] + r["resumed"] == r["straight"], f"stop + resume differs from straight: {r}"
     line = "train, stop/resume bitwise"
     if row.reshard is not None:
@@ -169,6 +260,9 @@ def _run_rows(rows: list[Row], corpus: str, root: Path) -> dict[str, str]:
     by_world: dict[int, list[Row]] = {}
     for row in rows:
         by_world.setdefault(row.layout.world, []).append(row)
+        if row.method != "pretrain":  # made once, before any rank needs them
+            _posttrain_data(root)
+            _posttrain_base(row, root)
     results = {}
     for world, group in sorted(by_world.items()):
         for start in range(0, len(group), 40):  # a fresh process group every 40 rows

@@ -176,4 +176,5 @@ def test_smollm2_end_to_end(tmp_path):
     assert s["tokens_match"] and s["loss_abs_diff"] < 1e-4, s
     assert s["prompt_logits_max_abs_diff"] < 1e-3, s
     assert s["export_bitwise_identical"] and s["greedy_match"], s
+    assert s["generate_match"] and s["generate_equal"] == s["generate_prompts"], s
     assert s["greedy_original"].strip().startswith("Paris"), s

@@ -348,17 +348,23 @@ def _write_logits(path: str, logits: list[torch.Tensor], *, flat: bool) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: list[str] | None = None) -> int:
+def cli(run, argv: list[str] | None, *, prog: str) -> int:
+    """A forward-only tool's exit: ``run(argv)``; errors one line each (exit 2); the process group freed
+    under torchrun."""
     rank = int(os.environ.get("RANK", "0"))
     try:
-        run_evaluate(argv)
+        run(argv)
     except (ValueError, CheckpointError, FileNotFoundError) as e:
-        print(f"evaluate.py (rank {rank}): error: {e}", file=sys.stderr)
+        print(f"{prog} (rank {rank}): error: {e}", file=sys.stderr)
         return 2
     finally:
         if dist.is_initialized() and "TORCHELASTIC_RUN_ID" in os.environ:
             dist.destroy_process_group()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli(run_evaluate, argv, prog="evaluate.py")
 
 
 if __name__ == "__main__":

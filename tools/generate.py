@@ -34,11 +34,11 @@ if ROOT not in sys.path:  # runnable from a checkout without installing
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from engine.checkpoint import CheckpointError, read_metadata, resolve_checkpoint  # noqa: E402
+from engine.checkpoint import read_metadata, resolve_checkpoint  # noqa: E402
 from engine.posttrain.generate import check_generate_args, generate  # noqa: E402
 from parallel import comm  # noqa: E402
 from parallel.mesh import Mesh, ParallelDims, init_distributed  # noqa: E402
-from tools.evaluate import DTYPES, build_stage, load_weights, read_token_file  # noqa: E402
+from tools.evaluate import DTYPES, build_stage, cli, load_weights, read_token_file  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,16 +187,7 @@ def run_generate(argv: list[str] | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        run_generate(argv)
-    except (ValueError, CheckpointError, FileNotFoundError) as e:
-        print(f"generate.py (rank {rank}): error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        if dist.is_initialized() and "TORCHELASTIC_RUN_ID" in os.environ:
-            dist.destroy_process_group()
-    return 0
+    return cli(run_generate, argv, prog="generate.py")
 
 
 if __name__ == "__main__":

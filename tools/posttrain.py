@@ -15,7 +15,6 @@ A run directory that already holds a complete checkpoint resumes from it.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 from dataclasses import dataclass, field
@@ -26,10 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # runnable from a checkout without installing
     sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
-
 from engine.config import add_config_args, load_config  # noqa: E402
-from parallel.mesh import init_distributed  # noqa: E402
 
 HF_SUBDIR = "hf"
 
@@ -233,29 +229,17 @@ def posttrain_from_config(cfg, run_dir: str | None, *, world: int):
 
 
 def main(argv=None) -> int:
+    from tools.pretrain import launch
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(parser)
     parser.add_argument("--run-dir", default=None, help="run directory (default: train.run_dir)")
     args = parser.parse_args(argv)
-    try:
+
+    def checked():
         cfg = load_config(args.config, args.config_overrides or [], defaults=base_defaults)
-        prep = prepare(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
-    except (ValueError, FileNotFoundError) as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"posttrain.py: {e}", file=sys.stderr)
-        return 2
-    rank, world = init_distributed()
-    try:
-        run_posttrain(cfg, prep, args.run_dir, world=world)
-        return 0
-    except ValueError as e:
-        print(f"posttrain.py (rank {rank}): {e}", file=sys.stderr)
-        return 2
-    finally:
-        gc.collect()  # free the run's process groups while the interpreter is alive (see pretrain.py)
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        gc.collect()
+        return cfg, prepare(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
+    return launch("posttrain.py", checked, lambda p, world: run_posttrain(p[0], p[1], args.run_dir, world=world))
 
 
 if __name__ == "__main__":

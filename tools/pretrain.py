@@ -11,6 +11,7 @@ import argparse
 import gc
 import os
 import sys
+from typing import Any, Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # runnable from a checkout without installing
@@ -27,21 +28,33 @@ def main(argv=None) -> int:
     add_config_args(parser)
     parser.add_argument("--run-dir", default=None, help="run directory (default: train.run_dir)")
     args = parser.parse_args(argv)
-    try:
-        # Everything checkable without communication, before any process group exists: every rank
-        # fails the same way, so rank 0 alone says it.
+
+    def prepare():
         cfg = config_from_args(args)
-        model, plan, tok = plan_run(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
+        return (cfg, *plan_run(cfg, world=int(os.environ.get("WORLD_SIZE", "1"))))
+
+    def run(prepared, world):
+        cfg, model, plan, tok = prepared
+        run_training(cfg, model, plan, args.run_dir, world=world, tokenizer=tok)
+    return launch("pretrain.py", prepare, run)
+
+
+def launch(prog: str, prepare: Callable[[], Any], run: Callable[[Any, int], Any]) -> int:
+    """A torchrun job's frame: ``prepare()`` (every check that needs no communication, before any process
+    group exists: every rank fails the same way, so rank 0 alone says it), the process group, ``run(prepared,
+    world)``, and the process groups freed while the interpreter is alive. Exit status 2 on a ValueError."""
+    try:
+        prepared = prepare()
     except (ValueError, FileNotFoundError) as e:
         if os.environ.get("RANK", "0") == "0":
-            print(f"pretrain.py: {e}", file=sys.stderr)
+            print(f"{prog}: {e}", file=sys.stderr)
         return 2
     rank, world = init_distributed()
     try:
-        run_training(cfg, model, plan, args.run_dir, world=world, tokenizer=tok)
+        run(prepared, world)
         return 0
     except ValueError as e:
-        print(f"pretrain.py (rank {rank}): {e}", file=sys.stderr)
+        print(f"{prog} (rank {rank}): {e}", file=sys.stderr)
         return 2
     finally:
         # Free the run (its mesh holds the process groups) while the interpreter is fully alive: a

@@ -62,13 +62,18 @@ def write_jsonl(path: str, records: list[dict]) -> None:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def write_all(build, description: str) -> None:
+    """The generator scripts' command line: write ``build()``'s files into ``--out`` (default: here)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     args = parser.parse_args()
-    for name, records in build_records().items():
+    for name, records in build().items():
         write_jsonl(os.path.join(args.out, name), records)
         print(f"{name}: {len(records)} records")
+
+
+def main() -> None:
+    write_all(build_records, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -19,12 +19,10 @@ start with a system turn. Deterministic (fixed seeds).
 """
 from __future__ import annotations
 
-import argparse
-import os
 import random
 
 from engine.posttrain.data.make_arithmetic import build_records as arithmetic_records
-from engine.posttrain.data.make_arithmetic import problem, prompt_text, solve, write_jsonl
+from engine.posttrain.data.make_arithmetic import problem, prompt_text, solve, write_all
 
 SFT_SEED = 21
 PREFERENCE_SEED = 22
@@ -164,12 +162,7 @@ def build_records() -> dict[str, list[dict]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
-    args = parser.parse_args()
-    for name, records in build_records().items():
-        write_jsonl(os.path.join(args.out, name), records)
-        print(f"{name}: {len(records)} records")
+    write_all(build_records, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

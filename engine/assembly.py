@@ -53,6 +53,7 @@ class MemoryPlan:
     available: int | None  # bytes per rank (None: unknown)
     source: str
     fits_instead: tuple[str, ...] = ()
+    frozen: bool = False  # LoRA: the base holds weights only
 
     @property
     def need(self) -> float:
@@ -64,9 +65,9 @@ class MemoryPlan:
 
     def line(self) -> str:
         have = "unknown" if self.available is None else f"{self.available / 1e9:.2f} GB ({self.source})"
+        what = "frozen weights under LoRA adapters" if self.frozen else "parameters, fp32 gradients and optimizer state"
         return (f"tessel: plan: the largest rank holds {self.numel:,} parameters: {self.need / 1e9:.2f} GB of "
-                f"parameters, fp32 gradients and optimizer state ({self.bytes_per_param:g} bytes each); "
-                f"a rank has {have}")
+                f"{what} ({self.bytes_per_param:g} bytes each); a rank has {have}")
 
     def error(self) -> str:
         alt = ("Layouts of the same ranks that would fit (optim.distributed=true): " + "; ".join(self.fits_instead)
@@ -75,8 +76,10 @@ class MemoryPlan:
                 f"allocating anything. {alt}")
 
 
-def _bytes_per_param(dtype: str, *, distributed: bool, dp: int) -> float:
+def _bytes_per_param(dtype: str, *, distributed: bool, dp: int, frozen: bool = False) -> float:
     param = 2 if dtype == "bf16" else 4
+    if frozen:  # a LoRA run's base: weights only (the adapters' share is below the plan's resolution)
+        return param
     state = (4 if dtype == "bf16" else 0) + 8  # fp32 masters (fp32 params are their own) + Adam moments
     return param + 4 + state / (dp if distributed else 1)
 
@@ -112,8 +115,9 @@ def memory_plan(cfg: TesselConfig, model, *, world: int, available: int | None =
     source = "given"
     if available is None:
         available, source = _available_bytes(world)
-    plan = MemoryPlan(world=world, numel=numel, source=source, available=available,
-                      bytes_per_param=_bytes_per_param(cfg.model.dtype, distributed=o.distributed, dp=dp))
+    frozen = bool(cfg.posttrain.lora.rank)
+    plan = MemoryPlan(world=world, numel=numel, source=source, available=available, frozen=frozen,
+                      bytes_per_param=_bytes_per_param(cfg.model.dtype, distributed=o.distributed, dp=dp, frozen=frozen))
     if plan.fits or available is None:
         return plan
     fits = []
@@ -124,11 +128,11 @@ def memory_plan(cfg: TesselConfig, model, *, world: int, available: int | None =
                 n = _largest_rank_numel(model, tp=tp, pp=pp, vp=1, layout=None)
             except ValueError:
                 continue
-            need = n * _bytes_per_param(cfg.model.dtype, distributed=True, dp=world // (tp * pp))
+            need = n * _bytes_per_param(cfg.model.dtype, distributed=True, dp=world // (tp * pp), frozen=frozen)
             if need <= available:
                 fits.append((need, f"tp={tp} pp={pp} dp={world // (tp * pp)} ({need / 1e9:.2f} GB)"))
     return MemoryPlan(world=world, numel=numel, bytes_per_param=plan.bytes_per_param, available=available,
-                      source=source, fits_instead=tuple(text for _, text in sorted(fits)[:4]))
+                      source=source, fits_instead=tuple(text for _, text in sorted(fits)[:4]), frozen=frozen)
 
 
 @dataclass

@@ -332,3 +332,20 @@ def test_generate_records_scores_rewards_like_the_grpo_evaluation(base, tmp_path
                     timeout=240)
     step0 = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"valid"' in x][0]
     assert step0["step"] == 0 and step0["reward"] == pytest.approx(out["reward"], abs=1e-12)
+
+
+def test_memory_plan_counts_a_lora_base_as_weights_only():
+    """A LoRA run's frozen base needs its weights, not gradients and optimizer state: a preset that does not
+    fit for full fine-tuning fits with adapters."""
+    from engine.assembly import memory_plan
+    from engine.config import load_config
+    from models.hook import ModelHook
+
+    sets = ["parallel.tp=1", "parallel.pp=1", "model.vocab_size=128256", "train.seq_length=1024"]
+    full_cfg = load_config("llama3_8b", sets)
+    model = ModelHook.from_run_config(full_cfg, tokenizer_vocab=None)
+    full = memory_plan(full_cfg, model, world=1, available=40 * 10**9)
+    lora = memory_plan(load_config("llama3_8b", sets + ["posttrain.lora.rank=8"]), model, world=1,
+                       available=40 * 10**9)
+    assert not full.fits and full.bytes_per_param == 18
+    assert lora.fits and lora.bytes_per_param == 2 and "frozen weights under LoRA adapters" in lora.line()

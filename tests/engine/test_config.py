@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from engine.config import (ModelConfig, ParallelConfig, TesselConfig, TrainConfig, add_config_args,
+from engine.config import (configs_dir, ModelConfig, ParallelConfig, TesselConfig, TrainConfig, add_config_args,
                            apply_overrides, available_presets, config_from_args, load_config,
                            resolve_preset)
 from engine.config.loader import main
@@ -45,9 +45,25 @@ def test_presets_load_validate_and_fit_a_world(name):
     assert cfg.num_microbatches(dp) >= 1
 
 
-def test_every_preset_file_loads():
+def test_every_preset_file_loads(tmp_path):
+    """Post-training presets take the architecture from their base checkpoint (tools/posttrain.py's
+    base_defaults); here a config.json stands in for it, and without the base the error names checkpoint.load."""
+    import tomllib
+
+    from tests.models import tiny
+    from tools.posttrain import base_defaults
+
+    hf = tmp_path / "config.json"
+    hf.write_text(json.dumps(tiny.config("llama", max_position_embeddings=256)))
     for name in available_presets():
-        load_config(name, [])
+        with open(os.path.join(configs_dir(), name + ".toml"), "rb") as f:
+            post = tomllib.load(f).get("posttrain", {}).get("method", "none") != "none"
+        if not post:
+            load_config(name, [])
+            continue
+        assert load_config(name, [f"model.hf_config={hf}"]).posttrain.method != "none"
+        with pytest.raises(ValueError, match="checkpoint.load: checkpoint path .* does not exist"):
+            load_config(name, ["checkpoint.load=" + str(tmp_path / "no_base")], defaults=base_defaults)
 
 
 def test_tiny_preset_is_the_cpu_main_job():

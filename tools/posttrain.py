@@ -209,17 +209,18 @@ def _run_grpo(cfg, prep: Prepared, run_dir: str | None, *, world: int):
                                      grpo=g, seq_length=t.seq_length, global_batch_size=t.global_batch_size,
                                      micro_batch_size=t.micro_batch_size, seed=t.seed, reference=reference)
     run.resume()
-    on_step = None
-    if "valid_records" in d:
-        def evaluate(step: int):
-            r = heldout_reward(tr, d["valid_records"], d["valid_prompts"], tokenizer=prep.tokenizer,
-                               registry=d["registry"], max_new_tokens=g.max_new_tokens)
-            tr.logger.log({"step": step, "reward": r}, prefix="valid")
-        evaluate(tr.step)  # before this run's first step
+    if "valid_records" not in d:
+        return run.train()
 
-        def on_step(trainer, st):
-            if t.eval_interval and trainer.step % t.eval_interval == 0:
-                evaluate(trainer.step)
+    def evaluate(step: int):
+        r = heldout_reward(tr, d["valid_records"], d["valid_prompts"], tokenizer=prep.tokenizer,
+                           registry=d["registry"], max_new_tokens=g.max_new_tokens)
+        tr.logger.log({"step": step, "reward": r}, prefix="valid")
+
+    def on_step(trainer, st):
+        if t.eval_interval and trainer.step % t.eval_interval == 0:
+            evaluate(trainer.step)
+    evaluate(tr.step)  # before this run's first step
     return run.train(on_step=on_step)
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from models import ops
 from models.config import TransformerConfig
 from parallel.comm import Group
-from parallel.random import RNGTracker
+from parallel.random import RNGTracker, checkpoint
 from parallel.tensor_parallel import ColumnParallelLinear, LinearImpl, RowParallelLinear, mark_replicated
 
 
@@ -218,6 +218,9 @@ class SelfAttention(nn.Module):
         self.window = cfg.sliding_window(layer_number)
         self.dropout_p = cfg.attention_dropout
         self.rng = rng
+        # Selective recompute (Korthikanti et al. 2022): core attention (scores, softmax, dropout,
+        # context) runs again in backward; only q, k, v are kept. Set by TransformerStage.
+        self.recompute_core_attention = False
         prefix = f"layers.{layer_number}.attention."
         qkv_out = cfg.num_kv_heads * (self.q_per_group + 2) * cfg.head_dim
         self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, tp_group=tp_group, bias=cfg.qkv_bias,
@@ -249,6 +252,10 @@ class SelfAttention(nn.Module):
             q, k = ops.apply_rope(q, k, rope, backend=self.kernels)
         if kv_cache is not None:
             k, v = kv_cache.append(self.layer_number, k, v)  # (L, b, g, hd) each: the prefix and these tokens
-        ctx = core_attention(q, k, v, mask=masks.get(self.window), scale=self.scale,
-                             dropout_p=self.dropout_p if self.training else 0.0, rng=self.rng)
+        kw = dict(mask=masks.get(self.window), scale=self.scale,
+                  dropout_p=self.dropout_p if self.training else 0.0, rng=self.rng)
+        if self.recompute_core_attention and kv_cache is None and torch.is_grad_enabled():
+            ctx = checkpoint(core_attention, q, k, v, tracker=self.rng, **kw)  # (s, b, nh*hd)
+        else:
+            ctx = core_attention(q, k, v, **kw)  # (s, b, nh*hd)
         return self.out(ctx)

@@ -131,6 +131,8 @@ class ModelHook:
     fp8_amax_history: int = 16
     fp8_margin: int = 0
     tp_overlap: str = "none"
+    recompute: str = "none"  # activation recompute: none | selective | full (models/transformer.py)
+    recompute_num_layers: int | None = None  # full only: the first N layers of each stage
 
     @classmethod
     def from_hf(cls, hf_config: Mapping[str, Any], **kw) -> "ModelHook":
@@ -150,7 +152,12 @@ class ModelHook:
                            sequence_parallel=cfg.parallel.sequence_parallel, seed=cfg.train.seed,
                            fp8=cfg.model.fp8, fp8_exclude=tuple(cfg.model.fp8_exclude),
                            fp8_amax_history=cfg.model.fp8_amax_history, fp8_margin=cfg.model.fp8_margin,
-                           tp_overlap=cfg.parallel.tp_overlap)
+                           tp_overlap=cfg.parallel.tp_overlap, recompute=cfg.train.activation_checkpointing,
+                           recompute_num_layers=cfg.train.recompute_num_layers)
+        n = cfg.train.recompute_num_layers
+        if n is not None and n > hook.num_layers:
+            raise ValueError(f"train.recompute_num_layers={n} exceeds the model's {hook.num_layers} layers; set at "
+                             "most the layers of one pipeline stage (a stage with fewer recomputes all of its own)")
         if cfg.model.fp8 != "none":
             if cfg.model.fp8_backend == "te":
                 from parallel.tensor_parallel.fp8_te import te_backend
@@ -204,7 +211,8 @@ class ModelHook:
                             dtype=self.dtype, device=device, seed=self.seed,
                             make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
                             kernels=self.kernels, fused_cross_entropy=self.fused_cross_entropy,
-                            linear_impl=RingLinearImpl() if self.tp_overlap == "ring" else None)
+                            linear_impl=RingLinearImpl() if self.tp_overlap == "ring" else None,
+                            recompute=self.recompute, recompute_num_layers=self.recompute_num_layers)
         if self.fp8 != "none":
             apply_fp8(stage, self.fp8, exclude=self.fp8_exclude, history_len=self.fp8_amax_history,
                       margin=self.fp8_margin)

@@ -28,10 +28,14 @@ from models.rope import inv_freq
 from parallel import comm
 from parallel.comm import Group
 from parallel.mappings import copy_to_tp, gather_from_sp
-from parallel.random import RNGTracker, make_tracker
+from parallel.random import RNGTracker, checkpoint, make_tracker
 from parallel.tensor_parallel import (ColumnParallelLinear, DefaultLinearImpl, LinearImpl, RowParallelLinear,
                                       TPReduce, VocabParallelEmbedding, check_ids, mark_replicated,
                                       vocab_parallel_cross_entropy)
+
+# Activation recompute (docs/memory.md): "selective" recomputes core attention in backward, "full" the
+# whole layer (keeping only its input).
+RECOMPUTE = ("none", "selective", "full")
 
 
 def _hidden_dropout(x, p: float, *, training: bool, partitioned: bool, rng: RNGTracker):
@@ -115,8 +119,15 @@ class TransformerLayer(nn.Module):
                                        linear_impl=linear_impl, rng=rng, **kw)
         self.post_attention_norm = Norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, **kw)
         self.mlp = MLP(cfg, layer_number=layer_number, tp_group=tp_group, init=init, linear_impl=linear_impl, **kw)
+        self.recompute = False  # full recompute of this layer in backward; set by TransformerStage
 
     def forward(self, x: torch.Tensor, *, rope, masks: AttentionMasks, kv_cache: KVCache | None = None) -> torch.Tensor:
+        if self.recompute and kv_cache is None and torch.is_grad_enabled():
+            # Only x (and the shared rope tables / masks) stay referenced; backward reruns the layer.
+            return checkpoint(self._forward, x, tracker=self.rng, rope=rope, masks=masks)
+        return self._forward(x, rope=rope, masks=masks, kv_cache=kv_cache)
+
+    def _forward(self, x: torch.Tensor, *, rope, masks, kv_cache: KVCache | None = None) -> torch.Tensor:
         drop = dict(training=self.training, partitioned=self.sequence_parallel, rng=self.rng)
         h = self.attention(self.input_norm(x), rope=rope, masks=masks, kv_cache=kv_cache)
         normed, x = self.post_attention_norm(_hidden_dropout(h, self.hidden_dropout, **drop), residual=x)
@@ -169,16 +180,18 @@ class TransformerStage(nn.Module):
     Attributes: ``config``, ``tp_group``, ``sequence_parallel``, ``layer_range``, ``pre_process``,
     ``post_process``, ``padded_vocab_size``, ``rng`` (the TP-aware RNG tracker; its states belong in
     checkpoints), ``layers`` (a ModuleDict keyed by the GLOBAL layer index), ``kernels`` and
-    ``fused_cross_entropy`` (see :func:`build_model`).
+    ``fused_cross_entropy``, ``recompute`` and ``recompute_num_layers`` (see :func:`build_model`).
     """
 
     def __init__(self, cfg: TransformerConfig, *, tp_group: Group, sequence_parallel: bool, pre_process: bool,
                  post_process: bool, layer_range: tuple[int, int], dtype, device, make_vocab_size_divisible_by: int,
                  seed: int, linear_impl: LinearImpl | None, kernels: str = "auto",
-                 fused_cross_entropy: bool | None = None):
+                 fused_cross_entropy: bool | None = None, recompute: str = "none",
+                 recompute_num_layers: int | None = None):
         super().__init__()
         cfg.check_tensor_parallel(tp_group.size)
         ops.check_backend(kernels)
+        check_recompute(recompute, recompute_num_layers)
         if fused_cross_entropy not in (None, True, False):
             raise ValueError(f"fused_cross_entropy={fused_cross_entropy!r} must be True, False or None "
                              "(None: fused on CUDA, unfused elsewhere)")
@@ -201,6 +214,10 @@ class TransformerStage(nn.Module):
             str(i): TransformerLayer(cfg, layer_number=i, init=init, linear_impl=self.linear_impl, rng=self.rng,
                                      kernels=kernels, **kw)
             for i in range(*layer_range)})
+        self.recompute, self.recompute_num_layers = recompute, recompute_num_layers
+        for k, layer in enumerate(self.layers.values()):  # k: the layer's index within this stage
+            layer.recompute = recompute == "full" and (recompute_num_layers is None or k < recompute_num_layers)
+            layer.attention.recompute_core_attention = recompute == "selective"
         self.final_norm = self.output_layer = None
         if post_process:
             self.final_norm = Norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, kernels=kernels,
@@ -408,11 +425,27 @@ def gather_logits(logits: torch.Tensor, tp_group: Group, *, vocab_size: int) -> 
     return full[..., :vocab_size]
 
 
+def check_recompute(recompute: str, recompute_num_layers: int | None) -> None:
+    """ValueError unless ``recompute`` is one of :data:`RECOMPUTE` and ``recompute_num_layers`` is None
+    or an int >= 1 given with "full" only."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r} is not valid; choose one of {list(RECOMPUTE)}")
+    if recompute_num_layers is None:
+        return
+    if recompute != "full":
+        raise ValueError(f"recompute_num_layers={recompute_num_layers} applies to full recompute only "
+                         f"(recompute={recompute!r}); set recompute='full' or leave recompute_num_layers unset")
+    if isinstance(recompute_num_layers, bool) or not isinstance(recompute_num_layers, int) or recompute_num_layers < 1:
+        raise ValueError(f"recompute_num_layers={recompute_num_layers!r} must be an int >= 1 (the first N layers "
+                         "of each stage are recomputed), or None for all")
+
+
 def build_model(hf_config: Mapping[str, Any] | TransformerConfig, *, tp_group: Group, sequence_parallel: bool = False,
                 pre_process: bool = True, post_process: bool = True, layer_range: tuple[int, int] | None = None,
                 dtype: torch.dtype | None = None, device=None, make_vocab_size_divisible_by: int = 128,
                 seed: int = 1234, linear_impl: LinearImpl | None = None, kernels: str = "auto",
-                fused_cross_entropy: bool | None = None) -> TransformerStage:
+                fused_cross_entropy: bool | None = None, recompute: str = "none",
+                recompute_num_layers: int | None = None) -> TransformerStage:
     """One pipeline stage of the model described by ``hf_config`` (a config.json dict).
 
     ``layer_range`` = (start, end) of GLOBAL layer indices (default all). Weights are initialised
@@ -421,6 +454,10 @@ def build_model(hf_config: Mapping[str, Any] | TransformerConfig, *, tp_group: G
     ``kernels``: "auto" (engine/ops' fused Triton kernels for RMSNorm, SwiGLU and RoPE on CUDA, the
     PyTorch references elsewhere), "triton" or "reference" (forced). ``fused_cross_entropy``: compute
     the loss with the chunked fused linear + cross-entropy (no logits tensor); None = on CUDA only.
+    ``recompute`` (activation recompute in backward, docs/memory.md): "none"; "selective" (core
+    attention of every layer); "full" (whole layers, keeping each one's input), of only the first
+    ``recompute_num_layers`` layers of this stage when set. Off under ``torch.no_grad`` and with a KV
+    cache; results are bitwise those of "none" (dropout masks replayed).
     """
     from models.registry import config_from_hf
 
@@ -435,4 +472,5 @@ def build_model(hf_config: Mapping[str, Any] | TransformerConfig, *, tp_group: G
     return TransformerStage(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel, pre_process=pre_process,
                             post_process=post_process, layer_range=(start, end), dtype=dtype, device=device,
                             make_vocab_size_divisible_by=make_vocab_size_divisible_by, seed=seed,
-                            linear_impl=linear_impl, kernels=kernels, fused_cross_entropy=fused_cross_entropy)
+                            linear_impl=linear_impl, kernels=kernels, fused_cross_entropy=fused_cross_entropy,
+                            recompute=recompute, recompute_num_layers=recompute_num_layers)

@@ -91,6 +91,26 @@ class RNGTracker:
         """Copies of every stream's state (uint8 tensors), for checkpoints."""
         return {k: v.clone() for k, v in self._states.items()}
 
+    def checkpoint_contexts(self):
+        """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: call it at
+        the checkpoint's start. It snapshots every stream now (the first pass then runs unchanged) and
+        returns ``(forward_ctx, recompute_ctx)``; the recompute runs from the snapshot, so dropout inside
+        :meth:`fork` draws the same masks again, and on exit the streams get back the states the first
+        pass left (the recompute does not advance them). torch's checkpoint replays the default
+        generator itself (``preserve_rng_state``); these streams it does not know."""
+        snapshot = dict(self._states)  # fork() replaces a stream's tensor, never mutates it: no clone needed
+
+        @contextlib.contextmanager
+        def replay():
+            advanced = dict(self._states)
+            self._states.update(snapshot)
+            try:
+                yield
+            finally:
+                self._states.update(advanced)
+
+        return contextlib.nullcontext(), replay()
+
     def set_states(self, states: Mapping[str, torch.Tensor]) -> None:
         """Restore streams from :meth:`get_states` output; the set of names must match."""
         if set(states) != set(self._states):
@@ -100,6 +120,19 @@ class RNGTracker:
             if not isinstance(v, torch.Tensor) or v.dtype != torch.uint8:
                 raise ValueError(f"RNG state {k!r} must be a uint8 tensor from get_states()")
             self._states[k] = v.clone()
+
+
+def checkpoint(fn, *args, tracker: RNGTracker | None, **kwargs):
+    """``fn(*args, **kwargs)`` under activation recompute: nothing ``fn`` saves for backward is kept
+    (only what its arguments reference), and backward runs ``fn`` again first. torch's non-reentrant
+    checkpoint, with the default generator replayed by torch and ``tracker``'s streams replayed by
+    :meth:`RNGTracker.checkpoint_contexts`, so every dropout mask of the recompute equals the first
+    pass's and the gradients are bitwise those of the plain run."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    context_fn = tracker.checkpoint_contexts if tracker is not None else None
+    extra = {"context_fn": context_fn} if context_fn is not None else {}
+    return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
 
 def model_parallel_seed(seed: int, *, tp_rank: int, offset: int = TP_SEED_OFFSET) -> int:
@@ -127,5 +160,5 @@ def seed_streams(seed: int, *, tp_rank: int, pp_rank: int = 0, device: torch.dev
     return make_tracker(stage_seed, tp_rank=tp_rank, device=device, offset=offset)
 
 
-__all__ = ["RNGTracker", "MODEL_PARALLEL_STREAM", "TP_SEED_OFFSET", "model_parallel_seed", "make_tracker",
+__all__ = ["RNGTracker", "checkpoint", "MODEL_PARALLEL_STREAM", "TP_SEED_OFFSET", "model_parallel_seed", "make_tracker",
            "seed_streams"]

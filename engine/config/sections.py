@@ -25,7 +25,7 @@ FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral")
 LEARNED_POSITION_FAMILIES = ("gpt2",)
 DTYPES = ("bf16", "fp32")
 KERNELS = BACKENDS  # model.kernels: engine/ops' backend choice
-RECOMPUTE = ("none",)  # "selective" and "full" come with activation recompute (not implemented yet)
+RECOMPUTE = ("none", "selective", "full")  # train.activation_checkpointing (docs/memory.md)
 PROGRESS_BAR = ("auto", "on", "off")
 FP8 = ("none",) + FP8_RECIPES  # model.fp8
 FP8_BACKENDS = ("tessel", "te")
@@ -286,8 +286,10 @@ class TrainConfig(Section):
     """The training loop. ``global_batch_size`` and ``micro_batch_size`` count sequences of
     ``seq_length`` tokens. Training stops after ``steps`` optimizer steps or, if set, once
     ``max_tokens`` tokens were consumed, whichever comes first. ``eval_interval=0`` disables
-    evaluation. ``activation_checkpointing``: only "none" today (activation recompute is not
-    implemented yet; other values are rejected rather than ignored). ``run_dir`` holds logs, the resolved config and, by default, checkpoints.
+    evaluation. ``activation_checkpointing`` (activation recompute, docs/memory.md): "none";
+    "selective" recomputes core attention in backward; "full" recomputes whole layers, keeping only
+    each layer's input, and with ``recompute_num_layers`` = N only the first N layers of each pipeline
+    stage (None: all). ``run_dir`` holds logs, the resolved config and, by default, checkpoints.
     """
 
     SECTION = "train"
@@ -302,6 +304,7 @@ class TrainConfig(Section):
     eval_iters: int = 10
     log_interval: int = 10
     activation_checkpointing: str = "none"
+    recompute_num_layers: int | None = None
     run_dir: str = "runs/tessel"
 
     def _validate(self) -> None:
@@ -319,10 +322,12 @@ class TrainConfig(Section):
         if self.eval_interval > 0 and self.eval_iters == 0:
             raise ValueError(f"train.eval_iters=0 with train.eval_interval={self.eval_interval}; "
                              "set train.eval_iters >= 1, or train.eval_interval=0 to disable eval")
-        if self.activation_checkpointing in ("selective", "full"):
-            raise ValueError(f"train.activation_checkpointing={self.activation_checkpointing!r} is not implemented "
-                             "yet (activation recompute is planned); set train.activation_checkpointing='none'")
         check_choice(self, "activation_checkpointing", RECOMPUTE)
+        check_min(self, "recompute_num_layers", 1, why="None recomputes every layer of a stage")
+        if self.recompute_num_layers is not None and self.activation_checkpointing != "full":
+            raise ValueError(f"train.recompute_num_layers={self.recompute_num_layers} applies to full recompute "
+                             f"only, but train.activation_checkpointing={self.activation_checkpointing!r}; set "
+                             "train.activation_checkpointing='full' or leave train.recompute_num_layers unset")
         check_nonempty(self, "run_dir")
 
 

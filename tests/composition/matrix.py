@@ -61,12 +61,14 @@ class Row:
     fp8: str = "none"  # model.fp8 recipe
     method: str = "pretrain"  # or a posttrain.method (sft, dpo, grpo) from a converted base
     lora: bool = False  # posttrain.lora.rank > 0: adapter-only checkpoints, exported merged
+    recompute: str = "none"  # train.activation_checkpointing (docs/memory.md)
 
     @property
     def name(self) -> str:
         return (f"{self.family}-{self.dtype}-{'tied' if self.tied else 'untied'}-{self.optimizer}-"
                 + str(self.layout).replace(" ", "-") + ("" if self.fp8 == "none" else f"-fp8{self.fp8}")
-                + ("" if self.method == "pretrain" else f"-{self.method}") + ("-lora" if self.lora else ""))
+                + ("" if self.method == "pretrain" else f"-{self.method}") + ("-lora" if self.lora else "")
+                + ("" if self.recompute == "none" else f"-recompute{self.recompute}"))
 
 
 def L(**kw) -> Layout:  # noqa: N802 - short constructor for the table below
@@ -104,6 +106,10 @@ DEFAULT_ROWS: tuple[Row, ...] = (
     Row(L(tp=2, pp=2, sp=True), "plain", method="sft", lora=True, reshard=L(dp=4), reshard_optimizer="zero1"),
     Row(L(dp=2, pp=2), "zero1", method="dpo", tied=True, reshard=L(dp=2, tp=2, sp=True)),
     Row(L(dp=2, tp=2, sp=True), "zero2", method="grpo", reshard=L(dp=2, pp=2), reshard_optimizer="plain"),
+    # Activation recompute (docs/memory.md): a training-time switch, nothing of it in checkpoints.
+    Row(L(tp=2, pp=2, sp=True), "plain", family="gpt2", recompute="selective", reshard=L(dp=4),
+        reshard_optimizer="zero1"),
+    Row(L(pp=2, vp=2, dp=2, schedule="interleaved"), "zero1", recompute="full", reshard=L(dp=2, tp=2, sp=True)),
 )
 METHODS = ("pretrain", "sft", "dpo", "grpo")
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
@@ -111,7 +117,7 @@ FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
 # Combinations refused at config time: (overrides, the message fragment the refusal must carry).
 REFUSED: tuple[tuple[tuple[str, ...], str], ...] = (
     (("parallel.cp=2",), "context parallelism is not implemented yet"),
-    (("train.activation_checkpointing=selective",), "is not implemented yet"),
+    (("train.activation_checkpointing=selective", "train.recompute_num_layers=1"), "applies to full recompute only"),
     (("optim.distributed=false", "optim.overlap_param_gather=true"), "overlap_param_gather"),
     (("model.fp8=tensorwise", "model.fp8_backend=te"), "Transformer Engine"),
     (("model.fp8=tensorwise", "model.fp8_exclude=[\"mlp.fc3\"]"), "match no linear"),
@@ -168,15 +174,15 @@ def full_rows() -> list[Row]:
 
 def table(results: dict[str, str] | None = None, rows=DEFAULT_ROWS) -> str:
     """A Markdown table of ``rows`` (with each row's result when given)."""
-    head = ("| # | method | family | dtype | fp8 | embeddings | optimizer | layout | resumes into | result |\n"
-            "|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| # | method | family | dtype | fp8 | recompute | embeddings | optimizer | layout | resumes into "
+            "| result |\n|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for i, r in enumerate(rows, 1):
         into = "—" if r.reshard is None else f"{r.reshard} ({r.reshard_optimizer or r.optimizer})"
         res = (results or {}).get(r.name, "")
         method = r.method + (" + LoRA" if r.lora else "")
-        lines.append(f"| {i} | {method} | {r.family} | {r.dtype} | {r.fp8} | {'tied' if r.tied else 'untied'} | "
-                     f"{r.optimizer} | {r.layout} | {into} | {res} |")
+        lines.append(f"| {i} | {method} | {r.family} | {r.dtype} | {r.fp8} | {r.recompute} | "
+                     f"{'tied' if r.tied else 'untied'} | {r.optimizer} | {r.layout} | {into} | {res} |")
     return "\n".join(lines)
 
 

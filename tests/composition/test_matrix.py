@@ -121,7 +121,8 @@ def _posttrain_base(row: Row, root: Path) -> Path:
 def _model_overrides(row: Row) -> list[str]:
     return ["model.vocab_size=257", "model.hidden_size=32", "model.num_layers=4", "model.ffn_hidden_size=64",
             "model.max_position_embeddings=64", f"model.dtype={row.dtype}",
-            f"model.tie_word_embeddings={str(row.tied).lower()}", f"model.fp8={row.fp8}", *MODEL[row.family]]
+            f"model.tie_word_embeddings={str(row.tied).lower()}", f"model.fp8={row.fp8}",
+            f"train.activation_checkpointing={row.recompute}", *MODEL[row.family]]
 
 
 def _overrides(row: Row, layout, optimizer: str, prefix: str, run_dir: str, *, max_steps: int | None = None):

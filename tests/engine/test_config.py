@@ -320,7 +320,10 @@ def test_toml_error_names_the_file(tmp_path):
     (["model.kernels=cuda"], "model.kernels='cuda' is not valid; choose one of: auto, triton, reference"),
     (["model.norm_eps=0"], "model.norm_eps=0.0 must be > 0"),
     (["model.preset=tiny"], "unknown key 'preset' in section [model]"),
-    (["train.activation_checkpointing=selective"], "'selective' is not implemented yet"),
+    (["train.activation_checkpointing=selective", "train.recompute_num_layers=1"],
+     "train.recompute_num_layers=1 applies to full recompute only"),
+    (["train.activation_checkpointing=full", "train.recompute_num_layers=0"],
+     "train.recompute_num_layers=0 must be >= 1"),
     (["model.make_vocab_size_divisible_by=0"], "model.make_vocab_size_divisible_by=0 must be >= 1"),
     # train / batch
     (["train.global_batch_size=10", "train.micro_batch_size=4"],

@@ -1,4 +1,4 @@
-"""Microbenchmarks of the fused ops (engine/ops) at Llama-3 8B / 70B layer sizes.
+"""Microbenchmarks of the fused ops (engine/ops) at Llama-3 8B / 70B layer sizes (and 1B: Llama-3.2).
 
 For every op and size it times forward, backward and forward+backward of:
   * ``tessel``  - the op's public function with backend="auto" (Triton on CUDA);
@@ -7,10 +7,10 @@ For every op and size it times forward, backward and forward+backward of:
   * ``liger``   - Liger-Kernel's op, when ``liger_kernel`` is importable (GPU only).
 Each row reports achieved GB/s of the op's minimum traffic (memory-bound ops) or model TFLOP/s
 (linear + cross-entropy: 2*T*H*V forward, 4*T*H*V backward) per phase, the fraction of this
-machine's ceiling measured in the same run (a device-to-device copy; a large bf16 matmul), the
-speed-up over ``eager``, and the peak extra memory of forward+backward, gradients of the inputs
-included: on CUDA from the caching allocator's statistics, on CPU from the profiler's record of
-every allocation and free of PyTorch's CPU allocator (``CPUMemoryPeak``).
+machine's ceiling measured in the same run (a device-to-device copy; a large matmul in the
+run's ``--dtype``), the speed-up over ``eager``, and the peak extra memory of forward+backward,
+gradients of the inputs included: on CUDA from the caching allocator's statistics, on CPU from the
+profiler's record of every allocation and free of PyTorch's CPU allocator (``CPUMemoryPeak``).
 
 CPU machines (no CUDA, or ``--cpu``) run a reduced mode: Llama-3 8B layer widths, 256 tokens, a
 32768 vocab, linear + CE in 16 chunks (as 8192 tokens in chunks of 512 on the GPU), and only the
@@ -18,9 +18,13 @@ reference paths (``tessel`` only where its CPU path differs from ``eager``: the 
 cross-entropy). CPU times are the calling thread's CPU time with one torch thread (ceilings
 measured the same way), so a busy shared machine does not distort them.
 
+``--dtype`` (bf16 by default, the GPU case; or fp32) is the dtype of every op's inputs and of the
+matmul ceiling. It exists for CPUs whose bf16 GEMM is far slower than their fp32 one (one
+measured 0.00075 bf16 TFLOP/s on one thread); the ceiling line printed first shows which it is.
+
     python tools/bench_kernels.py [--cpu] [--models 8b 70b] [--ops rmsnorm swiglu rope linear_ce]
-                                  [--tokens N] [--vocab N] [--ce-chunk N] [--reps N] [--warmup N]
-                                  [--no-compile] [--json PATH]
+                                  [--tokens N] [--vocab N] [--ce-chunk N] [--dtype bf16|fp32]
+                                  [--reps N] [--warmup N] [--no-compile] [--json PATH]
 """
 from __future__ import annotations
 
@@ -42,13 +46,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.ops import fused_linear_ce, rmsnorm, rope, swiglu  # noqa: E402  (modules)
 
-MODELS = {  # Llama-3 layer shapes (per device, no tensor parallelism)
+MODELS = {  # Llama-3 layer shapes (per device, no tensor parallelism); 1b is Llama-3.2 1B
+    "1b": dict(hidden=2048, ffn=8192, heads=32, kv_heads=8, head_dim=64, vocab=128256),
     "8b": dict(hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256),
     "70b": dict(hidden=8192, ffn=28672, heads=64, kv_heads=8, head_dim=128, vocab=128256),
 }
 CPU_VOCAB = 32768
 CPU_CE_CHUNKS = 16  # linear + CE chunks on CPU: the GPU default splits 8192 tokens into 16 of 512
 OPS = ("rmsnorm", "swiglu", "rope", "linear_ce")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -114,18 +120,19 @@ def time_fwd_bwd(fwd: Callable[[], object], bwd: Callable[[object], object], dev
             statistics.median(f + b for f, b in samples))
 
 
-def measure_ceilings(device: torch.device, *, reps: int) -> dict:
-    """Copy bandwidth (GB/s, read + write) and bf16 matmul rate (TFLOP/s) of this device."""
+def measure_ceilings(device: torch.device, *, reps: int, dtype: str = "bf16") -> dict:
+    """Copy bandwidth (GB/s, read + write) and the matmul rate (TFLOP/s) in ``dtype`` (a DTYPES
+    key: the dtype of the run's ops) of this device."""
     numel = (1 << 28) if device.type == "cuda" else (1 << 25)  # 1 GiB / 128 MiB of fp32
     src = torch.randn(numel, device=device)
     dst = torch.empty_like(src)
     copy_ms = time_ms(lambda: dst.copy_(src), device, warmup=2, reps=reps)
     n = 8192 if device.type == "cuda" else 1024
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    a = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
+    b = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
     mm_ms = time_ms(lambda: a @ b, device, warmup=2, reps=reps)
     return {"copy_GBps": 2 * numel * 4 / copy_ms / 1e6, "copy_bytes": 2 * numel * 4,
-            "matmul_bf16_TFLOPs": 2 * n ** 3 / mm_ms / 1e9, "matmul_n": n}
+            f"matmul_{dtype}_TFLOPs": 2 * n ** 3 / mm_ms / 1e9, "matmul_n": n, "matmul_dtype": dtype}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -205,10 +212,10 @@ def _rand(*shape, device, dtype=torch.bfloat16, scale=1.0):
     return (torch.randn(*shape, device=device) * scale).to(dtype)
 
 
-def case_rmsnorm(m, tokens, device, gpu, **_):
+def case_rmsnorm(m, tokens, device, gpu, *, dtype=torch.bfloat16, **_):
     h = m["hidden"]
-    x, r = _rand(tokens, h, device=device), _rand(tokens, h, device=device)
-    w = _rand(h, device=device, scale=0.1) + 1
+    x, r = _rand(tokens, h, device=device, dtype=dtype), _rand(tokens, h, device=device, dtype=dtype)
+    w = _rand(h, device=device, dtype=dtype, scale=0.1) + 1
     e = x.element_size()
     impls = {"eager": lambda x, r, w: rmsnorm.rms_norm_reference(x, w, 1e-5, residual=r)}
     if gpu:
@@ -227,9 +234,9 @@ def case_rmsnorm(m, tokens, device, gpu, **_):
                 impls, bytes_fwd=4 * tokens * h * e, bytes_bwd=4 * tokens * h * e)
 
 
-def case_swiglu(m, tokens, device, gpu, **_):
+def case_swiglu(m, tokens, device, gpu, *, dtype=torch.bfloat16, **_):
     i = m["ffn"]
-    x = _rand(tokens, 2 * i, device=device)
+    x = _rand(tokens, 2 * i, device=device, dtype=dtype)
     e = x.element_size()
     impls = {"eager": swiglu.swiglu_reference}
     if gpu:
@@ -238,14 +245,14 @@ def case_swiglu(m, tokens, device, gpu, **_):
             from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
             impls["liger"] = lambda x: LigerSiLUMulFunction.apply(x[:, :i], x[:, i:])
-    return Case("swiglu", "swiglu", "", [x], [_rand(tokens, i, device=device)], impls,
+    return Case("swiglu", "swiglu", "", [x], [_rand(tokens, i, device=device, dtype=dtype)], impls,
                 bytes_fwd=3 * tokens * i * e, bytes_bwd=5 * tokens * i * e)
 
 
-def case_rope(m, tokens, device, gpu, **_):
+def case_rope(m, tokens, device, gpu, *, dtype=torch.bfloat16, **_):
     s, b = tokens, 1
     nh, nkv, hd = m["heads"], m["kv_heads"], m["head_dim"]
-    q, k = _rand(s, b, nh, hd, device=device), _rand(s, b, nkv, hd, device=device)
+    q, k = _rand(s, b, nh, hd, device=device, dtype=dtype), _rand(s, b, nkv, hd, device=device, dtype=dtype)
     cos, sin = rope.rope_cos_sin(torch.arange(s, device=device), rope.rope_inv_freq(hd, 500000.0).to(device))
     e = q.element_size()
     impls = {"eager": lambda q, k: rope.apply_rope_reference(q, k, cos, sin)}
@@ -264,14 +271,14 @@ def case_rope(m, tokens, device, gpu, **_):
                 bytes_fwd=traffic, bytes_bwd=traffic)
 
 
-def case_linear_ce(m, tokens, device, gpu, *, vocab=None, ce_chunk=None):
+def case_linear_ce(m, tokens, device, gpu, *, vocab=None, ce_chunk=None, dtype=torch.bfloat16):
     """``vocab``: None = the model's (GPU) or CPU_VOCAB (CPU). ``ce_chunk``: tokens per chunk of
     the fused path; None = its own choice on GPU (~64M logits per chunk), tokens / CPU_CE_CHUNKS on CPU."""
     h = m["hidden"]
     v = vocab or (m["vocab"] if gpu else CPU_VOCAB)
     chunk = ce_chunk or (None if gpu else max(1, tokens // CPU_CE_CHUNKS))
-    x = _rand(tokens, h, device=device)
-    w = _rand(v, h, device=device, scale=h ** -0.5)
+    x = _rand(tokens, h, device=device, dtype=dtype)
+    w = _rand(v, h, device=device, dtype=dtype, scale=h ** -0.5)
     t = torch.randint(0, v, (tokens,), device=device)
     impls = {"eager": lambda x, w: fused_linear_ce.linear_cross_entropy_reference(x, w, t),
              "tessel": lambda x, w: fused_linear_ce.fused_linear_cross_entropy(x, w, t, chunk_size=chunk)}
@@ -337,7 +344,8 @@ def run_impl(case: Case, fn, device, *, warmup, reps) -> dict:
 def add_rates(row: dict, case: Case, ceilings: dict) -> None:
     """Per phase: the achieved rate and its percentage of the ceiling named in ``row["ceiling"]``."""
     if case.flops_fwd:
-        unit, ceiling, scale, work = "TFLOPs", "matmul_bf16_TFLOPs", 1e9, (case.flops_fwd, case.flops_bwd)
+        unit, ceiling, scale = "TFLOPs", f"matmul_{ceilings['matmul_dtype']}_TFLOPs", 1e9
+        work = (case.flops_fwd, case.flops_bwd)
     else:
         unit, ceiling, scale, work = "GBps", "copy_GBps", 1e6, (case.bytes_fwd, case.bytes_bwd)
     row["ceiling"] = ceiling
@@ -449,6 +457,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--ce-chunk", type=_positive, default=None,
                    help="tokens per chunk of the fused linear + CE (default: its own choice on GPU, "
                         f"tokens / {CPU_CE_CHUNKS} on CPU)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                   help="dtype of the ops' inputs and of the matmul ceiling (default bf16, the GPU "
+                        "case; fp32 for CPUs whose bf16 matmul is slow: see the ceiling line)")
     p.add_argument("--reps", type=_positive, default=None, help="timed repetitions (default 20 GPU, 5 CPU)")
     p.add_argument("--warmup", type=_non_negative, default=None,
                    help="untimed repetitions before timing (default 3 GPU, 1 CPU)")
@@ -473,17 +484,18 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if not gpu:
         torch.set_num_threads(1)  # thread CPU time then measures all of the op's work
     torch.manual_seed(0)
-    ceilings = measure_ceilings(device, reps=reps)
+    ceilings = measure_ceilings(device, reps=reps, dtype=args.dtype)
     device_name = torch.cuda.get_device_name(device) if gpu else platform.processor() or "cpu"
     print(f"device: {device_name} ({'GPU' if gpu else 'CPU reduced mode'}), torch {torch.__version__}, "
-          f"tokens {tokens}")
+          f"tokens {tokens}, dtype {args.dtype}")
     print(f"load average (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    print(f"ceilings: copy {ceilings['copy_GBps']:.1f} GB/s, bf16 matmul "
-          f"{ceilings['matmul_bf16_TFLOPs']:.3g} TFLOP/s (n={ceilings['matmul_n']})\n")
+    print(f"ceilings: copy {ceilings['copy_GBps']:.1f} GB/s, {args.dtype} matmul "
+          f"{ceilings[f'matmul_{args.dtype}_TFLOPs']:.3g} TFLOP/s (n={ceilings['matmul_n']})\n")
     rows = []
     for model in models:
         for op in args.ops:
-            case = BUILDERS[op](MODELS[model], tokens, device, gpu, vocab=args.vocab, ce_chunk=args.ce_chunk)
+            case = BUILDERS[op](MODELS[model], tokens, device, gpu, vocab=args.vocab, ce_chunk=args.ce_chunk,
+                                dtype=DTYPES[args.dtype])
             case.size = model
             rows += run_case(case, device, ceilings, warmup=warmup, reps=reps, use_compile=not args.no_compile)
             del case
@@ -501,7 +513,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "command": " ".join(["python", "tools/bench_kernels.py", *(argv if argv is not None else sys.argv[1:])]),
         "mode": "gpu" if gpu else "cpu-reduced", "device": device_name, "cpu_count": os.cpu_count(),
         "load_average_1_5_15": list(os.getloadavg()), "torch": torch.__version__, "tokens": tokens,
-        "reps": reps, "warmup": warmup,
+        "dtype": args.dtype, "reps": reps, "warmup": warmup,
         "timing": "CUDA events" if gpu else "thread CPU time, 1 torch thread",
         "peak_memory": ("torch.cuda.max_memory_allocated - allocated before" if gpu else
                         "profiler CPU allocator events (CPUMemoryPeak)"),

@@ -101,6 +101,7 @@ def test_printed_table_lists_every_op(tiny_run):
     (["--warmup", "-1"], "argument --warmup: expected an integer >= 0, got -1"),
     (["--ops", "softmax"], "argument --ops: invalid choice: 'softmax'"),
     (["--models", "405b"], "argument --models: invalid choice: '405b'"),
+    (["--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
     (["--json", "/nonexistent-dir/k.json"], "folder /nonexistent-dir does not exist"),
 ])
 def test_bad_arguments_fail_clearly(argv, message, capsys):
@@ -131,3 +132,26 @@ def test_cpu_memory_peak_sees_autograd_temporaries():
         y.backward(torch.ones_like(y))  # upstream ones 1 MiB, grad = ones * y: 1 MiB (kept as x.grad)
     assert 3 * (1 << 20) <= mem.peak_bytes <= 3 * (1 << 20) + 4096
     assert mem.end_bytes == 2 * (1 << 20)  # y and x.grad remain; the upstream ones are freed
+
+
+def test_fp32_dtype_reaches_inputs_and_ceiling(tmp_path):
+    """--dtype fp32: the linear + CE inputs are fp32 (their gradients' bytes say so) and the matmul
+    ceiling, the rows' rates and the printed ceiling line are fp32 too."""
+    path = tmp_path / "fp32.json"
+    cmd = [sys.executable, "tools/bench_kernels.py", "--cpu", "--ops", "linear_ce", "--dtype", "fp32",
+           "--tokens", str(TOKENS), "--vocab", str(VOCAB), "--reps", "1", "--warmup", "0",
+           "--no-compile", "--json", str(path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "dtype fp32" in proc.stdout and "fp32 matmul" in proc.stdout
+    with open(path) as f:
+        result = json.load(f)
+    assert result["dtype"] == "fp32" and result["ceilings"]["matmul_dtype"] == "fp32"
+    assert result["ceilings"]["matmul_fp32_TFLOPs"] > 0 and "matmul_bf16_TFLOPs" not in result["ceilings"]
+    assert {r["impl"] for r in result["rows"]} == {"eager", "tessel"}
+    for r in result["rows"]:
+        assert "error" not in r, r
+        assert r["ceiling"] == "matmul_fp32_TFLOPs"
+        assert r["input_grad_bytes"] == 4 * (TOKENS + VOCAB) * HIDDEN  # fp32 hidden and weight
+        assert r["total_pct_ceiling"] == pytest.approx(
+            100 * r["total_TFLOPs"] / result["ceilings"]["matmul_fp32_TFLOPs"], rel=1e-9)

@@ -221,15 +221,7 @@ def run_evaluate(argv: list[str] | None = None) -> dict:
                          "--nproc-per-node) or change --tp/--pp (evaluation runs with dp=1)")
     mesh = Mesh.build(ParallelDims(dp=1, pp=pp, tp=tp))
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    step_dir = resolve_checkpoint(args.ckpt)
-    meta = read_metadata(step_dir)
-    if args.config is not None:
-        with open(args.config) as f:
-            model_config = json.load(f)
-    elif meta.get("model_config"):
-        model_config = meta["model_config"]
-    else:
-        raise ValueError(f"checkpoint {step_dir} stores no model_config; pass --config CONFIG.JSON")
+    step_dir, meta, model_config = checkpoint_model_config(args.ckpt, args.config)
     cfg, stage = build_stage(model_config, mesh, opts, device=device)
     load_weights(stage, mesh, step_dir, meta, base=args.base, verify=not args.no_verify)
 
@@ -261,6 +253,19 @@ def run_evaluate(argv: list[str] | None = None) -> dict:
     if dist.is_initialized():
         dist.barrier()  # the logits file and JSON exist once every rank returns
     return result
+
+
+def checkpoint_model_config(ckpt: str, config_path: str | None) -> tuple[Path, dict, dict]:
+    """(step directory, metadata, model config.json dict) of checkpoint ``ckpt``; ``config_path`` (a
+    config.json) replaces the model_config the checkpoint stores."""
+    step_dir = resolve_checkpoint(ckpt)
+    meta = read_metadata(step_dir)
+    if config_path is not None:
+        with open(config_path) as f:
+            return step_dir, meta, json.load(f)
+    if not meta.get("model_config"):
+        raise ValueError(f"checkpoint {step_dir} stores no model_config; pass --config CONFIG.JSON")
+    return step_dir, meta, meta["model_config"]
 
 
 def load_weights(stage, mesh: Mesh, step_dir: Path, meta: dict, *, base: str | None, verify: bool) -> None:

@@ -34,11 +34,10 @@ if ROOT not in sys.path:  # runnable from a checkout without installing
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from engine.checkpoint import read_metadata, resolve_checkpoint  # noqa: E402
 from engine.posttrain.generate import check_generate_args, generate  # noqa: E402
 from parallel import comm  # noqa: E402
 from parallel.mesh import Mesh, ParallelDims, init_distributed  # noqa: E402
-from tools.evaluate import DTYPES, build_stage, cli, load_weights, read_token_file  # noqa: E402
+from tools.evaluate import DTYPES, build_stage, checkpoint_model_config, cli, load_weights, read_token_file  # noqa: E402,E501
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,15 +134,7 @@ def run_generate(argv: list[str] | None = None) -> dict:
     --records, ``"reward"``/``"rewards"`` for scored records) on every rank (collective)."""
     args = build_parser().parse_args(argv)
     opts = _options(args)
-    step_dir = resolve_checkpoint(args.ckpt)
-    meta = read_metadata(step_dir)
-    if args.config is not None:
-        with open(args.config) as f:
-            model_config = json.load(f)
-    elif meta.get("model_config"):
-        model_config = meta["model_config"]
-    else:
-        raise ValueError(f"checkpoint {step_dir} stores no model_config; pass --config CONFIG.JSON")
+    step_dir, meta, model_config = checkpoint_model_config(args.ckpt, args.config)
     from models import config_from_hf
 
     cfg = config_from_hf(model_config)

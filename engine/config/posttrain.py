@@ -6,6 +6,7 @@ tools/posttrain.py refuses one where it is: a key either works or is rejected.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from engine.config._fields import Section
@@ -138,6 +139,28 @@ class PosttrainConfig(Section):
         if self.method in ("dpo", "grpo") and self.pack:
             raise ValueError(f"posttrain.pack=true does not apply to {self.method}: each sequence is a padded row "
                              "of its own; remove posttrain.pack")
+        self._check_unused()
+
+    def _check_unused(self) -> None:
+        """A key another method reads is refused, not ignored."""
+        default = PosttrainConfig.__dataclass_fields__
+        if self.method == "none":
+            used = [k for k in default if k != "method" and getattr(self, k) != _default(default[k])]
+            if used:
+                raise ValueError(f"posttrain.{used[0]} is set but posttrain.method is 'none' (pretraining): set "
+                                 "posttrain.method and run tools/posttrain.py, or remove the [posttrain] keys")
+            return
+        for table, method in (("dpo", "dpo"), ("grpo", "grpo")):
+            if self.method != method and getattr(self, table) != _default(default[table]):
+                raise ValueError(f"[posttrain.{table}] is set but posttrain.method={self.method!r}: it applies to "
+                                 f"posttrain.method='{method}' only; remove it")
+        if self.method == "grpo" and self.truncate:
+            raise ValueError("posttrain.truncate does not apply to grpo (a prompt is never cut: it must leave room "
+                             "for posttrain.grpo.max_new_tokens); remove it")
+
+
+def _default(f):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
     @property
     def packed(self) -> bool:

@@ -345,7 +345,23 @@ def test_memory_plan_counts_a_lora_base_as_weights_only():
     full_cfg = load_config("llama3_8b", sets)
     model = ModelHook.from_run_config(full_cfg, tokenizer_vocab=None)
     full = memory_plan(full_cfg, model, world=1, available=40 * 10**9)
-    lora = memory_plan(load_config("llama3_8b", sets + ["posttrain.lora.rank=8"]), model, world=1,
+    lora = memory_plan(load_config("llama3_8b", sets + ["posttrain.method=sft", "posttrain.data=chat.jsonl",
+                                                         "posttrain.lora.rank=8"]), model, world=1,
                        available=40 * 10**9)
     assert not full.fits and full.bytes_per_param == 18
     assert lora.fits and lora.bytes_per_param == 2 and "frozen weights under LoRA adapters" in lora.line()
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["posttrain.lora.rank=4"], r"posttrain.lora is set but posttrain.method is 'none'"),
+    (["posttrain.method=sft", "posttrain.data=x.jsonl", "posttrain.grpo.group_size=8"],
+     r"\[posttrain.grpo\] is set but posttrain.method='sft'"),
+    (["posttrain.method=grpo", "posttrain.data=x.jsonl", "posttrain.truncate=true"],
+     "posttrain.truncate does not apply to grpo"),
+    (["posttrain.method=dpo", "posttrain.data=x.jsonl", "posttrain.pack=true"], "posttrain.pack=true does not apply"),
+])
+def test_keys_another_method_reads_are_refused(sets, message):
+    from engine.config import load_config
+
+    with pytest.raises(ValueError, match=message):
+        load_config("tiny_llama_cpu", sets)

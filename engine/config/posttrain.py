@@ -158,10 +158,11 @@ class PosttrainConfig(Section):
             raise ValueError("posttrain.truncate does not apply to grpo (a prompt is never cut: it must leave room "
                              "for posttrain.grpo.max_new_tokens); remove it")
 
+    @property
+    def packed(self) -> bool:
+        return self.method == "sft" and self.pack is not False
+
 
 def _default(f):
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
-    @property
-    def packed(self) -> bool:
-        return self.method == "sft" and self.pack is not False

@@ -156,18 +156,23 @@ class Trainer:
         preference pairs) or, for pretraining batches, its loss tokens."""
         return batch["units"].sum() if "units" in batch else batch["loss_mask"].sum()
 
-    def _forward_step(self, micro: list[dict[str, torch.Tensor]], weights: list[float] | None = None):
+    def _stage_step(self, micro: list[dict[str, torch.Tensor]], on_last: Callable[[torch.Tensor, dict, int], torch.Tensor]):
+        """The runtime's ``forward_step``: each chunk's input routing, and on the last stage
+        ``on_last(token_losses (b, s) masked, batch, index)`` turns the per-token losses into the scalar."""
         last = self.num_stages - 1
 
         def step(chunk: int, x, mb: int):
-            stage = self.my_stages[chunk]
-            batch = micro[mb]
-            module = self.chunks[chunk]
+            stage, batch, module = self.my_stages[chunk], micro[mb], self.chunks[chunk]
             inp = batch["tokens"] if stage == 0 else x
             if stage != last:
                 return module(inp, position_ids=batch["position_ids"])
             loss = module(inp, labels=batch["labels"], position_ids=batch["position_ids"],
                           loss_mask=batch["loss_mask"])  # (b, s), masked
+            return on_last(loss, batch, mb)
+        return step
+
+    def _forward_step(self, micro: list[dict[str, torch.Tensor]], weights: list[float] | None = None):
+        def loss_of(loss: torch.Tensor, batch: dict, mb: int) -> torch.Tensor:
             if self.objective is None:
                 total = loss.sum()
             else:
@@ -176,7 +181,19 @@ class Trainer:
                     self._stats[k] = self._stats.get(k, 0.0) + v.detach().to(torch.float64)
             mean = total / self._units(batch).clamp(min=1)
             return mean if weights is None else mean * weights[mb]
-        return step
+        return self._stage_step(micro, loss_of)
+
+    def _forward_only(self, micro: list[dict[str, torch.Tensor]], step):
+        """The forward-only schedule over this rank's micro-batches, in eval mode, after the parameters'
+        post-step all-gather has landed."""
+        self.ddp.finish_param_sync()
+        self.chunks.eval()
+        try:
+            return run_schedule(self.eval_schedule, rank=self.pp_rank, pp_group=self.mesh.pp, forward_step=step,
+                                act_shape=self.act_shape, dtype=self.dtype, device=self.device,
+                                early_recv=self.cfg.parallel.p2p_early_recv)
+        finally:
+            self.chunks.train()
 
     def _pipeline(self, micro, *, train: bool) -> list[float]:
         weights = self._loss_weights(micro)
@@ -245,19 +262,10 @@ class Trainer:
     def evaluate(self, loader, iters: int, *, metrics: dict | None = None) -> float:
         """Mean over ``iters`` global batches of ``loader`` of each batch's token-weighted loss: the
         forward-only schedule, pipelined across micro-batches, through the same runtime as training."""
-        self.ddp.finish_param_sync()
-        self.chunks.eval()
         losses = []
-        try:
-            for _ in range(iters):
-                micro = [self._to_device(next(loader)) for _ in range(self.num_micro)]
-                res = run_schedule(self.eval_schedule, rank=self.pp_rank, pp_group=self.mesh.pp,
-                                   forward_step=self._forward_step(micro, self._loss_weights(micro)),
-                                   act_shape=self.act_shape, dtype=self.dtype, device=self.device,
-                                   early_recv=self.cfg.parallel.p2p_early_recv)
-                losses += res.losses
-        finally:
-            self.chunks.train()
+        for _ in range(iters):
+            micro = [self._to_device(next(loader)) for _ in range(self.num_micro)]
+            losses += self._forward_only(micro, self._forward_step(micro, self._loss_weights(micro))).losses
         loss = self._global_mean_loss(losses)
         extra = self._objective_metrics()
         if metrics is not None and extra:
@@ -273,26 +281,12 @@ class Trainer:
         from the model, e.g. DPO's reference log-probabilities (collective over pp)."""
         if len(micro) != self.num_micro:
             raise ValueError(f"forward_token_losses takes {self.num_micro} micro-batches (the schedule's), got {len(micro)}")
-        self.ddp.finish_param_sync()
-        self.chunks.eval()
-        last = self.num_stages - 1
         micro = [self._to_device(mb) for mb in micro]
 
-        def step(chunk: int, x, mb: int):
-            stage, batch, module = self.my_stages[chunk], micro[mb], self.chunks[chunk]
-            inp = batch["tokens"] if stage == 0 else x
-            if stage != last:
-                return module(inp, position_ids=batch["position_ids"])
-            loss = module(inp, labels=batch["labels"], position_ids=batch["position_ids"],
-                          loss_mask=batch["loss_mask"])  # (b, s)
+        def last(loss, batch, mb):
             on_last(loss, batch, mb)
             return loss.sum() * 0.0
-        try:
-            run_schedule(self.eval_schedule, rank=self.pp_rank, pp_group=self.mesh.pp, forward_step=step,
-                         act_shape=self.act_shape, dtype=self.dtype, device=self.device,
-                         early_recv=self.cfg.parallel.p2p_early_recv)
-        finally:
-            self.chunks.train()
+        self._forward_only(micro, self._stage_step(micro, last))
 
     # -- the loop -------------------------------------------------------------------------------------
     def _install_signal_handlers(self):

@@ -213,14 +213,8 @@ def run_evaluate(argv: list[str] | None = None) -> dict:
     """Everything but the process exit: returns the result dict on every rank (collective)."""
     args = build_parser().parse_args(argv)
     opts = resolve_options(args)
-    init_distributed()
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    mesh, device = launch_mesh(opts, what="evaluation")
     tp, pp = opts["tp"], opts["pp"]
-    if world != tp * pp:
-        raise ValueError(f"world size {world} != tp*pp = {tp}*{pp}; launch {tp * pp} processes (torchrun "
-                         "--nproc-per-node) or change --tp/--pp (evaluation runs with dp=1)")
-    mesh = Mesh.build(ParallelDims(dp=1, pp=pp, tp=tp))
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     step_dir, meta, model_config = checkpoint_model_config(args.ckpt, args.config)
     cfg, stage = build_stage(model_config, mesh, opts, device=device)
     load_weights(stage, mesh, step_dir, meta, base=args.base, verify=not args.no_verify)
@@ -253,6 +247,18 @@ def run_evaluate(argv: list[str] | None = None) -> dict:
     if dist.is_initialized():
         dist.barrier()  # the logits file and JSON exist once every rank returns
     return result
+
+
+def launch_mesh(opts: dict, *, what: str) -> tuple[Mesh, torch.device]:
+    """The process group and the tp x pp mesh (dp = 1) of a forward-only tool, and this rank's device."""
+    init_distributed()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    tp, pp = opts["tp"], opts["pp"]
+    if world != tp * pp:
+        raise ValueError(f"world size {world} != tp*pp = {tp}*{pp}; launch {tp * pp} processes (torchrun "
+                         f"--nproc-per-node) or change --tp/--pp ({what} runs with dp=1)")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return Mesh.build(ParallelDims(dp=1, pp=pp, tp=tp)), device
 
 
 def checkpoint_model_config(ckpt: str, config_path: str | None) -> tuple[Path, dict, dict]:

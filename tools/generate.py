@@ -31,13 +31,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # runnable from a checkout without installing
     sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 from engine.posttrain.generate import check_generate_args, generate  # noqa: E402
 from parallel import comm  # noqa: E402
-from parallel.mesh import Mesh, ParallelDims, init_distributed  # noqa: E402
-from tools.evaluate import DTYPES, build_stage, checkpoint_model_config, cli, load_weights, read_token_file  # noqa: E402,E501
+from tools.evaluate import (DTYPES, build_stage, checkpoint_model_config, cli, launch_mesh,  # noqa: E402
+                            load_weights, read_token_file)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,14 +147,8 @@ def run_generate(argv: list[str] | None = None) -> dict:
         registry = reward_registry(args.reward_module)
         registry.check_records(scored)
     check_generate_args(prompts, vocab_size=cfg.vocab_size, max_positions=cfg.max_position_embeddings, **sampling)
-    init_distributed()
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    mesh, device = launch_mesh(opts, what="generation")
     tp, pp = opts["tp"], opts["pp"]
-    if world != tp * pp:
-        raise ValueError(f"world size {world} != tp*pp = {tp}*{pp}; launch {tp * pp} processes (torchrun "
-                         "--nproc-per-node) or change --tp/--pp (generation runs with dp=1)")
-    mesh = Mesh.build(ParallelDims(dp=1, pp=pp, tp=tp))
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     _, stage = build_stage(model_config, mesh, opts, device=device)
     load_weights(stage, mesh, step_dir, meta, base=args.base, verify=not args.no_verify)
     out = generate(stage, mesh=mesh, prompts=prompts, **sampling)

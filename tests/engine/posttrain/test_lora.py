@@ -66,13 +66,25 @@ def _adapter_step(family, tp_group, sp, *, targets="all", dropout=0.0):
     a_init = {n: full_param(p, tp_group) for n, p in stage.named_parameters() if n.endswith("lora_A")}
     fill_b(stage)
     torch.manual_seed(11)  # the default stream: adapter dropout of replicated inputs
+    def tp_sent():
+        return tp_group.ledger.total("sent_bytes", axis="tp")
+    t0 = tp_sent()
     loss = stage(ids, labels=labels)
+    t1 = tp_sent()
     loss.sum().backward()
+    lora_bytes = (t1 - t0, tp_sent() - t1)  # (forward, backward)
     assert all(p.grad is None for n, p in stage.named_parameters() if "lora_" not in n)
+    base = build_model(config(family), tp_group=tp_group, sequence_parallel=sp, seed=SEED)
+    t0 = tp_sent()
+    base_loss = base(ids, labels=labels)
+    t1 = tp_sent()
+    base_loss.sum().backward()
+    base_bytes = (t1 - t0, tp_sent() - t1)
     allreduce_sequence_parallel_grads(stage, tp_group)
     grads = {n: full_param(p, tp_group, grad=True) for n, p in stage.named_parameters() if p.requires_grad}
     local = {n: p.grad.clone() for n, p in stage.named_parameters() if p.requires_grad and not p.tensor_parallel}
-    return {"names": names, "loss": loss.detach(), "grads": grads, "a_init": a_init, "replicated": local}
+    return {"names": names, "loss": loss.detach(), "grads": grads, "a_init": a_init, "replicated": local,
+            "tp_bytes": (lora_bytes, base_bytes)}
 
 
 # -- the trainer: adapter-only checkpoints ------------------------------------------------------------
@@ -215,6 +227,22 @@ def test_tp2_equals_tp1(dist_results, references, family, sp):
     assert sorted(res[0]["replicated"]) == sorted(res[1]["replicated"])
     for n, g in res[0]["replicated"].items():
         assert torch.equal(g, res[1]["replicated"][n]), n
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("sp", [False, True])
+def test_adapters_add_no_tp_communication(dist_results, family, sp):
+    """Forward: a row adapter's term joins the base's partial sum before its one reduction (no bytes); a
+    column adapter without SP reads the replicated input (no bytes), with SP it all-gathers its (s/tp, b, r)
+    down-projection: (tp-1)/tp * s*b*r*4 bytes sent per column target, exactly. Backward: fewer bytes than
+    full fine-tuning (a frozen base has no weight gradient, so no re-gather of SP inputs, and no input
+    gradient below the first layer)."""
+    tp, layers, column_targets = 2, config(family)["num_hidden_layers" if family == "llama" else "n_layer"], 2
+    extra = layers * column_targets * (tp - 1) / tp * S * B * RANK * 4 if sp else 0  # qkv, fc1 per layer
+    for rank in range(2):
+        (lora_fwd, lora_bwd), (base_fwd, base_bwd) = dist_results[rank]["step", family, sp]["tp_bytes"]
+        assert lora_fwd == base_fwd + extra and base_fwd > 0
+        assert 0 < lora_bwd < base_bwd
 
 
 def test_column_dropout_mask_is_the_same_on_every_tp_rank(dist_results, references):

@@ -360,9 +360,10 @@ class Optimizer:
         self.clip_grad = float(clip_grad)
         self.nonfinite = nonfinite
         self.tp_group, self.pp_group = tp_group, pp_group
-        self.param_groups = build_param_groups(ddp.module, weight_decay=weight_decay, no_decay_on=no_decay_on,
-                                               no_decay_patterns=no_decay_patterns)
-        self.device = ddp.flat_buffers[0].param_data.device
+        with ddp.full_shapes():  # ZeRO-3: groups go by shape (matrices decay, vectors not)
+            self.param_groups = build_param_groups(ddp.module, weight_decay=weight_decay, no_decay_on=no_decay_on,
+                                                   no_decay_patterns=no_decay_patterns)
+        self.device = ddp.flat_buffers[0].device
         self.impl, kernel = resolve_adamw(impl, device=self.device)
         self.dist = DistributedOptimizer(ddp, param_groups=self.param_groups, update_fn=kernel, betas=betas, eps=eps,
                                          update_writes_bf16=self.impl == "fused_op")

@@ -295,13 +295,23 @@ def all_reduce(t: torch.Tensor, group: Group, *, op: str = "sum", async_op: bool
 
 
 @_blocking
-def all_gather(t: torch.Tensor, group: Group, *, dim: int = 0, async_op: bool = False):
+def all_gather(t: torch.Tensor, group: Group, *, dim: int = 0, async_op: bool = False,
+               out: torch.Tensor | None = None):
     """Concatenate every rank's ``t`` along ``dim`` (rank order). Returns the gathered tensor.
 
     With ``async_op`` returns ``(tensor, work)``; the tensor is valid after ``work.wait()``
-    (only ``dim=0`` supports async).
+    (only ``dim=0`` supports async). ``out`` (``dim=0`` only): a contiguous tensor of the gathered
+    shape and ``t``'s dtype to write into (ZeRO-3 gathers into storage that parameters view).
     """
+    if out is not None:
+        want = (t.shape[0] * group.size, *t.shape[1:])
+        if dim % max(t.dim(), 1) != 0 or tuple(out.shape) != want or out.dtype != t.dtype or not out.is_contiguous():
+            raise ValueError(f"all_gather(out=...) needs dim=0 and a contiguous {t.dtype} tensor of shape {want}; "
+                             f"got dim={dim}, {tuple(out.shape)} {out.dtype}")
     if group.size == 1:
+        if out is not None:
+            out.copy_(t)
+            t = out
         return (t, _Done()) if async_op else t
     p = group.size
     t = t.contiguous()
@@ -310,7 +320,8 @@ def all_gather(t: torch.Tensor, group: Group, *, dim: int = 0, async_op: bool = 
     out_shape = list(t.shape)
     out_shape[0] *= p
     if dim == 0:
-        out = torch.empty(out_shape, dtype=t.dtype, device=t.device)
+        if out is None:
+            out = torch.empty(out_shape, dtype=t.dtype, device=t.device)
         work = _all_gather_flat(out, t, group=group.pg, async_op=async_op)
         _record(group, "all_gather", n, (p - 1) * n, (p - 1) * n, t.dtype)
         return (out, work) if async_op else out

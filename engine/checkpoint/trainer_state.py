@@ -7,7 +7,8 @@ What is saved (keys are layout-independent):
   the module list is dropped: model layers carry GLOBAL layer indices, so a layer keeps its key
   whichever stage holds it). The last stage's copy of a tied embedding (``output_layer.weight``
   with ``shared_embedding``) is a replica of ``embedding.word_embeddings.weight``; vocab-padded
-  tensors may change their padding between layouts.
+  tensors may change their padding between layouts. Under ZeRO-3 each rank writes the flat pieces of
+  its parameter shards (like the optimizer state), which load into any layout and ZeRO stage.
 * ``optimizer.{master,exp_avg,exp_avg_sq}.<name>``: the distributed optimizer's flat shards
   (``DistributedOptimizer.state_shards``), as flat ranges of each parameter's local tensor.
 * trainer state (JSON), composed from each component's ``state_dict()``: the trainer's step and
@@ -72,15 +73,20 @@ def trainer_tensors(trainer, *, hook: Callable | None = None, optimizer: bool = 
     """ShardedTensors viewing the trainer's parameters (those ``params`` selects) and (with
     ``optimizer``) its optimizer state."""
     ctx = ShardingContext.from_mesh(trainer.mesh)
-    layouts = module_layouts(trainer.chunks, ctx=ctx, hook=select_params(_hook(trainer, hook), params))
+    with trainer.ddp.full_shapes():  # ZeRO-3: layouts need the full shapes, not the data
+        layouts = module_layouts(trainer.chunks, ctx=ctx, hook=select_params(_hook(trainer, hook), params))
     if not layouts:
         raise ValueError(f"params={params!r} selects none of this rank's parameters (every one is "
                          f"{'frozen' if params == 'trainable' else 'trainable'}): without LoRA adapters use "
                          "params='all'")
     by_name = dict(trainer.chunks.named_parameters())
     out: list[ShardedTensor] = []
+    zero3 = _zero3_param_shards(trainer.ddp, layouts)
     for name, layout in layouts.items():
-        out.extend(layout.sharded(by_name[name].detach(), prefix="model."))
+        if name in zero3:
+            out.extend(zero3[name])
+        else:
+            out.extend(layout.sharded(by_name[name].detach(), prefix="model."))
     # FP8 delayed-scaling state (amax histories, scales, update counts): identical on every TP and
     # DP replica (reduced each step), keyed by the layer's global name; replica 0 writes.
     replica = ctx.replica_rank * ctx.tp_size + ctx.tp_rank
@@ -94,6 +100,28 @@ def trainer_tensors(trainer, *, hook: Callable | None = None, optimizer: bool = 
             shards = [FlatShard(start=s, end=e, states=states) for s, e, states in buf["shards"]]
             out.extend(flat_buffer_sharded_tensors(placements, shards, prefix="optimizer.",
                                                    dp_replicated=buf["dp_replicated"]))
+    return out
+
+
+def _zero3_param_shards(ddp, layouts: dict) -> dict[str, list[ShardedTensor]]:
+    """ZeRO-3: the parameters live as this rank's flat shard of each bucket; each parameter's piece of
+    it becomes ``model.<key>`` pieces with flat ranges (like the optimizer's state), so a checkpoint
+    holds the same logical tensors as any other layout and reshards to any of them. Empty otherwise."""
+    if getattr(ddp, "zero_stage", 0) != 3:
+        return {}
+    out: dict[str, list[ShardedTensor]] = {}
+    for buf, b in ddp.buckets():
+        lo, hi = ddp.owned_range(b)
+        shard = ddp.owned_params(buf, b)
+        for p, (ps, pe) in zip(b.params, b.ranges):
+            name = ddp.param_names[id(p)]
+            if name not in layouts:
+                continue
+            pieces = out.setdefault(name, [])
+            a, z = max(ps, lo), min(pe, hi)
+            if a < z:  # tp_replica_id: dp ranks hold disjoint pieces, TP replicas write once
+                pieces.extend(layouts[name].sharded_flat(shard[a - lo:z - lo], start=a - ps, end=z - ps,
+                                                         prefix="model."))
     return out
 
 

@@ -340,7 +340,8 @@ class OptimConfig(Section):
     last ``wsd_decay_fraction`` of the steps. ``clip_grad=0`` disables clipping.
     ``distributed`` shards the optimizer state over data-parallel ranks: ``zero_stage`` 1 keeps
     the full fp32 gradient buffer, 2 keeps only each rank's gradient shard between micro-batches'
-    reductions (see docs/data_parallel.md); ``overlap_param_gather`` needs it.
+    reductions, 3 shards the parameters too and gathers them layer by layer (see
+    docs/data_parallel.md and docs/memory.md); ``overlap_param_gather`` needs it (stages 1 and 2).
     ``overlap_grad_reduce`` launches each bucket's reduction from backward hooks on the last
     micro-batch. ``no_decay_on`` lists parameter groups exempt from weight
     decay (norms, biases, embeddings). ``nonfinite``: on an inf/nan gradient norm, ``skip`` the
@@ -386,9 +387,14 @@ class OptimConfig(Section):
                              "1]; e.g. 0.2 decays over the last 20% of the steps")
         check_min(self, "clip_grad", 0.0, why="0 disables clipping")
         check_positive(self, "bucket_size_mb")
-        if self.zero_stage not in (1, 2):
-            raise ValueError(f"optim.zero_stage={self.zero_stage!r} must be 1 (sharded optimizer state) or 2 "
-                             "(also sharded gradients); it applies when optim.distributed=true")
+        if self.zero_stage not in (1, 2, 3):
+            raise ValueError(f"optim.zero_stage={self.zero_stage!r} must be 1 (sharded optimizer state), 2 (also "
+                             "sharded gradients) or 3 (also sharded parameters); it applies when "
+                             "optim.distributed=true")
+        if self.zero_stage == 3 and self.overlap_param_gather:
+            raise ValueError("optim.overlap_param_gather=true is for zero_stage 1 and 2 (the post-step parameter "
+                             "gather); zero_stage=3 gathers each layer before use and prefetches the next one "
+                             "itself: set optim.overlap_param_gather=false")
         if self.overlap_param_gather and not self.distributed:
             raise ValueError("optim.overlap_param_gather=true needs the sharded optimizer; set "
                              "optim.distributed=true or optim.overlap_param_gather=false")

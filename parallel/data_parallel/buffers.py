@@ -17,6 +17,12 @@ Layout (one :class:`ParamAndGradBuffer` per parameter dtype):
   whatever the parameter dtype. With ``grads="lazy"`` (ZeRO-2) there is no persistent full buffer:
   each bucket allocates its fp32 gradients when its first gradient arrives and frees them once
   its reduce-scatter has completed (see :mod:`parallel.data_parallel.ddp`).
+* ZeRO-3 (``shard_params=True``): ``param_data`` holds only this rank's ``1/dp`` of each bucket
+  (bucket ``b``'s shard at ``[b.start/dp, b.end/dp)``). Each bucket keeps a full-size tensor
+  ``bucket.full`` whose *storage* is allocated while the bucket is gathered and resized to zero
+  bytes otherwise; every parameter's storage is a view into it. Views that autograd saved in
+  forward (``weight.t()``...) share that storage, so re-gathering into it before backward makes
+  them valid again without touching the graph (:mod:`parallel.data_parallel.zero3`).
 """
 from __future__ import annotations
 
@@ -136,6 +142,9 @@ class Bucket:
     out: torch.Tensor | None = None
     gather_work: object = None
     gather_out: torch.Tensor | None = None
+    # ZeRO-3: the gathered parameters (storage freed when not gathered: never in a repr)
+    full: torch.Tensor | None = field(default=None, repr=False)
+    unit: int = -1  # ZeRO-3: the gather unit (a layer, or a chunk's other parameters) it belongs to
 
     @property
     def numel(self) -> int:
@@ -155,9 +164,11 @@ class ParamAndGradBuffer:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], *, dtype: torch.dtype, bucket_size: int | None,
                  dp: int, align: int, grads: str, separate: Sequence[bool] | None = None,
-                 groups: Sequence[int] | None = None):
+                 groups: Sequence[int] | None = None, shard_params: bool = False):
         if grads not in ("full", "lazy"):
             raise ValueError(f"grads={grads!r}: use 'full' (persistent fp32 buffer) or 'lazy' (per bucket)")
+        if shard_params and grads != "lazy":
+            raise ValueError("shard_params=True (ZeRO-3) keeps no full gradient buffer: use grads='lazy'")
         if not params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
         placed = list(reversed(list(params)))  # placement order = expected gradient order
@@ -170,34 +181,67 @@ class ParamAndGradBuffer:
         self.numel = total
         self.numel_unpadded = sum(p.numel() for p in placed)
         self.lazy = grads == "lazy"
-        self.param_data = torch.zeros(total, dtype=dtype, device=device)
+        self.device = device
+        self.dp = dp
+        self.shard_params = shard_params
         self.grad_data = None if self.lazy else torch.zeros(total, dtype=GRAD_DTYPE, device=device)
+        # ZeRO-3: no flat buffer of the full parameters; each bucket gets a tensor of its own (its
+        # storage is freed by shard_out() and re-allocated by each gather), param_data comes later.
+        fulls = ([torch.zeros(plan.numel, dtype=dtype, device=device) for plan in plans] if shard_params
+                 else None)
+        self.param_data = None if shard_params else torch.zeros(total, dtype=dtype, device=device)
+        bucket_of = {i: k for k, plan in enumerate(plans) for i in plan.members}
         self.offsets: dict[int, tuple[int, int]] = {}
         with torch.no_grad():
-            for p, (s, e) in zip(placed, offsets):
+            for i, (p, (s, e)) in enumerate(zip(placed, offsets)):
                 assert p.dtype == dtype and p.device == device, (p.dtype, p.device)
-                self.param_data[s:e].copy_(p.data.view(-1))
-                p.data = self.param_data[s:e].view(p.shape)
+                if shard_params:
+                    k = bucket_of[i]
+                    view = fulls[k][s - plans[k].start:e - plans[k].start]
+                else:
+                    view = self.param_data[s:e]
+                view.copy_(p.data.view(-1))
+                p.data = view.view(p.shape)
                 self.offsets[id(p)] = (s, e)
                 if not self.lazy:
                     p.main_grad = self.grad_data[s:e].view(p.shape)
                 else:
                     p.main_grad = None
         self.buckets: list[Bucket] = []
-        for plan in plans:
+        for k, plan in enumerate(plans):
             members = [placed[i] for i in plan.members]
             b = Bucket(index=plan.index, start=plan.start, end=plan.end, params=members,
                        ranges=[(offsets[i][0] - plan.start, offsets[i][1] - plan.start) for i in plan.members],
                        deferred=bool(sep is not None and any(sep[i] for i in plan.members)),
-                       group=grp[plan.members[0]] if grp is not None else 0)
+                       group=grp[plan.members[0]] if grp is not None else 0,
+                       full=fulls[k] if shard_params else None)
             if not self.lazy:
                 b.grad = self.grad_data[plan.start:plan.end]
             b.reset_pending()
             self.buckets.append(b)
 
+    def shard_out(self, dp_rank: int) -> None:
+        """ZeRO-3: keep this rank's ``1/dp`` of every bucket in ``param_data`` and free the buckets'
+        full parameters (call after the replicas agree, e.g. after the construction broadcast)."""
+        assert self.shard_params and self.param_data is None
+        self.param_data = torch.empty(self.numel // self.dp, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for b in self.buckets:
+                n = b.numel // self.dp
+                self.param_data[b.start // self.dp:b.end // self.dp].copy_(b.full[dp_rank * n:(dp_rank + 1) * n])
+                free_storage(b.full)
+
     def param_region(self, bucket: Bucket) -> torch.Tensor:
-        """The bucket's slice of the parameter buffer (a view)."""
-        return self.param_data[bucket.start:bucket.end]
+        """The bucket's slice of the parameter buffer (a view); ZeRO-3: its full (gathered) tensor."""
+        return bucket.full if self.shard_params else self.param_data[bucket.start:bucket.end]
+
+    def owned_params(self, bucket: Bucket, lo: int, hi: int) -> torch.Tensor:
+        """This rank's owned range ``[lo, hi)`` (bucket-relative) of the parameters, as stored: a view
+        of ``param_data`` (ZeRO-3: ``[lo, hi)`` is the rank's shard, kept in ``param_data`` itself)."""
+        if self.shard_params:
+            assert hi - lo == bucket.numel // self.dp, (lo, hi, bucket.numel)
+            return self.param_data[bucket.start // self.dp:bucket.end // self.dp]
+        return self.param_data[bucket.start + lo:bucket.start + hi]
 
     def allocate_bucket_grad(self, bucket: Bucket) -> None:
         """Lazy mode: give the bucket a zeroed fp32 gradient region and point ``main_grad`` into it."""
@@ -212,3 +256,17 @@ class ParamAndGradBuffer:
         bucket.grad = None
         for p in bucket.params:
             p.main_grad = None
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Release ``t``'s storage (its views stay valid objects of size zero bytes until re-allocated)."""
+    if t.untyped_storage().nbytes():
+        t.untyped_storage().resize_(0)
+
+
+def alloc_storage(t: torch.Tensor) -> None:
+    """Give ``t`` (whose storage :func:`free_storage` released) its bytes back; contents undefined."""
+    nbytes = t.numel() * t.element_size()
+    if t.untyped_storage().nbytes() != nbytes:
+        assert t.storage_offset() == 0, "a ZeRO-3 bucket tensor owns its storage from offset 0"
+        t.untyped_storage().resize_(nbytes)

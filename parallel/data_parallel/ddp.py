@@ -30,6 +30,12 @@ Reduction (``zero_stage``):
   gradient memory. With gradient accumulation (several micro-batches) every bucket is allocated
   from the first micro-batch on, so the peak is the full buffer again: skipping communication
   during accumulation and never materialising the full fp32 gradient exclude each other.
+* ``3``: as 2, and the parameters too are sharded: each rank keeps ``1/dp`` of every bucket and
+  gathers a layer's parameters before its forward and again before its backward, prefetching the
+  next layer's (:mod:`parallel.data_parallel.zero3`). Every micro-batch's gradients are
+  reduce-scattered as soon as a bucket is complete and added into the fp32 shard (``no_sync`` and
+  ``enable_grad_sync`` do not apply: the full gradient never persists). Buckets never span two
+  units (layers, or a chunk's other parameters).
 
 Average vs sum: with ``grad_reduce="mean"`` (default) the reduced gradient is divided by the
 size of ``dp_group``, so if each micro-batch loss is a mean over its samples and the caller scales
@@ -56,6 +62,7 @@ import torch
 from parallel import comm
 from parallel.comm import Group
 from parallel.data_parallel.buffers import GRAD_DTYPE, Bucket, ParamAndGradBuffer, bucket_size_elements
+from parallel.data_parallel.zero3 import Gatherer, Unit, find_units
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -93,14 +100,18 @@ class DataParallel(torch.nn.Module):
                  align: int = 1, max_inflight_buckets: int | None = None, broadcast_params: bool = True,
                  chunks: bool = False):
         super().__init__()
-        if zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage={zero_stage!r} must be 0 (all-reduce), 1 (sharded optimizer state) "
-                             "or 2 (sharded optimizer state and gradients)")
+        if zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage={zero_stage!r} must be 0 (all-reduce), 1 (sharded optimizer state), "
+                             "2 (and sharded gradients) or 3 (and sharded parameters)")
         if grad_reduce not in ("mean", "sum"):
             raise ValueError(f"grad_reduce={grad_reduce!r} must be 'mean' (divide by dp) or 'sum'")
         if overlap_param_gather and zero_stage == 0:
             raise ValueError("overlap_param_gather=True needs a sharded optimizer (zero_stage 1 or 2): with "
                              "zero_stage=0 there is no parameter all-gather to overlap")
+        if overlap_param_gather and zero_stage == 3:
+            raise ValueError("overlap_param_gather=True is for zero_stage 1 and 2 (the post-step gather); "
+                             "zero_stage=3 gathers each layer before use and prefetches the next by itself: "
+                             "drop overlap_param_gather")
         if isinstance(align, bool) or not isinstance(align, int) or align < 1:
             raise ValueError(f"align={align!r} must be an integer >= 1 (elements per shard alignment)")
         if max_inflight_buckets is not None and (not isinstance(max_inflight_buckets, int) or max_inflight_buckets < 1):
@@ -132,22 +143,41 @@ class DataParallel(torch.nn.Module):
                 chunk_of[id(p)] = int(name.split(".", 1)[0]) if chunks else 0
         if not by_dtype:
             raise ValueError("DataParallel: the module has no trainable parameters (requires_grad=True)")
+        # ZeRO-3: buckets never span two gather units, so the bucket "group" is the unit.
+        units = self._build_units(module, chunks=chunks) if zero_stage == 3 else []
+        unit_of = {id(p): u.index for u in units for p in u.params}
         self.flat_buffers: list[ParamAndGradBuffer] = []
         for dtype, plist in by_dtype.items():
             self.flat_buffers.append(ParamAndGradBuffer(
                 plist, dtype=dtype, bucket_size=size, dp=dp_group.size, align=align,
-                grads="lazy" if zero_stage == 2 else "full",
+                grads="lazy" if zero_stage >= 2 else "full",
                 separate=[bool(getattr(p, "shared_embedding", False) or getattr(p, "defer_grad_reduce", False))
                           for p in plist],
-                groups=[chunk_of[id(p)] for p in plist] if chunks else None))
+                groups=([unit_of[id(p)] for p in plist] if units else
+                        [chunk_of[id(p)] for p in plist] if chunks else None),
+                shard_params=zero_stage == 3))
         if broadcast_params and dp_group.size > 1:
-            for buf in self.flat_buffers:  # one call per buffer, at construction only
-                comm.broadcast(buf.param_data, dp_group, src=0)
+            for buf in self.flat_buffers:  # one call per buffer (ZeRO-3: per bucket), at construction only
+                for t in ([b.full for b in buf.buckets] if buf.shard_params else [buf.param_data]):
+                    comm.broadcast(t, dp_group, src=0)
         self._where: dict[int, tuple[ParamAndGradBuffer, Bucket]] = {}
         for buf in self.flat_buffers:
             for b in buf.buckets:
                 for p in b.params:
                     self._where[id(p)] = (buf, b)
+        self.gatherer: Gatherer | None = None
+        self._zero3_handles = []
+        if zero_stage == 3:
+            for buf in self.flat_buffers:
+                for b in buf.buckets:
+                    b.unit = unit_of[id(b.params[0])]
+                    units[b.unit].buckets.append((buf, b))
+                buf.shard_out(dp_group.rank)
+            self.gatherer = Gatherer([u for u in units if u.params], group=dp_group)
+            # A micro-batch's reductions overlap the rest of its backward; the next forward waits for
+            # them, so their fp32 buckets are freed before it allocates activations.
+            for root in (list(module) if chunks else [module]):
+                self._zero3_handles.append(root.register_forward_pre_hook(lambda m, a: self._drain(), prepend=True))
         self._setup_shards()
         self._inflight: list[tuple[ParamAndGradBuffer, Bucket]] = []
         self.lazy_grad_bytes = 0  # fp32 bucket gradients currently allocated (zero_stage 2)
@@ -158,13 +188,34 @@ class DataParallel(torch.nn.Module):
             self._register_gather_prehooks()
 
     # -- layout ------------------------------------------------------------------------------------
+    def _build_units(self, module: torch.nn.Module, *, chunks: bool) -> list[Unit]:
+        """ZeRO-3 gather units: per chunk its root (the parameters outside any layer) then its layers."""
+        roots = list(module) if chunks else [module]
+        units: list[Unit] = []
+        for c, root in enumerate(roots):
+            layers = find_units(root)
+            in_layer = {id(p) for _, m in layers for p in m.parameters()}
+            trainable = [p for p in root.parameters() if p.requires_grad]
+            units.append(Unit(index=len(units), name=f"{c}.<root>" if chunks else "<root>", chunk=c, root=True,
+                              module=root, params=[p for p in trainable if id(p) not in in_layer]))
+            for name, m in layers:
+                ps = [p for p in m.parameters() if p.requires_grad]
+                odd = [n for n, p in m.named_parameters() if getattr(p, "used_outside_forward", False)]
+                if odd:
+                    raise ValueError(f"zero_stage=3: parameter(s) {odd} of {name!r} are read outside the layer's "
+                                     "forward, so the layer's gather would not cover them; keep such parameters "
+                                     "outside the repeated layers or use zero_stage 1/2")
+                units.append(Unit(index=len(units), name=f"{c}.{name}" if chunks else name, chunk=c, root=False,
+                                  module=m, params=ps))
+        return units
+
     def _setup_shards(self) -> None:
         dp = self.dp_group.size
         self.shard_grad_data: list[torch.Tensor | None] = []
         for buf in self.flat_buffers:
             data = None
-            if self.zero_stage == 2:
-                data = torch.zeros(buf.numel // dp, dtype=GRAD_DTYPE, device=buf.param_data.device)
+            if self.zero_stage >= 2:
+                data = torch.zeros(buf.numel // dp, dtype=GRAD_DTYPE, device=buf.device)
             self.shard_grad_data.append(data)
             for b in buf.buckets:
                 lo, hi = self.owned_range(b)
@@ -212,6 +263,9 @@ class DataParallel(torch.nn.Module):
     def _make_grad_hook(self, param: torch.nn.Parameter):
         buf, bucket = self._where[id(param)]
 
+        if self.zero_stage == 3:
+            return self._make_zero3_grad_hook(buf, bucket)
+
         def hook(p: torch.nn.Parameter) -> None:
             if p.grad is None:
                 return
@@ -229,6 +283,33 @@ class DataParallel(torch.nn.Module):
                 bucket.pending.discard(id(p))
                 if not bucket.pending and self.overlap_grad_reduce and not bucket.deferred:
                     self._launch(buf, bucket)
+        return hook
+
+    def _make_zero3_grad_hook(self, buf: ParamAndGradBuffer, bucket: Bucket):
+        """ZeRO-3: every micro-batch's complete bucket is reduce-scattered (and added into the shard);
+        a unit whose parameters all have their gradient is freed."""
+        def hook(p: torch.nn.Parameter) -> None:
+            if p.grad is None:
+                return
+            with torch.no_grad():
+                if bucket.state == "launched":  # the previous micro-batch's reduction of this bucket
+                    self._finalize(buf, bucket)
+                if bucket.state == "done":
+                    bucket.state = "open"
+                if bucket.grad is None:
+                    self._allocate(buf, bucket)
+                p.main_grad.add_(p.grad)
+                p.grad = None
+            bucket.pending.discard(id(p))
+            if not bucket.pending:
+                bucket.reset_pending()
+                if not bucket.deferred:
+                    self._launch(buf, bucket)
+                    if not self.overlap_grad_reduce:
+                        self._finalize(buf, bucket)
+            unit = self.gatherer.grad_arrived(p)
+            if unit is not None:
+                self.gatherer.backward_done(unit)
         return hook
 
     def _allocate(self, buf: ParamAndGradBuffer, bucket: Bucket) -> None:
@@ -254,7 +335,7 @@ class DataParallel(torch.nn.Module):
             bucket.work = comm.all_reduce(bucket.grad, self.dp_group, op="sum", async_op=True)
         bucket.state = "launched"
         self._inflight.append((buf, bucket))
-        if self.zero_stage == 2:
+        if self.zero_stage >= 2:
             # Free finished buckets early (memory), and bound the number in flight if asked.
             for item in [x for x in self._inflight[:-1] if x[1].work.is_completed()]:
                 self._finalize(*item)
@@ -265,16 +346,24 @@ class DataParallel(torch.nn.Module):
     def _finalize(self, buf: ParamAndGradBuffer, bucket: Bucket) -> None:
         comm.wait(bucket.work, self.dp_group)
         with torch.no_grad():
-            if self.sharded and bucket.out is not None and bucket.out.data_ptr() != bucket.shard_grad.data_ptr():
-                bucket.shard_grad.copy_(bucket.out)
-            if self.grad_scale != 1.0:
-                bucket.shard_grad.mul_(self.grad_scale)
+            if self.zero_stage == 3:  # one reduction per micro-batch: accumulate into the shard
+                bucket.shard_grad.add_(bucket.out, alpha=self.grad_scale)
+            else:
+                if self.sharded and bucket.out is not None and bucket.out.data_ptr() != bucket.shard_grad.data_ptr():
+                    bucket.shard_grad.copy_(bucket.out)
+                if self.grad_scale != 1.0:
+                    bucket.shard_grad.mul_(self.grad_scale)
         bucket.work, bucket.out = None, None
         bucket.state = "done"
         self._inflight.remove((buf, bucket))
-        if self.zero_stage == 2:
+        if self.zero_stage >= 2:
             self.lazy_grad_bytes -= bucket.grad.numel() * bucket.grad.element_size()
             buf.release_bucket_grad(bucket)
+
+    def _drain(self) -> None:
+        """Finish every reduction in flight (ZeRO-3, before a forward)."""
+        while self._inflight:
+            self._finalize(*self._inflight[0])
 
     def finish_grad_sync(self) -> None:
         """Launch the buckets not launched yet (overlap off, deferred, unused parameters), wait for all.
@@ -288,6 +377,8 @@ class DataParallel(torch.nn.Module):
                 self._launch(buf, b)
         while self._inflight:
             self._finalize(*self._inflight[0])
+        if self.gatherer is not None:  # units whose backward left a parameter without gradient
+            self.gatherer.release_all()
 
     def zero_grad_buffer(self) -> None:
         """Zero all gradients and re-arm the buckets for the next step."""
@@ -307,6 +398,8 @@ class DataParallel(torch.nn.Module):
                 b.reset_pending()
         for p in self.module.parameters():
             p.grad = None
+        if self.gatherer is not None:
+            self.gatherer.release_all()
 
     # -- parameter all-gather after a sharded optimizer step ---------------------------------------
     def start_param_sync(self) -> None:
@@ -316,7 +409,7 @@ class DataParallel(torch.nn.Module):
         the forward pre-hook of the first module that uses one of its parameters (or by
         :meth:`finish_param_sync`). No-op when not sharded.
         """
-        if not self.sharded:
+        if not self.sharded or self.zero_stage == 3:  # ZeRO-3 gathers layer by layer in forward
             return
         for buf in self.flat_buffers:
             for b in reversed(buf.buckets):
@@ -378,7 +471,32 @@ class DataParallel(torch.nn.Module):
         shard = sum(t.numel() * t.element_size() for t in self.shard_grad_data if t is not None)
         return full + shard
 
+    def full_shapes(self):
+        """Context: ZeRO-3 parameters show their full shapes (no data where not gathered) for code that
+        inspects shapes only; a no-op context for other stages."""
+        return self.gatherer.full_shapes() if self.gatherer is not None else contextlib.nullcontext()
+
+    def gathered(self):
+        """Context: ZeRO-3 parameters gathered and readable (collective over the dp group; writes are
+        lost, the shards are the parameters); a no-op context for other stages."""
+        return self.gatherer.gathered() if self.gatherer is not None else contextlib.nullcontext()
+
+    def owned_params(self, buf: ParamAndGradBuffer, bucket: Bucket) -> torch.Tensor:
+        """The parameters of this rank's owned range of ``bucket`` (a view of the stored parameters:
+        ZeRO-3's shard, else the range of the full buffer); the optimizer writes its update there."""
+        lo, hi = self.owned_range(bucket)
+        return buf.owned_params(bucket, lo, hi)
+
+    def param_bytes(self) -> int:
+        """Bytes of persistent parameter storage of the trainable parameters on this rank (ZeRO-3: shards)."""
+        return sum(buf.param_data.numel() * buf.param_data.element_size() for buf in self.flat_buffers)
+
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self.gatherer is not None:
+            self.gatherer.remove_hooks()
+        for h in self._zero3_handles:
+            h.remove()
+        self._zero3_handles.clear()

@@ -100,7 +100,7 @@ class DistributedOptimizer:
     def _build_buffer_state(self, buf: ParamAndGradBuffer, group_of: dict[int, int]) -> None:
         ddp = self.ddp
         owned_total = sum(hi - lo for lo, hi in (ddp.owned_range(b) for b in buf.buckets))
-        device = buf.param_data.device
+        device = buf.device
         alias = buf.dtype == GRAD_DTYPE  # fp32 params: the parameter buffer is the master copy
         master_flat = None if alias else torch.empty(owned_total, dtype=torch.float32, device=device)
         exp_avg = torch.zeros(owned_total, dtype=torch.float32, device=device)
@@ -110,7 +110,7 @@ class DistributedOptimizer:
         for b in buf.buckets:
             lo, hi = ddp.owned_range(b)
             n = hi - lo
-            param_range = buf.param_data[b.start + lo:b.start + hi]
+            param_range = ddp.owned_params(buf, b)
             if alias:
                 master = param_range
             else:
@@ -124,7 +124,7 @@ class DistributedOptimizer:
                     continue
                 self.pieces.append(Piece(
                     name=ddp.param_names[id(p)], param=p, lo=a - ps, hi=z - ps, group=group_of[id(p)],
-                    model=buf.param_data[b.start + a:b.start + z], master=master[a - lo:z - lo], grad=b.shard_grad[a - lo:z - lo],
+                    model=param_range[a - lo:z - lo], master=master[a - lo:z - lo], grad=b.shard_grad[a - lo:z - lo],
                     exp_avg=m[a - lo:z - lo], exp_avg_sq=v[a - lo:z - lo]))
             cursor += n
 
@@ -165,8 +165,7 @@ class DistributedOptimizer:
         with torch.no_grad():
             for buf, b, master, _, _, alias in self.owned:
                 if not alias and (copy or buf.dtype != torch.bfloat16):
-                    lo, hi = self.ddp.owned_range(b)
-                    buf.param_data[b.start + lo:b.start + hi].copy_(master)
+                    self.ddp.owned_params(buf, b).copy_(master)
         self.ddp.start_param_sync()
 
     def load_masters_from_params(self) -> None:
@@ -174,8 +173,7 @@ class DistributedOptimizer:
         with torch.no_grad():
             for buf, b, master, _, _, alias in self.owned:
                 if not alias:
-                    lo, hi = self.ddp.owned_range(b)
-                    master.copy_(buf.param_data[b.start + lo:b.start + hi])
+                    master.copy_(self.ddp.owned_params(buf, b))
 
     # -- accounting ----------------------------------------------------------------------------------
     def state_bytes(self) -> int:

@@ -12,6 +12,7 @@ checkpoints), ``build_stage(mesh, *, pre_process, post_process, layer_range, dev
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -176,8 +177,10 @@ class Run:
         if latest is not None:
             load_trainer(self.trainer, latest, group=self.mesh.world, loader=self.train_loader,
                          params="trainable" if self.lora else "all")
+            self.trainer.logger.rewind(self.trainer.step)  # the steps after the checkpoint run again
             self.trainer.logger.info(f"tessel: resumed from {latest} at step {self.trainer.step}")
             return str(latest)
+        self.trainer.logger.rewind(0)  # a fresh start in a run directory whose run never saved
         if self.cfg.checkpoint.load:
             if not self.lora:
                 self.load_base()
@@ -204,8 +207,17 @@ class Run:
                 ck.maybe_finalize()  # commit a finished async save at the first step boundary after its writes land
             if on_step is not None:
                 on_step(tr, st)
-        history = self.trainer.train(self.train_loader, self.valid_loader, save=self.save if ck is not None else None,
-                                     on_step=after_step)
+        from engine.fault import RunStopped
+
+        watchdog = self.trainer.watchdog or contextlib.nullcontext()  # fault.hang_timeout_s: armed for the loop
+        try:
+            with watchdog:
+                history = self.trainer.train(self.train_loader, self.valid_loader,
+                                             save=self.save if ck is not None else None, on_step=after_step)
+        except RunStopped:  # every rank stops at the same step: an earlier async save can still commit
+            if ck is not None:
+                ck.finalize()
+            raise
         if ck is not None:
             ck.finalize()  # an async save must be committed before exit
         return history
@@ -218,7 +230,9 @@ def build_mesh(cfg: TesselConfig, *, world: int | None = None) -> Mesh:
         world = dist.get_world_size() if dist.is_initialized() else 1
     p = cfg.parallel
     dp = cfg.validate_world(world)
-    return Mesh.build(ParallelDims(dp=dp, pp=p.pp, cp=p.cp, tp=p.tp, ep=p.ep), order=p.order)
+    return Mesh.build(ParallelDims(dp=dp, pp=p.pp, cp=p.cp, tp=p.tp, ep=p.ep), order=p.order,
+                      cp_a2a_size=p.cp_a2a_size if p.cp_comm == "hybrid" else None,
+                      timeout_s=cfg.fault.collective_timeout_s)
 
 
 def build_loaders(cfg: TesselConfig, mesh: Mesh, *, train_data=None, valid_data=None, collate_fn=None):
@@ -304,6 +318,10 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
 
         checkpointer = Checkpointer(ck.dir or os.path.join(run_dir, "checkpoints"), group=mesh.world,
                                     keep_last=ck.keep_last, async_save=ck.async_save)
+        if mesh.rank == 0:  # saves that never committed (a crash): rank 0 alone creates them, none is in flight
+            from engine.fault import remove_stale_saves
+
+            remove_stale_saves(checkpointer.root)
 
     if run_dir and mesh.rank == 0:
         os.makedirs(run_dir, exist_ok=True)
@@ -315,15 +333,28 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
                              stream=log_stream)
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     sp = p.sequence_parallel and p.tp > 1
+    memory = None  # the start-up memory report (every rank: the first step's measurement is collective)
+    if cfg.logging.memory_report and not lora.rank and hasattr(model, "stage_param_sizes"):  # LoRA: not modeled
+        from engine.memory import predict_memory
+
+        memory = predict_memory(cfg, model, world=mesh.world_size, device=torch.device(device).type,
+                                rows_per_sample=rows_per_sample)
     trainer = Trainer(cfg, mesh=mesh, chunks=chunks, stages=stages, num_stages=num_stages, ddp=ddp,
                       optimizer=optimizer, schedule=schedule, eval_schedule=eval_schedule,
-                      act_shape=(t.seq_length // p.tp if sp else t.seq_length, t.micro_batch_size * rows_per_sample,
+                      act_shape=(t.seq_length // p.cp // (p.tp if sp else 1), t.micro_batch_size * rows_per_sample,
                                  model.hidden_size),
                       flops_per_step=M.model_flops_per_step(model.flops, batch_size=t.global_batch_size * rows_per_sample,
                                                             seq_length=t.seq_length),
                       logger=logger, peak=M.peak_tflops(override=cfg.logging.peak_tflops, dtype=dtype),
                       param_spec=model.param_spec, plan_line=plan.line() if plan is not None else None,
-                      objective=objective, rows_per_sample=rows_per_sample)
+                      objective=objective, rows_per_sample=rows_per_sample, memory=memory)
+    if cfg.fault.hang_timeout_s is not None:  # the flight recorder (fed by parallel/comm) and the hang watchdog
+        from engine.watchdog import Watchdog
+        from parallel.flight import FlightRecorder
+
+        mesh.ledger.recorder = FlightRecorder(cfg.fault.flight_records)
+        trainer.watchdog = Watchdog(recorder=mesh.ledger.recorder, rank=mesh.rank, world_size=mesh.world_size,
+                                    timeout_s=cfg.fault.hang_timeout_s, run_dir=run_dir)
     side = dict(side_files or {})
     if tokenizer is not None and not side:
         side = {f"hf/{name}": text for name, text in

@@ -16,6 +16,7 @@ is exactly Eq. 7 of the paper: ``72 B s l h^2 (1 + s/(6h) + V/(12 h l))``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -152,7 +153,8 @@ class MetricsLogger:
         if run_dir is not None:
             os.makedirs(run_dir, exist_ok=True)
             if jsonl:
-                self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+                self._jsonl_path = os.path.join(run_dir, "metrics.jsonl")
+                self._jsonl = open(self._jsonl_path, "a", buffering=1)
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -171,16 +173,21 @@ class MetricsLogger:
         else:
             print(msg, file=self.stream, flush=True)
 
-    def log(self, record: dict[str, Any], *, prefix: str = "train") -> None:
+    def log(self, record: dict[str, Any], *, prefix: str = "train", echo: bool = True) -> None:
+        """Write ``record`` (with ``"split": prefix``) to metrics.jsonl and TensorBoard and, with ``echo``,
+        print its line (``echo=False``: the caller printed its own, e.g. the memory report)."""
         if not self.enabled:
             return
         step = int(record["step"])
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps({"split": prefix, **record}, sort_keys=True) + "\n")
+        if self._jsonl is not None:  # strict JSON: a non-finite number (a diverged loss) is written as null
+            text = json.dumps(json_safe({"split": prefix, **record}), sort_keys=True, allow_nan=False)
+            self._jsonl.write(text + "\n")
         if self._tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self._tb.add_scalar(f"{prefix}/{k}", v, step)
+        if not echo:
+            return
         line = format_line(record, prefix=prefix)
         if self._bar is not None:
             if prefix == "train":
@@ -191,6 +198,29 @@ class MetricsLogger:
         else:
             print(line, file=self.stream, flush=True)
 
+    def rewind(self, step: int) -> None:
+        """Drop the metrics.jsonl records of steps after ``step`` (a resume runs them again), and a torn last
+        line (a crash mid-write); the file is replaced atomically."""
+        if self._jsonl is None:
+            return
+        self._jsonl.close()
+        with open(self._jsonl_path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().split("\n")
+        kept = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # empty, or torn by a crash
+            later = isinstance(record, dict) and isinstance(record.get("step"), (int, float)) and record["step"] > step
+            if not later:
+                kept.append(line + "\n")
+        tmp = f"{self._jsonl_path}.tmp.{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, self._jsonl_path)
+        self._jsonl = open(self._jsonl_path, "a", buffering=1)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
@@ -199,6 +229,17 @@ class MetricsLogger:
             self._tb.close()
         if self._jsonl is not None:
             self._jsonl.close()
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (nan, inf) replaced by None, so that it is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def format_line(r: dict[str, Any], *, prefix: str = "train") -> str:

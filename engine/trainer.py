@@ -30,8 +30,9 @@ import torch
 
 from engine import metrics as M
 from engine.config import TesselConfig
-from engine.optim import Optimizer
+from engine.optim import NonFiniteGradError, Optimizer
 from parallel import comm
+from parallel.context_parallel import shard_micro_batch
 from parallel.data_parallel import DataParallel
 from parallel.mesh import Mesh
 from parallel.pipeline import Schedule
@@ -64,7 +65,7 @@ class Trainer:
                  eval_schedule: Schedule,
                  act_shape: tuple[int, int, int], flops_per_step: float, logger: M.MetricsLogger,
                  peak: tuple[float, str], param_spec: Callable | None = None, plan_line: str | None = None,
-                 objective=None, rows_per_sample: int = 1):
+                 objective=None, rows_per_sample: int = 1, memory=None):
         self.cfg = cfg
         self.mesh = mesh
         self.dp = mesh.dims.dp
@@ -89,6 +90,9 @@ class Trainer:
         # loss over its ``units`` and accumulate their own metrics, reduced once per step.
         self.objective = objective
         self.rows_per_sample = rows_per_sample  # rows of the micro-batch per sample (a preference pair: 2)
+        # engine.memory.MemoryPrediction: logged at start-up; this process's first step is measured beside it.
+        self.memory = memory
+        self._memory_measured = False
         self._stats: dict[str, torch.Tensor] = {}
         # Everything this rank feeds the model or hands to a collective lives on the model's device
         # (CUDA under NCCL); the data loaders produce CPU tensors.
@@ -96,6 +100,11 @@ class Trainer:
         self.dtype = next(chunks.parameters()).dtype
         # Tied embedding copies whose gradients the embedding group sums (frozen ones, under LoRA, have none).
         self.tied = [q for q in chunks.parameters() if getattr(q, "shared_embedding", False) and q.requires_grad]
+        # Mixture-of-experts layers inject their router losses' gradient themselves (not through the loss the
+        # runtime divides by the micro-batch count): scale it so the step sees the micro-batches' mean.
+        for mod in chunks.modules():
+            if hasattr(mod, "aux_loss_scale"):
+                mod.aux_loss_scale = 1.0 / self.num_micro
         # A rank receives activations if any of its virtual stages is not stage 0 (with vp > 1,
         # pipeline rank 0 also runs stage pp, fed by the last rank).
         receives = any(s > 0 for s in stages)
@@ -104,6 +113,15 @@ class Trainer:
         self.step = 0
         self.consumed_samples = 0
         self._stop_signal: int | None = None
+        self.watchdog = None  # engine.watchdog.Watchdog (fault.hang_timeout_s): set and armed by engine.assembly.Run
+        self._nonfinite_streak = False  # fault.nan_replay: the current run of non-finite steps was replayed
+        self.nonfinite_report: dict | None = None  # the last replay's findings (engine/nan_locate.py)
+        self.straggler = None  # fault.straggler_ratio: per-rank step and compute times, compared every log step
+        if cfg.fault.straggler_ratio is not None:
+            from engine.straggler import StragglerMonitor
+
+            self.straggler = StragglerMonitor(ratio=cfg.fault.straggler_ratio, group=mesh.world, pp_rank=self.pp_rank,
+                                              device=self.device)
         fp8 = cfg.model.fp8
         self.precision = cfg.model.dtype if fp8 == "none" else f"fp8-{fp8}/{cfg.model.dtype}"
 
@@ -164,10 +182,12 @@ class Trainer:
         def step(chunk: int, x, mb: int):
             stage, batch, module = self.my_stages[chunk], micro[mb], self.chunks[chunk]
             inp = batch["tokens"] if stage == 0 else x
+            # Packed documents under context parallelism (shard_micro_batch): the shards' document ids.
+            docs = {"document_ids": batch["document_ids"]} if "document_ids" in batch else {}
             if stage != last:
-                return module(inp, position_ids=batch["position_ids"])
+                return module(inp, position_ids=batch["position_ids"], **docs)
             loss = module(inp, labels=batch["labels"], position_ids=batch["position_ids"],
-                          loss_mask=batch["loss_mask"])  # (b, s), masked
+                          loss_mask=batch["loss_mask"], **docs)  # (b, s), masked
             return on_last(loss, batch, mb)
         return step
 
@@ -221,7 +241,9 @@ class Trainer:
         return float(t[0] / t[1])
 
     def _to_device(self, batch: dict) -> dict:
-        """A loader's micro-batch (CPU tensors) on the model's device."""
+        """A loader's micro-batch (CPU tensors) on the model's device; under context parallelism, this cp
+        rank's zigzag share of its sequences (tokens, labels, loss mask, positions, document ids)."""
+        batch = shard_micro_batch(batch, self.mesh.cp)
         return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     def train_step(self, loader) -> StepStats:
@@ -232,10 +254,15 @@ class Trainer:
         micro = [self._to_device(next(loader)) for _ in range(self.num_micro)]
         losses = self._pipeline(micro, train=True)
         allreduce_tied_embedding_grads(self.tied, self.mesh.embedding)
-        result = self.optimizer.step()
+        try:
+            result = self.optimizer.step()
+        except NonFiniteGradError:  # optim.nonfinite = "stop": say where it started, then stop
+            self._localise_nonfinite(micro, finite=False)
+            raise
         update_fp8(self.chunks, (self.mesh.tp, self.mesh.dp_cp))  # delayed scaling: one amax all-reduce per axis
         loss = self._global_mean_loss(losses)
         extra = self._objective_metrics()
+        self._localise_nonfinite(micro, finite=math.isfinite(loss) and math.isfinite(result.grad_norm))
         self.step += 1
         self.consumed_samples += self.cfg.train.global_batch_size
         sent = self.mesh.ledger.by_axis()
@@ -244,6 +271,39 @@ class Trainer:
                          applied=result.applied, seconds=time.perf_counter() - t0, comm_bytes=comm_bytes,
                          comm_exposed={a: v - blocked_before.get(a, 0.0) for a, v in self.mesh.ledger.blocked_s.items()},
                          extra=extra)
+
+    def _localise_nonfinite(self, micro, *, finite: bool) -> None:
+        """``fault.nan_replay``: the first step of each run of non-finite steps (the loss or the gradient norm,
+        both global: every rank agrees) is replayed with hooks that name the first non-finite layer, tensor
+        and rank (engine/nan_locate.py)."""
+        if finite or not self.cfg.fault.nan_replay:
+            self._nonfinite_streak = False
+            return
+        if self._nonfinite_streak:
+            return
+        self._nonfinite_streak = True
+        from engine.nan_locate import localise_nonfinite
+
+        self.nonfinite_report = localise_nonfinite(self, micro)
+
+    def _measured_step(self, loader) -> StepStats:
+        """This process's first step under :class:`engine.memory.PeakMemory` (the others run plainly); rank 0
+        logs the measured peak (state bytes + the step's peak above them, the largest rank of each pipeline
+        stage: one all-gather over the world) beside the prediction."""
+        if self._memory_measured:
+            return self.train_step(loader)
+        from engine.memory import PeakMemory, measured_report, state_bytes
+
+        self._memory_measured = True
+        with PeakMemory(self.device) as peak:
+            st = self.train_step(loader)
+        row = torch.tensor([float(self.pp_rank), *map(float, state_bytes(self.chunks, self.ddp, self.optimizer)),
+                            float(peak.peak)], dtype=torch.float64, device=self.device)
+        rows = comm.all_gather(row, self.mesh.world).view(-1, row.numel()).tolist()
+        line, record = measured_report(self.memory, rows, step=self.step)
+        self.logger.info(line)
+        self.logger.log(record, prefix="memory", echo=False)
+        return st
 
     def _objective_metrics(self) -> dict[str, float] | None:
         """The objective's metrics of the step (or evaluation) just run: its sums from every last stage,
@@ -309,10 +369,39 @@ class Trainer:
             f" {self.num_micro} micro-batches of {c.train.micro_batch_size} x {c.train.seq_length} per rank per step")
         if self.plan_line:
             self.logger.info(self.plan_line)
-        n_params = sum(q.numel() for q in self.chunks.parameters())
+        if self.memory is not None:
+            self.logger.info(self.memory.line())
+            self.logger.log(self.memory.record(), prefix="memory", echo=False)
+        with self.ddp.full_shapes():  # ZeRO-3: the full parameters this rank's model holds (as shards)
+            n_params = sum(q.numel() for q in self.chunks.parameters())
         self.logger.info(f"tessel: rank 0 holds {n_params:,} parameters; model FLOPs/step "
                          f"{self.flops_per_step:.3e}; peak {self.peak_tflops:.3f} TFLOP/s per device "
                          f"({self.peak_source}); precision {self.precision} (MFU is against that peak)")
+
+    def _stragglers(self) -> dict:
+        """The straggler metrics of the log interval just ended (``fault.straggler_ratio``; {} when off);
+        rank 0 logs the line naming the slow ranks."""
+        if self.straggler is None:
+            return {}
+        found = self.straggler.gather(step=self.step)
+        line = found.pop("line")
+        if line:
+            self.logger.info(line)
+        return found
+
+    def _check_diverged(self, skipped: int) -> None:
+        """RunStopped (on every rank: the norm is global) once more than ``optim.max_skipped_steps``
+        consecutive steps were skipped. Nothing is saved: the newest checkpoint stays the one to resume."""
+        limit = self.cfg.optim.max_skipped_steps
+        if limit is None or skipped <= limit:
+            return
+        from engine.fault import RunStopped
+
+        self.logger.close()
+        raise RunStopped(f"stopped at step {self.step}: {skipped} consecutive steps ({self.step - skipped + 1}-"
+                         f"{self.step}) had a non-finite gradient norm and were skipped, more than "
+                         f"optim.max_skipped_steps={limit}: the run diverged; resume from a checkpoint before the "
+                         "divergence with a lower optim.lr or more optim.warmup_steps, or raise optim.max_skipped_steps")
 
     def train(self, train_loader, valid_loader=None, *, on_step: Callable[["Trainer", StepStats], None] | None = None,
               save: Callable[["Trainer"], None] | None = None) -> list[StepStats]:
@@ -321,15 +410,21 @@ class Trainer:
         self._install_signal_handlers()
         self.log_start()
         history = []
+        skipped = 0  # consecutive steps skipped for a non-finite gradient norm (optim.max_skipped_steps)
         tokens_per_step = c.global_batch_size * self.rows_per_sample * c.seq_length
         max_steps = c.steps
         if c.max_tokens:
             max_steps = min(max_steps, math.ceil(c.max_tokens / tokens_per_step))
         while self.step < max_steps:
-            st = self.train_step(train_loader)
+            st = self._measured_step(train_loader) if self.memory is not None else self.train_step(train_loader)
             history.append(st)
+            if self.watchdog is not None:
+                self.watchdog.beat(self.step)
+            if self.straggler is not None:
+                self.straggler.add(step_s=st.seconds, comm_blocked_s=st.comm_exposed_s)
             if self.step % c.log_interval == 0 or self.step == max_steps or self.step == 1:
                 tflops = self.flops_per_step / st.seconds / self.mesh.world_size / 1e12
+                slow = self._stragglers()  # every rank: one all-gather over the world
                 self.logger.log({"step": st.step, "loss": st.loss, "lr": st.lr, "grad_norm": st.grad_norm,
                                  "tokens_per_s": tokens_per_step / st.seconds, "tflops_per_device": tflops,
                                  "mfu": tflops / self.peak_tflops, "precision": self.precision,
@@ -338,7 +433,10 @@ class Trainer:
                                  **{f"comm_exposed_s_{a}": v for a, v in sorted((st.comm_exposed or {}).items())},
                                  "skipped": 0 if st.applied else 1,
                                  "consumed_samples": self.consumed_samples, **(st.extra or {}),
-                                 **{f"comm_bytes_{axis}": b for axis, b in sorted((st.comm_bytes or {}).items())}})
+                                 **{f"comm_bytes_{axis}": b for axis, b in sorted((st.comm_bytes or {}).items())},
+                                 **slow})
+            skipped = 0 if st.applied else skipped + 1
+            self._check_diverged(skipped)
             if on_step is not None:
                 on_step(self, st)
             if valid_loader is not None and c.eval_interval and self.step % c.eval_interval == 0:
@@ -351,6 +449,8 @@ class Trainer:
             if save is not None and ((ck.interval and self.step % ck.interval == 0) or stop
                                      or self.step == max_steps):
                 save(self)
+                if self.watchdog is not None:
+                    self.watchdog.beat()  # a save's disk writes are progress too
             if stop:
                 name = signal.Signals(self._stop_signal).name if self._stop_signal else "a signal on another rank"
                 self.logger.info(f"tessel: stopping after step {self.step} on {name}"

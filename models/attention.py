@@ -10,6 +10,11 @@ Masks: causal; plus a sliding window (key j visible from query i iff ``i - windo
 Hugging Face); plus a per-document mask for packed sequences (tokens attend within their document
 only), from ``cu_seqlens`` or from ``position_ids`` that restart.
 
+Context parallelism: given a :class:`parallel.context_parallel.ContextParallel` at construction (``cp=``,
+like ``tp_group``), the layer holds the zigzag shard of each sequence and its core attention runs over
+the whole sequence through it (ring, all-to-all or hybrid); the masks are then the stage's
+:class:`parallel.context_parallel.ContextParallelMasks`. Everything else in the layer is per token.
+
 Inference: a :class:`KVCache` keeps each layer's k and v ``(b, max_len, groups_local, hd)`` on this TP
 rank, indexed by position; a forward with a cache writes its tokens' k/v at their positions and attends
 over the cached prefix (:class:`CacheMasks`). Training never passes a cache.
@@ -25,6 +30,7 @@ from torch import nn
 from models import ops
 from models.config import TransformerConfig
 from parallel.comm import Group
+from parallel.context_parallel import ContextParallel, ContextParallelMasks
 from parallel.random import RNGTracker, checkpoint
 from parallel.tensor_parallel import ColumnParallelLinear, LinearImpl, RowParallelLinear, mark_replicated
 
@@ -204,7 +210,7 @@ class SelfAttention(nn.Module):
 
     def __init__(self, cfg: TransformerConfig, *, layer_number: int, tp_group: Group, sequence_parallel: bool,
                  dtype, device, init, linear_impl: LinearImpl | None, rng: RNGTracker | None,
-                 kernels: str = "auto"):
+                 kernels: str = "auto", cp: ContextParallel | None = None):
         super().__init__()
         tp = tp_group.size
         self.kernels = kernels
@@ -218,6 +224,13 @@ class SelfAttention(nn.Module):
         self.window = cfg.sliding_window(layer_number)
         self.dropout_p = cfg.attention_dropout
         self.rng = rng
+        self.cp = cp if cp is not None and cp.size > 1 else None
+        if self.cp is not None:
+            if self.dropout_p > 0:
+                raise ValueError(f"attention dropout {self.dropout_p} under context parallelism is not built (the "
+                                 "blocks of a row live on different ranks); set the model's attention dropout to 0 "
+                                 "or parallel.cp=1")
+            self.cp.check_heads(heads_local=self.heads_local, kv_heads_local=self.groups_local)
         # Selective recompute (Korthikanti et al. 2022): core attention (scores, softmax, dropout,
         # context) runs again in backward; only q, k, v are kept. Set by TransformerStage.
         self.recompute_core_attention = False
@@ -252,6 +265,14 @@ class SelfAttention(nn.Module):
             q, k = ops.apply_rope(q, k, rope, backend=self.kernels)
         if kv_cache is not None:
             k, v = kv_cache.append(self.layer_number, k, v)  # (L, b, g, hd) each: the prefix and these tokens
+        if self.cp is not None:
+            if kv_cache is not None or not isinstance(masks, ContextParallelMasks):
+                raise ValueError("a context-parallel attention layer takes the stage's ContextParallelMasks and no "
+                                 "KV cache (generation runs at parallel.cp=1)")
+            kw = dict(masks=masks.get(self.window), scale=self.scale)
+            if self.recompute_core_attention and torch.is_grad_enabled():  # the ring runs again in backward
+                return self.out(checkpoint(self.cp.attention, q, k, v, tracker=self.rng, **kw))
+            return self.out(self.cp.attention(q, k, v, **kw))  # (s_local, b, nh*hd) -> (s_local[/tp], b, h)
         kw = dict(mask=masks.get(self.window), scale=self.scale,
                   dropout_p=self.dropout_p if self.training else 0.0, rng=self.rng)
         if self.recompute_core_attention and kv_cache is None and torch.is_grad_enabled():

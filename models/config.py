@@ -69,6 +69,15 @@ class TransformerConfig:
     initializer_range: float = 0.02
     scaled_output_init: bool = False  # output projections drawn with std / sqrt(2 * num_layers) (GPT-2)
     attention_scale: float | None = None  # None: 1 / sqrt(head_dim)
+    # Mixture of experts (models/moe.py, docs/moe.md); num_experts = 0: a dense model.
+    num_experts: int = 0
+    moe_top_k: int = 0  # num_experts_per_tok
+    moe_ffn_hidden_size: int = 0  # each expert's intermediate size
+    shared_expert_ffn_hidden_size: int = 0  # Qwen2-MoE's gated shared expert; 0: none
+    moe_layers: tuple[bool, ...] = ()  # per layer, True where the MLP is the MoE; () = every layer
+    norm_topk_prob: bool = True  # renormalise the top-k softmax scores to sum to 1
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0  # ST-MoE z-loss; config.json's router_z_loss_coef where present
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -97,6 +106,18 @@ class TransformerConfig:
             if not 0.0 <= v < 1.0:
                 raise ValueError(f"{name}={v} must be in [0, 1)")
 
+        if self.num_experts:
+            from parallel.expert_parallel.router import check_routing
+            check_routing(num_experts=self.num_experts, top_k=self.moe_top_k)
+            if self.moe_ffn_hidden_size < 1 or self.mlp != "swiglu":
+                raise ValueError("an MoE config needs moe_intermediate_size >= 1 and the SwiGLU MLP")
+            if self.moe_layers and len(self.moe_layers) != self.num_layers:
+                raise ValueError(f"moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (global index) has the mixture-of-experts MLP."""
+        return bool(self.num_experts) and (not self.moe_layers or self.moe_layers[layer])
+
     def sliding_window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
 
@@ -105,17 +126,27 @@ class TransformerConfig:
         return self.mlp == "swiglu"
 
     def check_tensor_parallel(self, tp: int) -> None:
-        """ValueError unless every sharded dimension splits evenly over ``tp`` ranks."""
+        """ValueError unless every sharded dimension splits evenly over ``tp`` ranks; the message names the
+        TP sizes that split all of them."""
+        sizes = (self.num_heads, self.num_kv_heads, self.ffn_hidden_size,
+                 *((self.moe_ffn_hidden_size,) if self.num_experts else ()),
+                 *((self.shared_expert_ffn_hidden_size,) if self.shared_expert_ffn_hidden_size else ()))
+        fits = ", ".join(str(d) for d in range(1, min(sizes) + 1) if all(v % d == 0 for v in sizes))
+        hint = (f"choose a TP size that divides num_attention_heads={self.num_heads}, num_key_value_heads="
+                f"{self.num_kv_heads} and intermediate_size={self.ffn_hidden_size}: one of {fits}")
         if self.num_heads % tp:
             raise ValueError(f"num_attention_heads={self.num_heads} is not divisible by tensor-parallel size {tp}; "
-                             "choose a TP size that divides the number of heads")
+                             + hint)
         if self.num_kv_heads % tp:
             raise ValueError(f"num_key_value_heads={self.num_kv_heads} is not divisible by tensor-parallel size "
-                             f"{tp}: each TP rank holds whole query groups with their k/v heads; choose a TP size "
-                             f"dividing {self.num_kv_heads}")
+                             f"{tp}: each TP rank holds whole query groups with their k/v heads; " + hint)
         if self.ffn_hidden_size % tp:
             raise ValueError(f"intermediate_size={self.ffn_hidden_size} is not divisible by tensor-parallel size "
-                             f"{tp}; choose a TP size that divides it")
+                             f"{tp}; " + hint)
+        if any(v % tp for v in sizes[3:]):
+            raise ValueError(f"moe_intermediate_size={self.moe_ffn_hidden_size} / shared_expert_intermediate_size="
+                             f"{self.shared_expert_ffn_hidden_size} is not divisible by tensor-parallel size {tp}; "
+                             "choose a TP size that divides both (experts are TP-sharded like the dense MLP)")
 
     def padded_vocab_size(self, *, tp: int, make_vocab_size_divisible_by: int = 128) -> int:
         """Vocab rounded up to a multiple of ``make_vocab_size_divisible_by * tp`` (Megatron's rule)."""

@@ -28,6 +28,7 @@ from engine.checkpoint import ParamSpec, ShardingContext, param_layout
 from engine.checkpoint.safetensors_io import pread_exact, read_safetensors_header
 from models.config import TransformerConfig
 from models.hf_layout import HFEntry, describe_problems, hf_shapes, shape_of
+from models.moe import moe_full_shape
 from models.registry import family
 from parallel.pipeline.split import split_layers
 
@@ -67,6 +68,9 @@ def tessel_full_shape(entry: HFEntry, cfg: TransformerConfig, *, padded_vocab: i
     """Shape of the Tessel parameter ``entry.name`` in the TP=1 layout (vocab padded to ``padded_vocab``)."""
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.ffn_hidden_size
     bias = entry.name.endswith(".bias")
+    moe = moe_full_shape(entry.name, cfg)  # router, experts, shared expert (models/moe.py)
+    if moe is not None:
+        return moe
     if entry.layout == "vocab":
         return (padded_vocab, h)
     if entry.layout in ("qkv", "qkv_packed"):

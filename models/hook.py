@@ -102,8 +102,15 @@ def _complete(hf: dict, cfg: TransformerConfig) -> dict:
 
 
 def flops_spec(c: TransformerConfig) -> FlopsSpec:
-    """The FLOP-count shapes of a :class:`TransformerConfig`."""
-    return FlopsSpec(num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
+    """The FLOP-count shapes of a :class:`TransformerConfig`. With experts, the MLP width is the mean over
+    layers of the ACTIVE width (top-k experts plus the shared expert; the dense width on dense layers), so
+    the MLP FLOPs are exact; the router's 2*h*E per token is left out (docs/moe.md)."""
+    ffn = c.ffn_hidden_size
+    if c.num_experts:
+        moe = c.moe_top_k * c.moe_ffn_hidden_size + c.shared_expert_ffn_hidden_size
+        widths = [moe if c.is_moe_layer(i) else c.ffn_hidden_size for i in range(c.num_layers)]
+        ffn = sum(widths) / c.num_layers if sum(widths) % c.num_layers else sum(widths) // c.num_layers
+    return FlopsSpec(num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=ffn,
                      vocab_size=c.vocab_size, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
                      head_dim=c.head_dim, gated_mlp=c.mlp == "swiglu")
 
@@ -131,6 +138,7 @@ class ModelHook:
     fp8_amax_history: int = 16
     fp8_margin: int = 0
     tp_overlap: str = "none"
+    cp_comm: str = "ring"  # parallel.cp_comm: how attention spans the cp group (docs/context_parallel.md)
     recompute: str = "none"  # activation recompute: none | selective | full (models/transformer.py)
     recompute_num_layers: int | None = None  # full only: the first N layers of each stage
 
@@ -152,7 +160,8 @@ class ModelHook:
                            sequence_parallel=cfg.parallel.sequence_parallel, seed=cfg.train.seed,
                            fp8=cfg.model.fp8, fp8_exclude=tuple(cfg.model.fp8_exclude),
                            fp8_amax_history=cfg.model.fp8_amax_history, fp8_margin=cfg.model.fp8_margin,
-                           tp_overlap=cfg.parallel.tp_overlap, recompute=cfg.train.activation_checkpointing,
+                           tp_overlap=cfg.parallel.tp_overlap, cp_comm=cfg.parallel.cp_comm,
+                           recompute=cfg.train.activation_checkpointing,
                            recompute_num_layers=cfg.train.recompute_num_layers)
         n = cfg.train.recompute_num_layers
         if n is not None and n > hook.num_layers:
@@ -205,14 +214,17 @@ class ModelHook:
 
     def build_stage(self, mesh, *, pre_process: bool, post_process: bool, layer_range: tuple[int, int],
                     device=None) -> TransformerStage:
-        """The module of one virtual pipeline stage, on ``mesh.tp``."""
+        """The module of one virtual pipeline stage, on ``mesh.tp`` (and ``mesh.cp``: context parallelism)."""
         stage = build_model(self.config, tp_group=mesh.tp, sequence_parallel=self.sequence_parallel,
                             pre_process=pre_process, post_process=post_process, layer_range=layer_range,
                             dtype=self.dtype, device=device, seed=self.seed,
                             make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
                             kernels=self.kernels, fused_cross_entropy=self.fused_cross_entropy,
                             linear_impl=RingLinearImpl() if self.tp_overlap == "ring" else None,
-                            recompute=self.recompute, recompute_num_layers=self.recompute_num_layers)
+                            recompute=self.recompute, recompute_num_layers=self.recompute_num_layers,
+                            cp_group=getattr(mesh, "cp", None), cp_comm=self.cp_comm,
+                            cp_subgroups=(mesh.cp_a2a, mesh.cp_ring) if self.cp_comm == "hybrid" else None,
+                            ep_group=getattr(mesh, "ep", None))
         if self.fp8 != "none":
             apply_fp8(stage, self.fp8, exclude=self.fp8_exclude, history_len=self.fp8_amax_history,
                       margin=self.fp8_margin)
@@ -224,9 +236,16 @@ class ModelHook:
 
     def stage_numel(self, *, tp: int, layer_range: tuple[int, int], pre_process: bool, post_process: bool) -> int:
         """Parameters one TP rank of a stage holds, derived without building it (for the memory plan)."""
+        return sum(n for _, n, _ in self.stage_param_sizes(tp=tp, layer_range=layer_range, pre_process=pre_process,
+                                                           post_process=post_process))
+
+    def stage_param_sizes(self, *, tp: int, layer_range: tuple[int, int], pre_process: bool,
+                          post_process: bool) -> list[tuple[str, int, bool]]:
+        """``(name, elements on one TP rank, shared_embedding)`` of each parameter of a stage, in the built
+        stage's registration order, without building it (engine/memory.py lays out the DP buffers)."""
         from models.convert import stage_params
 
         padded = self.config.padded_vocab_size(tp=tp, make_vocab_size_divisible_by=self.make_vocab_size_divisible_by)
         params = stage_params(self.config, tp_rank=0, tp_size=tp, layer_range=layer_range, pre_process=pre_process,
                               post_process=post_process, padded_vocab=padded)
-        return sum(math.prod(p.local_shape) for p in params)
+        return [(p.name, math.prod(p.local_shape), p.shared_embedding) for p in params]

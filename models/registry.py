@@ -9,10 +9,11 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Mapping
 
-from models import gpt2, llama, mistral, qwen2, qwen3
+from models import gpt2, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from models.config import TransformerConfig
 
-FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "llama": llama, "qwen2": qwen2, "qwen3": qwen3, "mistral": mistral}
+FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "llama": llama, "qwen2": qwen2, "qwen3": qwen3, "mistral": mistral,
+                                   "mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe}
 
 
 def family(model_type: str) -> ModuleType:

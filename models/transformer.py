@@ -7,6 +7,10 @@ device, seed) -> a :class:`TransformerStage`.
 Activations are sequence-first ``(s, b, h)``; with sequence parallelism (SP) every tensor between
 the TP regions (embedding output, residual stream, norms, stage boundaries) is ``(s/tp, b, h)``.
 
+Context parallelism (``cp_group`` of size > 1, docs/context_parallel.md): the stage holds each
+sequence's zigzag shard (``parallel.context_parallel.shard_micro_batch``): ``(b, s/cp)`` ids, or
+``(s/cp, b, h)`` (``(s/cp/tp, b, h)`` with SP) hidden states; only core attention communicates.
+
 Inference (engine/posttrain/generate.py): ``forward(..., kv_cache=stage.new_kv_cache(...))`` runs
 with a KV cache (models/attention.py), inside ``stage.without_sequence_parallel()``.
 """
@@ -24,9 +28,12 @@ from models.attention import (AttentionMasks, KVCache, SelfAttention, document_i
                               document_ids_from_positions, positions_from_documents)
 from models.config import TransformerConfig
 from models.init import Initializer
+from models.moe import build_moe_mlp
 from models.rope import inv_freq
 from parallel import comm
 from parallel.comm import Group
+from parallel.context_parallel import (CP_COMM, ContextParallel, ContextParallelMasks, check_cp_sequence,
+                                       gather_sequence, zigzag_indices, zigzag_shard)
 from parallel.mappings import copy_to_tp, gather_from_sp
 from parallel.random import RNGTracker, checkpoint, make_tracker
 from parallel.tensor_parallel import (ColumnParallelLinear, DefaultLinearImpl, LinearImpl, RowParallelLinear,
@@ -107,7 +114,8 @@ class TransformerLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). ``layer_number`` is global."""
 
     def __init__(self, cfg: TransformerConfig, *, layer_number: int, tp_group: Group, sequence_parallel: bool,
-                 dtype, device, init, linear_impl, rng: RNGTracker, kernels: str = "auto"):
+                 dtype, device, init, linear_impl, rng: RNGTracker, kernels: str = "auto",
+                 cp: ContextParallel | None = None, ep_group: Group | None = None, moe_dispatcher: str = "alltoall"):
         super().__init__()
         self.layer_number = layer_number
         self.sequence_parallel = sequence_parallel
@@ -116,9 +124,14 @@ class TransformerLayer(nn.Module):
         kw = dict(sequence_parallel=sequence_parallel, dtype=dtype, device=device, kernels=kernels)
         self.input_norm = Norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, **kw)
         self.attention = SelfAttention(cfg, layer_number=layer_number, tp_group=tp_group, init=init,
-                                       linear_impl=linear_impl, rng=rng, **kw)
+                                       linear_impl=linear_impl, rng=rng, cp=cp, **kw)
         self.post_attention_norm = Norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, **kw)
-        self.mlp = MLP(cfg, layer_number=layer_number, tp_group=tp_group, init=init, linear_impl=linear_impl, **kw)
+        if cfg.is_moe_layer(layer_number):  # mixture of experts (models/moe.py): tokens routed over ep_group
+            self.mlp = build_moe_mlp(cfg, layer_number=layer_number, tp_group=tp_group, init=init,
+                                     ep_group=comm.as_group(ep_group, axis="ep"), dispatcher=moe_dispatcher,
+                                     sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        else:
+            self.mlp = MLP(cfg, layer_number=layer_number, tp_group=tp_group, init=init, linear_impl=linear_impl, **kw)
         self.recompute = False  # full recompute of this layer in backward; set by TransformerStage
 
     def forward(self, x: torch.Tensor, *, rope, masks: AttentionMasks, kv_cache: KVCache | None = None) -> torch.Tensor:
@@ -187,7 +200,8 @@ class TransformerStage(nn.Module):
                  post_process: bool, layer_range: tuple[int, int], dtype, device, make_vocab_size_divisible_by: int,
                  seed: int, linear_impl: LinearImpl | None, kernels: str = "auto",
                  fused_cross_entropy: bool | None = None, recompute: str = "none",
-                 recompute_num_layers: int | None = None):
+                 recompute_num_layers: int | None = None, cp: ContextParallel | None = None,
+                 ep_group: Group | None = None, moe_dispatcher: str = "alltoall"):
         super().__init__()
         cfg.check_tensor_parallel(tp_group.size)
         ops.check_backend(kernels)
@@ -199,6 +213,7 @@ class TransformerStage(nn.Module):
         self.kernels = kernels
         self.fused_cross_entropy = fused_cross_entropy
         self.tp_group = tp_group
+        self.cp = cp if cp is not None and cp.size > 1 else None
         self.sequence_parallel = sequence_parallel and tp_group.size > 1
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_range = layer_range
@@ -212,7 +227,8 @@ class TransformerStage(nn.Module):
                           if pre_process else None)
         self.layers = nn.ModuleDict({
             str(i): TransformerLayer(cfg, layer_number=i, init=init, linear_impl=self.linear_impl, rng=self.rng,
-                                     kernels=kernels, **kw)
+                                     kernels=kernels, cp=self.cp, ep_group=ep_group, moe_dispatcher=moe_dispatcher,
+                                     **kw)
             for i in range(*layer_range)})
         self.recompute, self.recompute_num_layers = recompute, recompute_num_layers
         for k, layer in enumerate(self.layers.values()):  # k: the layer's index within this stage
@@ -251,7 +267,7 @@ class TransformerStage(nn.Module):
     def forward(self, input: torch.Tensor, *, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                logits_index: torch.Tensor | None = None) -> torch.Tensor:
+                logits_index: torch.Tensor | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``input``: token ids (b, s) if ``pre_process``, else the previous stage's hidden state
         (s, b, h), or (s/tp, b, h) with SP. ``position_ids`` (b, s) or (1, s), default 0..s-1 (or
         restarting per document with ``cu_seqlens``); positions that restart mark packed documents.
@@ -267,8 +283,21 @@ class TransformerStage(nn.Module):
         over the cached prefix; needs ``without_sequence_parallel()`` when the stage was built with SP.
         ``logits_index`` (b,) (with ``post_process``): return only the logits of token
         ``logits_index[i]`` of row i, (b, 1, padded_vocab/tp).
+
+        Context parallelism: every per-token argument is this cp rank's zigzag shard (``s`` is then s/cp):
+        ``position_ids`` the global positions of its tokens (default: those of the zigzag split);
+        packed documents come from ``document_ids`` (b, s/cp) (shards of the full sequence's document
+        index; one all-gather over cp per forward) or ``cu_seqlens`` (of the FULL sequences), never from
+        restarting positions (a shard's positions jump between its two chunks).
         """
         x, b, s = self._stage_input(input)
+        if self.cp is not None:
+            return self._cp_forward(input, x, b, s, labels=labels, position_ids=position_ids, loss_mask=loss_mask,
+                                    cu_seqlens=cu_seqlens, kv_cache=kv_cache, logits_index=logits_index,
+                                    document_ids=document_ids)
+        if document_ids is not None:
+            raise ValueError("document_ids are for context-parallel stages; without cp pass position_ids that "
+                             "restart per document, or cu_seqlens")
         if kv_cache is not None:
             return self._cached_forward(input, x, b, s, kv_cache=kv_cache, position_ids=position_ids,
                                         logits_index=logits_index)
@@ -292,6 +321,40 @@ class TransformerStage(nn.Module):
             if doc_ids is None:
                 doc_ids = document_ids_from_positions(position_ids)
         masks = AttentionMasks(seq_len=s, doc_ids=doc_ids, device=device)
+        return self._run_layers(input, x, b, s, masks=masks, position_ids=position_ids, labels=labels,
+                                loss_mask=loss_mask)
+
+    def _cp_forward(self, input, x, b: int, s: int, *, labels, position_ids, loss_mask, cu_seqlens, kv_cache,
+                    logits_index, document_ids):
+        """The forward of a context-parallel stage on this cp rank's shard of ``s`` tokens (see :meth:`forward`)."""
+        cp = self.cp.size
+        if kv_cache is not None or logits_index is not None:
+            raise ValueError("cached inference under context parallelism is not built; generate with parallel.cp=1")
+        tp_sp = self.tp_group.size if self.sequence_parallel else 1
+        check_cp_sequence(s * cp, cp=cp, tp=tp_sp, where="sequence length (the cp shards together)")
+        device = input.device
+        s_full = s * cp
+        doc_ids = None  # (b or 1, s_full) in natural order
+        if cu_seqlens is not None:
+            doc_ids = document_ids_from_cu_seqlens(cu_seqlens.to(device), batch=b, seq_len=s_full)
+            if position_ids is None:
+                position_ids = zigzag_shard(positions_from_documents(doc_ids), cp=cp, rank=self.cp.rank, dim=1)
+        elif document_ids is not None:
+            if document_ids.dim() != 2 or document_ids.shape[1] != s or document_ids.shape[0] not in (1, b):
+                raise ValueError(f"document_ids must be this cp rank's shard (b, s/cp) = ({b}, {s}) or (1, {s}); "
+                                 f"got {tuple(document_ids.shape)}")
+            doc_ids = gather_sequence(document_ids.to(device), self.cp.group)  # (b, s_full)
+        if position_ids is None:
+            position_ids = zigzag_indices(s_full, cp=cp, rank=self.cp.rank, device=device).unsqueeze(0)  # (1, s)
+        elif position_ids.dim() != 2 or position_ids.shape[1] != s or position_ids.shape[0] not in (1, b):
+            raise ValueError(f"position_ids must be this cp rank's shard (b, s/cp) = ({b}, {s}) or (1, {s}); got "
+                             f"{tuple(position_ids.shape)}")
+        masks = ContextParallelMasks(seq_len=s_full, num_chunks=2 * cp, doc_ids=doc_ids, device=device)
+        return self._run_layers(input, x, b, s, masks=masks, position_ids=position_ids, labels=labels,
+                                loss_mask=loss_mask)
+
+    def _run_layers(self, input, x, b: int, s: int, *, masks, position_ids, labels, loss_mask):
+        """Embedding (first stage), the layers, and on the last stage the loss or logits."""
         if self.pre_process:
             x = self.embedding(input, position_ids.expand(b, s))
         rope = self._rope(position_ids)
@@ -445,7 +508,9 @@ def build_model(hf_config: Mapping[str, Any] | TransformerConfig, *, tp_group: G
                 dtype: torch.dtype | None = None, device=None, make_vocab_size_divisible_by: int = 128,
                 seed: int = 1234, linear_impl: LinearImpl | None = None, kernels: str = "auto",
                 fused_cross_entropy: bool | None = None, recompute: str = "none",
-                recompute_num_layers: int | None = None) -> TransformerStage:
+                recompute_num_layers: int | None = None, cp_group: Group | None = None, cp_comm: str = "ring",
+                cp_subgroups: tuple[Group, Group] | None = None, ep_group: Group | None = None,
+                moe_dispatcher: str = "alltoall") -> TransformerStage:
     """One pipeline stage of the model described by ``hf_config`` (a config.json dict).
 
     ``layer_range`` = (start, end) of GLOBAL layer indices (default all). Weights are initialised
@@ -458,6 +523,11 @@ def build_model(hf_config: Mapping[str, Any] | TransformerConfig, *, tp_group: G
     attention of every layer); "full" (whole layers, keeping each one's input), of only the first
     ``recompute_num_layers`` layers of this stage when set. Off under ``torch.no_grad`` and with a KV
     cache; results are bitwise those of "none" (dropout masks replayed).
+    ``cp_group`` (context parallelism, size > 1): the stage takes each sequence's zigzag shard and its core
+    attention spans the sequence over this group by ``cp_comm`` ("ring", "a2a", or "hybrid" with
+    ``cp_subgroups`` = (all-to-all group, ring group), e.g. ``(mesh.cp_a2a, mesh.cp_ring)``).
+    ``ep_group`` (mixture-of-experts families): the experts of each MoE layer are split over it and tokens
+    travel by ``moe_dispatcher`` ("alltoall" or "allgather"; docs/moe.md).
     """
     from models.registry import config_from_hf
 
@@ -469,8 +539,16 @@ def build_model(hf_config: Mapping[str, Any] | TransformerConfig, *, tp_group: G
     if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= cfg.num_layers):
         raise ValueError(f"layer_range={layer_range!r} must be (start, end) with 0 <= start <= end <= "
                          f"num_layers={cfg.num_layers}")
+    cp = None
+    cp_group = comm.as_group(cp_group, axis="cp")
+    if cp_group.size > 1:
+        if cp_comm not in CP_COMM:
+            raise ValueError(f"cp_comm={cp_comm!r} is not one of {list(CP_COMM)}")
+        a2a, ring = cp_subgroups if cp_comm == "hybrid" and cp_subgroups is not None else (None, None)
+        cp = ContextParallel(group=cp_group, comm=cp_comm, a2a_group=a2a, ring_group=ring)
     return TransformerStage(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel, pre_process=pre_process,
                             post_process=post_process, layer_range=(start, end), dtype=dtype, device=device,
                             make_vocab_size_divisible_by=make_vocab_size_divisible_by, seed=seed,
                             linear_impl=linear_impl, kernels=kernels, fused_cross_entropy=fused_cross_entropy,
-                            recompute=recompute, recompute_num_layers=recompute_num_layers)
+                            recompute=recompute, recompute_num_layers=recompute_num_layers, cp=cp,
+                            ep_group=ep_group, moe_dispatcher=moe_dispatcher)

@@ -104,6 +104,9 @@ class Ledger:
         # delta as comm_exposed_s. On the CPU (gloo) that is exact for a one-thread rank; on CUDA it
         # counts host blocking only (stream-level overlap would need CUDA events: not built).
         self.blocked_s: dict[str, float] = {}
+        # The flight recorder (parallel/flight.py) of the hang watchdog, when one is armed: every call over
+        # a group of more than one rank is started and finished in it. None: nothing is recorded.
+        self.recorder = None
 
     def add_blocked(self, axis: str, seconds: float) -> None:
         if self.enabled:
@@ -240,27 +243,46 @@ def _reduce_op(op: str):
 
 
 def _blocking(fn):
-    """Time a collective's call as blocked communication when it is synchronous (``async_op`` false)."""
+    """Time a collective's call as blocked communication when it is synchronous (``async_op`` false), and
+    start and finish it in the ledger's flight recorder when one is set (an async call finishes at its
+    :func:`wait`)."""
+    op = fn.__name__
+
     @functools.wraps(fn)
     def timed(t, group, *args, **kwargs):
-        if kwargs.get("async_op") or group.size == 1:
+        if group.size == 1:
+            return fn(t, group, *args, **kwargs)
+        recorder = group.ledger.recorder
+        async_op = bool(kwargs.get("async_op"))
+        flight = None if recorder is None else recorder.start(
+            op, group, _nbytes(t), async_op=async_op,
+            peer=kwargs.get("dst", kwargs.get("src")) if op in ("send", "recv") else None)
+        if async_op:
             return fn(t, group, *args, **kwargs)
         t0 = time.perf_counter()
         try:
-            return fn(t, group, *args, **kwargs)
+            out = fn(t, group, *args, **kwargs)
         finally:
             group.ledger.add_blocked(group.axis, time.perf_counter() - t0)
+        if flight is not None:
+            recorder.finish(flight)
+        return out
     return timed
 
 
 def wait(works, group: Group) -> None:
     """Wait for async work handles (one or a list), timing the wait as blocked communication."""
     works = works if isinstance(works, (list, tuple)) else [works]
+    recorder = group.ledger.recorder if works and group.size > 1 else None
+    flight = None if recorder is None else recorder.start("wait", group, 0)
     t0 = time.perf_counter()
     for w in works:
         w.wait()
     if works and group.size > 1:
         group.ledger.add_blocked(group.axis, time.perf_counter() - t0)
+    if flight is not None:
+        recorder.finish(flight)
+        recorder.finish_async(group.axis)
 
 
 class _Done:
@@ -450,6 +472,10 @@ def batch_p2p(ops: Iterable[P2P], group: Group) -> list:
             _record(group, "recv", _nbytes(o.tensor), 0, _nbytes(o.tensor), o.tensor.dtype)
         else:
             raise ValueError(f"P2P kind {o.kind!r}: use 'send' or 'recv'")
+    recorder = group.ledger.recorder
+    if recorder is not None:
+        recorder.start("batch_p2p", group, sum(_nbytes(o.tensor) for o in ops), async_op=True,
+                       peer=ops[0].peer if len({o.peer for o in ops}) == 1 else None)
     return dist.batch_isend_irecv(p2p)
 
 
@@ -463,4 +489,8 @@ def _check_peer(group: Group, peer: int, name: str) -> None:
 
 def barrier(group: Group) -> None:
     if group.size > 1:
+        recorder = group.ledger.recorder
+        flight = None if recorder is None else recorder.start("barrier", group, 0)
         dist.barrier(group=group.pg)
+        if flight is not None:
+            recorder.finish(flight)

@@ -10,6 +10,10 @@ Groups provided (all :class:`parallel.comm.Group`, sharing the mesh's :class:`Le
 * ``tp``, ``pp``, ``dp``, ``cp``: ranks that differ only along that axis.
 * ``dp_cp``: ranks that differ along dp and cp — the gradient-reduction group once CP lands.
 * ``tp_cp``: ranks that differ along tp and cp (sequence is sharded over both).
+* ``cp_a2a`` and ``cp_ring``: the hybrid context-parallel sub-groups (``cp_a2a_size`` of :meth:`Mesh.build`):
+  each cp group cut into blocks of ``cp_a2a_size`` consecutive cp ranks (``cp_a2a``: all-to-all inside a
+  block), and ``cp_ring`` linking the ranks with the same position in every block (the ring across).
+  Without ``cp_a2a_size``, ``cp_a2a`` is this rank alone and ``cp_ring`` is the cp group.
 * ``embedding``: first and last pipeline stage of this rank's pipeline (tied embedding /
   lm-head gradients are all-reduced over it); just this rank when pp == 1, and on middle stages
   (which hold neither copy).
@@ -19,6 +23,7 @@ Groups provided (all :class:`parallel.comm.Group`, sharing the mesh's :class:`Le
 """
 from __future__ import annotations
 
+import datetime
 import itertools
 import os
 from dataclasses import dataclass
@@ -107,8 +112,14 @@ class Mesh:
         return cls(dims, rank=0, groups=groups, ledger=ledger)
 
     @classmethod
-    def build(cls, dims: ParallelDims, *, order: str = DEFAULT_ORDER) -> "Mesh":
-        """Create every group (a collective call: all ranks must call it with the same arguments)."""
+    def build(cls, dims: ParallelDims, *, order: str = DEFAULT_ORDER, cp_a2a_size: int | None = None,
+              timeout_s: float | None = None) -> "Mesh":
+        """Create every group (a collective call: all ranks must call it with the same arguments).
+        ``cp_a2a_size``: the all-to-all block of hybrid context parallelism (divides ``dims.cp``).
+        ``timeout_s``: how long a collective of the new groups waits for a missing peer before it raises
+        (``fault.collective_timeout_s``; None: torch's default, 30 min for gloo; the world group keeps
+        the timeout of :func:`init_distributed`)."""
+        check_cp_a2a_size(cp_a2a_size, dims.cp)
         if not dist.is_initialized():
             if dims.world_size == 1:
                 return cls.single()
@@ -123,12 +134,13 @@ class Mesh:
         groups: dict[str, Group] = {}
         made: dict[tuple[int, ...], object] = {}  # identical rank lists share one process group
         for name in _GROUP_AXES:
-            for ranks in group_rank_lists(name, dims, order):
+            for ranks in group_rank_lists(name, dims, order, cp_a2a_size=cp_a2a_size):
                 # new_group is collective over the whole world: every rank creates every group,
                 # in the same order.
                 key = tuple(ranks)
                 if len(ranks) > 1 and key not in made:
-                    made[key] = dist.new_group(ranks)
+                    made[key] = dist.new_group(ranks, timeout=None if timeout_s is None
+                                               else datetime.timedelta(seconds=timeout_s))
                 pg = made.get(key)
                 if rank in ranks:
                     groups[name] = Group(axis=name, ranks=ranks, rank=ranks.index(rank), pg=pg, ledger=ledger)
@@ -169,7 +181,16 @@ class Mesh:
         return f"Mesh(rank {self.rank}: {c})"
 
 
-_GROUP_AXES = ("tp", "pp", "dp", "cp", "dp_cp", "tp_cp", "embedding", "ep", "edp")
+_GROUP_AXES = ("tp", "pp", "dp", "cp", "dp_cp", "tp_cp", "embedding", "ep", "edp", "cp_a2a", "cp_ring")
+
+
+def check_cp_a2a_size(cp_a2a_size: int | None, cp: int) -> None:
+    if cp_a2a_size is None:
+        return
+    if isinstance(cp_a2a_size, bool) or not isinstance(cp_a2a_size, int) or cp_a2a_size < 1 or cp % cp_a2a_size:
+        raise ValueError(f"parallel.cp_a2a_size={cp_a2a_size!r} must be a divisor of parallel.cp={cp} (hybrid "
+                         "context parallelism runs all-to-all inside blocks of that many cp ranks and a ring "
+                         "across them)")
 
 
 def _strides(dims: ParallelDims, order: str) -> dict[str, int]:
@@ -197,8 +218,17 @@ def rank_of(coords: dict[str, int], dims: ParallelDims, order: str = DEFAULT_ORD
     return sum(coords[a] * st[a] for a in AXES)
 
 
-def group_rank_lists(name: str, dims: ParallelDims, order: str = DEFAULT_ORDER) -> list[list[int]]:
+def group_rank_lists(name: str, dims: ParallelDims, order: str = DEFAULT_ORDER, *,
+                     cp_a2a_size: int | None = None) -> list[list[int]]:
     """Every group of kind ``name`` as a list of global ranks (each list in group-rank order)."""
+    if name in ("cp_a2a", "cp_ring"):
+        a = cp_a2a_size or 1
+        check_cp_a2a_size(a, dims.cp)
+        out = []
+        for cp_ranks in group_rank_lists("cp", dims, order):
+            blocks = [cp_ranks[i:i + a] for i in range(0, dims.cp, a)]  # cp rank = block * a + position
+            out += blocks if name == "cp_a2a" else [list(col) for col in zip(*blocks)]
+        return out
     if name in AXES:
         varying = (name,)
     elif name == "dp_cp":

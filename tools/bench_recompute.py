@@ -58,23 +58,20 @@ def llama_config(args) -> dict:
 
 
 def predicted_saved_bytes(args, recompute: str, num_layers: int | None) -> int:
-    """Bytes all layers save for backward, docs/memory.md's Llama formula at TP=1 (n = a*d = h), e = 4.
+    """Bytes all layers save for backward: docs/memory.md's Llama formula at TP=1, fp32, the math SDPA
+    path when attention dropout is on (engine.memory.layer_saved_bytes, the start-up report's). Full
+    with N layers: N recomputed layers, the rest as none."""
+    from engine.memory import LayerShape, layer_saved_bytes
 
-    none: e(10sbh + 2sb + 4sbf + 3as^2b); selective: e(8sbh + 2sb + 4sbf + sbgd + sb(n + 2gd));
-    full: e*sbh (the layer input). Full with N layers: N recomputed layers, the rest as none."""
-    s, b, h, f, a, g = args.seq, args.batch, args.hidden, args.ffn, args.heads, args.kv_heads
-    d, n = h // a, h
-    none = 10 * s * b * h + 2 * s * b + 4 * s * b * f + 3 * a * s * s * b
-    selective = 8 * s * b * h + 2 * s * b + 4 * s * b * f + s * b * g * d + s * b * (n + 2 * g * d)
-    full = s * b * h
-    if recompute == "none":
-        per = [none] * args.layers
-    elif recompute == "selective":
-        per = [selective] * args.layers
-    else:
-        k = args.layers if num_layers is None else min(num_layers, args.layers)
-        per = [full] * k + [none] * (args.layers - k)
-    return FP32_BYTES * sum(per)
+    shape = LayerShape(hidden_size=args.hidden, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                       head_dim=args.hidden // args.heads, ffn_hidden_size=args.ffn, attention_dropout=args.dropout)
+
+    def per(mode: str) -> int:
+        return layer_saved_bytes(shape, s=args.seq, b=args.batch, recompute=mode, elem=FP32_BYTES)
+    if recompute != "full":
+        return args.layers * per(recompute)
+    k = args.layers if num_layers is None else min(num_layers, args.layers)
+    return k * per("full") + (args.layers - k) * per("none")
 
 
 def model_flops_per_step(args) -> float:

@@ -3,9 +3,13 @@
     torchrun --nproc-per-node 4 tools/evaluate.py --ckpt CKPT --tp 2 --pp 2 --text FILE [--json out.json]
     torchrun --nproc-per-node 4 tools/evaluate.py --ckpt CKPT --set parallel.tp=2 --set parallel.pp=2 --data PREFIX
     torchrun --nproc-per-node 4 tools/evaluate.py --ckpt CKPT --tp 2 --pp 2 --tokens ids.json --dump-logits out.safetensors
+    torchrun --nproc-per-node 4 tools/evaluate.py --ckpt CKPT --cp 4 --text FILE [--set parallel.cp_comm=a2a]
 
 The checkpoint (written by tools/convert_checkpoint.py or by the trainer, any layout) is resharded into
-the launch layout (world size = tp * pp; dp = 1). Forward only: a forward-only schedule through the
+the launch layout (world size = tp * pp * cp; dp = 1). ``--cp`` splits every sequence over cp ranks
+(context parallelism, docs/context_parallel.md; ``parallel.cp_comm`` / ``parallel.cp_a2a_size`` by
+``--set``): sequences are right-padded to a multiple of 2*cp (padding predicts nothing) and each rank
+takes its zigzag share; sums and dumped logits are gathered over cp. Forward only: a forward-only schedule through the
 training runtime, pipelined across batches of one shape.
 ``--text`` is tokenized with the checkpoint's tokenizer (``CKPT/hf``, or ``--tokenizer``) and cut into
 windows of ``--seq-length`` predicted tokens (each window sees the previous window's last token as its
@@ -38,12 +42,14 @@ import torch.nn.functional as F  # noqa: E402
 from engine.checkpoint import (CheckpointError, ShardingContext, load_checkpoint, module_sharded_tensors,  # noqa: E402
                                read_metadata, resolve_checkpoint)
 from parallel import comm  # noqa: E402
+from parallel.context_parallel import zigzag_shard, zigzag_unshard  # noqa: E402
 from parallel.mesh import Mesh, ParallelDims, init_distributed  # noqa: E402
 from parallel.pipeline import forward_only  # noqa: E402
 from parallel.pipeline.runtime import run_schedule  # noqa: E402
 
 # --set keys this tool reads (the rest of the training config does not apply to evaluation)
-SET_KEYS = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.pipeline_layout": "pipeline_layout",
+SET_KEYS = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.cp": "cp", "parallel.cp_comm": "cp_comm",
+            "parallel.cp_a2a_size": "cp_a2a_size", "parallel.pipeline_layout": "pipeline_layout",
             "train.seq_length": "seq_length", "train.micro_batch_size": "batch_size", "model.dtype": "dtype",
             "model.make_vocab_size_divisible_by": "make_vocab_size_divisible_by", "data.paths": "data",
             "data.tokenizer": "tokenizer"}
@@ -60,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-logits", help="with --tokens: write the fp32 logits to this .safetensors file")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (or --set parallel.tp=N)")
     p.add_argument("--pp", type=int, default=None, help="pipeline-parallel size (or --set parallel.pp=N)")
+    p.add_argument("--cp", type=int, default=None, help="context-parallel size (or --set parallel.cp=N)")
     p.add_argument("--pipeline-layout", default=None, help="layers per stage, e.g. 8,8,7,7 (default: even)")
     p.add_argument("--seq-length", type=int, default=None, help="tokens per window (default min(1024, positions))")
     p.add_argument("--batch-size", type=int, default=None, help="windows per forward (default 1)")
@@ -80,7 +87,8 @@ def resolve_options(args: argparse.Namespace) -> dict:
     """Merge --set overrides (parsed with the training config's types) under the explicit flags."""
     from engine.config.loader import apply_overrides
 
-    opts = {"tp": 1, "pp": 1, "pipeline_layout": None, "seq_length": None, "batch_size": 1, "dtype": "fp32",
+    opts = {"tp": 1, "pp": 1, "cp": 1, "cp_comm": "ring", "cp_a2a_size": None, "pipeline_layout": None,
+            "seq_length": None, "batch_size": 1, "dtype": "fp32",
             "make_vocab_size_divisible_by": 128, "data": None, "tokenizer": None}
     parsed = apply_overrides({}, list(args.overrides))  # validates SECTION.KEY and value types
     for section, table in parsed.items():
@@ -93,7 +101,7 @@ def resolve_options(args: argparse.Namespace) -> dict:
         if len(opts["data"]) != 1:
             raise ValueError(f"--set data.paths={opts['data']}: evaluate.py scores one dataset; give one prefix")
         opts["data"] = opts["data"][0]
-    for name in ("tp", "pp", "seq_length", "batch_size", "dtype", "make_vocab_size_divisible_by", "tokenizer"):
+    for name in ("tp", "pp", "cp", "seq_length", "batch_size", "dtype", "make_vocab_size_divisible_by", "tokenizer"):
         if getattr(args, name) is not None:
             opts[name] = getattr(args, name)
     if args.pipeline_layout is not None:
@@ -104,9 +112,12 @@ def resolve_options(args: argparse.Namespace) -> dict:
                              "e.g. 8,8,7,7") from None
     if args.data is not None:
         opts["data"] = args.data
-    for name in ("tp", "pp", "batch_size"):
+    for name in ("tp", "pp", "cp", "batch_size"):
         if not isinstance(opts[name], int) or opts[name] < 1:
             raise ValueError(f"{name}={opts[name]!r} must be an integer >= 1")
+    from engine.config.sections import ParallelConfig
+
+    ParallelConfig(cp=opts["cp"], cp_comm=opts["cp_comm"], cp_a2a_size=opts["cp_a2a_size"])  # the training rules
     if opts["dtype"] not in DTYPES:
         raise ValueError(f"dtype={opts['dtype']!r} must be one of {', '.join(DTYPES)}")
     if sum(x is not None for x in (args.text, opts["data"], args.tokens)) != 1:
@@ -203,9 +214,11 @@ def build_stage(model_config: dict, mesh: Mesh, opts: dict, *, device):
     cfg = config_from_hf(model_config)
     pp, pp_rank = mesh.dims.pp, mesh.coords["pp"]
     ranges = stage_layer_ranges(cfg.num_layers, pp, opts["pipeline_layout"])
+    cp_comm = opts.get("cp_comm", "ring")
     stage = build_model(model_config, tp_group=mesh.tp, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
                         layer_range=ranges[pp_rank], dtype=DTYPES[opts["dtype"]], device=device,
-                        make_vocab_size_divisible_by=opts["make_vocab_size_divisible_by"])
+                        make_vocab_size_divisible_by=opts["make_vocab_size_divisible_by"], cp_group=mesh.cp,
+                        cp_comm=cp_comm, cp_subgroups=(mesh.cp_a2a, mesh.cp_ring) if cp_comm == "hybrid" else None)
     return cfg, stage.eval()
 
 
@@ -214,7 +227,7 @@ def run_evaluate(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     opts = resolve_options(args)
     mesh, device = launch_mesh(opts, what="evaluation")
-    tp, pp = opts["tp"], opts["pp"]
+    tp, pp, cp = opts["tp"], opts["pp"], opts["cp"]
     step_dir, meta, model_config = checkpoint_model_config(args.ckpt, args.config)
     cfg, stage = build_stage(model_config, mesh, opts, device=device)
     load_weights(stage, mesh, step_dir, meta, base=args.base, verify=not args.no_verify)
@@ -232,15 +245,16 @@ def run_evaluate(argv: list[str] | None = None) -> dict:
         raise ValueError(f"a sequence of {max(too_long)} tokens exceeds max_position_embeddings="
                          f"{cfg.max_position_embeddings}; lower --seq-length or split the --tokens lists")
     nll, count, logits = forward_all(stage, mesh, samples, opts, device=device, want_logits=bool(args.dump_logits))
-    result = {"checkpoint": str(step_dir), "tp": tp, "pp": pp, "sequences": len(samples), "tokens": int(count),
+    result = {"checkpoint": str(step_dir), "tp": tp, "pp": pp, "cp": cp, "sequences": len(samples),
+              "tokens": int(count),
               "loss": nll / count if count else float("nan"),
               "perplexity": math.exp(min(nll / count, 700.0)) if count else float("nan")}
-    writer = mesh.coords["pp"] == pp - 1 and mesh.coords["tp"] == 0
+    writer = mesh.coords["pp"] == pp - 1 and mesh.coords["tp"] == 0 and mesh.coords["cp"] == 0
     if args.dump_logits and writer:
         _write_logits(args.dump_logits, logits, flat=flat)
     if mesh.rank == 0:
         print(f"evaluate: {result['tokens']} tokens in {result['sequences']} sequences: loss {result['loss']:.6f}, "
-              f"perplexity {result['perplexity']:.4f} (tp={tp}, pp={pp}, {step_dir})")
+              f"perplexity {result['perplexity']:.4f} (tp={tp}, pp={pp}, cp={cp}, {step_dir})")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
@@ -250,15 +264,17 @@ def run_evaluate(argv: list[str] | None = None) -> dict:
 
 
 def launch_mesh(opts: dict, *, what: str) -> tuple[Mesh, torch.device]:
-    """The process group and the tp x pp mesh (dp = 1) of a forward-only tool, and this rank's device."""
+    """The process group and the tp x pp (x cp) mesh (dp = 1) of a forward-only tool, and this rank's device."""
     init_distributed()
     world = dist.get_world_size() if dist.is_initialized() else 1
-    tp, pp = opts["tp"], opts["pp"]
-    if world != tp * pp:
-        raise ValueError(f"world size {world} != tp*pp = {tp}*{pp}; launch {tp * pp} processes (torchrun "
-                         f"--nproc-per-node) or change --tp/--pp ({what} runs with dp=1)")
+    tp, pp, cp = opts["tp"], opts["pp"], opts.get("cp", 1)
+    if world != tp * pp * cp:
+        names, sizes = ("tp*pp", f"{tp}*{pp}") if cp == 1 else ("tp*pp*cp", f"{tp}*{pp}*{cp}")
+        raise ValueError(f"world size {world} != {names} = {sizes}; launch {tp * pp * cp} processes (torchrun "
+                         f"--nproc-per-node) or change --tp/--pp/--cp ({what} runs with dp=1)")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return Mesh.build(ParallelDims(dp=1, pp=pp, tp=tp)), device
+    a2a = opts.get("cp_a2a_size") if opts.get("cp_comm") == "hybrid" else None
+    return Mesh.build(ParallelDims(dp=1, pp=pp, tp=tp, cp=cp), cp_a2a_size=a2a), device
 
 
 def checkpoint_model_config(ckpt: str, config_path: str | None) -> tuple[Path, dict, dict]:
@@ -314,8 +330,9 @@ def forward_all(stage, mesh: Mesh, samples, opts: dict, *, device, want_logits: 
     dtype = next(stage.parameters()).dtype
     nll = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of NLL, predicted tokens)
     logits_out: list[torch.Tensor] = [None] * len(samples)
-    batches = [(idx, torch.tensor([samples[i][0] for i in idx], dtype=torch.int64, device=device),  # (b, s)
-                torch.tensor([samples[i][1] for i in idx], dtype=torch.int64, device=device))   # (b, s)
+    batches = [(idx, *_cp_share(torch.tensor([samples[i][0] for i in idx], dtype=torch.int64, device=device),
+                                torch.tensor([samples[i][1] for i in idx], dtype=torch.int64, device=device),
+                                mesh.cp))  # (b, s/cp) each
                for idx in _batches(samples, opts["batch_size"])]
     start = 0
     while start < len(batches):  # one schedule per run of equal-shape batches
@@ -333,9 +350,10 @@ def forward_all(stage, mesh: Mesh, samples, opts: dict, *, device, want_logits: 
             b, s = tokens.shape
             nll[1] += (labels != -100).sum()
             if want_logits:
-                full = stage.gather_logits(stage(x)).float()  # (b, s, vocab)
+                full = stage.gather_logits(stage(x)).float()  # (b, s/cp, vocab)
+                whole = zigzag_unshard(comm.all_gather(full, mesh.cp, dim=1), cp=mesh.cp.size, dim=1)  # (b, s_pad, V)
                 for j, i in enumerate(idx):
-                    logits_out[i] = full[j].cpu()
+                    logits_out[i] = whole[j, :len(samples[i][0])].cpu()
                 loss = F.cross_entropy(full.reshape(b * s, -1), labels.reshape(-1), ignore_index=-100,
                                        reduction="sum")
             else:
@@ -347,7 +365,22 @@ def forward_all(stage, mesh: Mesh, samples, opts: dict, *, device, want_logits: 
                      act_shape=(shape[1], shape[0], h), dtype=dtype, device=device)
         start = end
     comm.all_reduce(nll, mesh.pp)  # only the last stage contributed; every TP rank holds the same sums
+    comm.all_reduce(nll, mesh.cp)  # each cp rank summed its own tokens
     return float(nll[0]), int(nll[1]), logits_out
+
+
+def _cp_share(tokens: torch.Tensor, labels: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """This cp rank's zigzag share of (b, s) tokens and labels, right-padded first to a multiple of 2*cp
+    (padding comes after every real token, so causal attention never sees it; its labels are -100)."""
+    cp = group.size
+    if cp == 1:
+        return tokens, labels
+    pad = -tokens.shape[1] % (2 * cp)
+    if pad:
+        tokens = F.pad(tokens, (0, pad), value=0)
+        labels = F.pad(labels, (0, pad), value=-100)
+    return (zigzag_shard(tokens, cp=cp, rank=group.rank, dim=1),  # (b, s_pad/cp)
+            zigzag_shard(labels, cp=cp, rank=group.rank, dim=1))
 
 
 def _write_logits(path: str, logits: list[torch.Tensor], *, flat: bool) -> None:

@@ -3,9 +3,11 @@
     python tools/pipeline_schedule.py --schedule interleaved --pp 4 --vp 2 --microbatches 8
     python tools/pipeline_schedule.py --schedule 1f1b --pp 4 --microbatches 8 --json
     python tools/pipeline_schedule.py --schedule gpipe --pp 2 --microbatches 4 --png gpipe.png
+    python tools/pipeline_schedule.py --schedule zbv --pp 4 --vp 2 --microbatches 8 --bwd-cost 1 --wgrad-cost 1
 
 Default output: an ASCII timeline (one row per pipeline rank, one column per time unit; ``F3.1`` =
-forward of virtual stage 3 on microbatch 1, ``B`` = backward, ``.`` = idle), then makespan, bubble
+forward of virtual stage 3 on microbatch 1, ``B`` = backward, ``W`` = weight gradients of a
+split-backward schedule, ``.`` = idle), then makespan, bubble
 ratio beside its analytic value and peak in-flight microbatches per rank. ``--json`` prints
 ``{"bubble_ratio", "peak_inflight", "makespan"}`` only. ``--actions`` lists every rank's actions with
 their sends and receives. Bad arguments exit with status 2 and a message saying what to change.
@@ -24,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parallel.pipeline import (BACKWARD, SCHEDULE_NAMES, Schedule, Simulation,  # noqa: E402
                                build_schedule, simulate)
+from parallel.pipeline.actions import WEIGHT  # noqa: E402
+from parallel.pipeline.zero_bubble import analytic_bubble as _analytic  # noqa: E402
 
 MAX_COLUMNS = 4000
 
@@ -43,7 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--schedule", required=True, choices=SCHEDULE_NAMES)
     ap.add_argument("--pp", type=int, required=True, help="pipeline ranks")
-    ap.add_argument("--vp", type=int, default=1, help="model chunks per rank (interleaved only)")
+    ap.add_argument("--vp", type=int, default=None,
+                    help="model chunks per rank (interleaved; zbv and dualpipev use 2); default 1, or 2 for "
+                         "zbv and dualpipev")
     ap.add_argument("--microbatches", type=int, required=True)
     ap.add_argument("--group-size", type=int, default=None,
                     help="interleaved: microbatches per group (Megatron's "
@@ -51,7 +57,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--fwd-cost", type=_costs, default=1.0,
                     help="forward time per virtual stage and microbatch, or one per stage "
                          "(comma-separated); default 1")
-    ap.add_argument("--bwd-cost", type=_costs, default=2.0, help="backward time, as --fwd-cost; default 2")
+    ap.add_argument("--bwd-cost", type=_costs, default=2.0,
+                    help="backward time, as --fwd-cost; default 2. With --wgrad-cost it is the input-gradient "
+                         "part only (B of zb-h1, zbv, dualpipev)")
+    ap.add_argument("--wgrad-cost", type=_costs, default=None,
+                    help="weight-gradient time (W), as --fwd-cost; needed by zb-h1, zbv and dualpipev "
+                         "(default there: equal to --bwd-cost); for the other schedules it is added to B")
     ap.add_argument("--p2p-latency", type=float, default=0.0, help="time for a message to arrive")
     ap.add_argument("--comm", choices=("async", "blocking"), default="async",
                     help="async: communication never blocks (the analytic ideal); blocking: the "
@@ -62,9 +73,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def analytic_bubble(schedule: Schedule) -> float:
-    """(p - 1) / (v m): the bubble of these schedules with equal stage costs and no latency."""
-    return (schedule.pp - 1) / (schedule.vp * schedule.microbatches)
+def analytic_bubble(schedule: Schedule, fwd=1.0, bwd=2.0, wgrad=None) -> tuple[str, float] | None:
+    """``(formula, value)`` of the schedule's bubble at equal stage costs and no latency, or None
+    (:func:`parallel.pipeline.zero_bubble.analytic_bubble`; per-stage cost lists: None)."""
+    if any(isinstance(c, list) for c in (fwd, bwd, wgrad)):
+        return None
+    w = 0.0 if wgrad is None else wgrad
+    return _analytic(schedule.name, pp=schedule.pp, vp=schedule.vp, microbatches=schedule.microbatches,
+                     fwd=fwd, bwd=bwd, wgrad=w)
 
 
 def _time_unit(sim: Simulation, latency: float) -> Fraction:
@@ -101,26 +117,31 @@ def render_ascii(schedule: Schedule, sim: Simulation, *, latency: float = 0.0) -
         row = list(("." * width + " ") * columns)
         for e in tl:
             start, end = col(e.start), col(e.end)
-            text = str(e.action).ljust((end - start) * cell - 1, "-" if e.action.op == BACKWARD
-                                       else "=")
+            fill = {BACKWARD: "-", WEIGHT: "~"}.get(e.action.op, "=")
+            text = str(e.action).ljust((end - start) * cell - 1, fill)
             row[start * cell:start * cell + len(text)] = text
         lines.append(f"rank {rank:>2} |" + "".join(row).rstrip())
     lines.append(f"(one column = {float(unit):g} time unit{'s' if unit != 1 else ''}; '=' / '-' "
-                 "continue a forward / backward, '.' is idle)")
+                 + ("/ '~' continue a forward / backward / weight gradient"
+                    if schedule.split_backward else "continue a forward / backward") + ", '.' is idle)")
     return "\n".join(lines)
 
 
-def summary(schedule: Schedule, sim: Simulation) -> str:
+def summary(schedule: Schedule, sim: Simulation, *, fwd=1.0, bwd=2.0, wgrad=None) -> str:
+    analytic = analytic_bubble(schedule, fwd, bwd, wgrad)
+    exact = (f"analytic {analytic[0]} = {analytic[1]:.6g}, for equal stage costs and no latency"
+             if analytic else "no analytic value claimed for these costs")
     lines = [
         f"schedule {schedule.name}: pp={schedule.pp} vp={schedule.vp} "
         f"microbatches={schedule.microbatches}"
         + (f" group_size={schedule.microbatch_group_size}"
            if schedule.microbatch_group_size is not None else ""),
         f"makespan {sim.makespan:g}; compute per rank {', '.join(f'{c:g}' for c in sim.compute)}",
-        f"bubble ratio {sim.bubble_ratio:.6g} (analytic (p-1)/(v*m) = "
-        f"{analytic_bubble(schedule):.6g}, for equal stage costs and no latency)",
+        f"bubble ratio {sim.bubble_ratio:.6g} ({exact})",
         f"peak in-flight (stage, microbatch) per rank: {list(sim.peak_inflight)}",
     ]
+    if schedule.split_backward:
+        lines.append(f"  (held until W; up to B, the full activation set: {list(sim.peak_activations)})")
     return "\n".join(lines)
 
 
@@ -145,7 +166,8 @@ def draw_png(schedule: Schedule, sim: Simulation, path: str) -> None:
         for e in tl:
             chunk = schedule.chunk_of(e.action.stage)
             shade = 0.35 + 0.5 * chunk / max(1, schedule.vp - 1)
-            color = plt.cm.Blues(shade) if e.action.op != BACKWARD else plt.cm.Oranges(shade)
+            ramp = {BACKWARD: plt.cm.Oranges, WEIGHT: plt.cm.Greens}.get(e.action.op, plt.cm.Blues)
+            color = ramp(shade)
             ax.broken_barh([(e.start, e.end - e.start)], (rank - 0.4, 0.8), facecolors=color,
                            edgecolors="black", linewidth=0.5)
             ax.text((e.start + e.end) / 2, rank, str(e.action), ha="center", va="center",
@@ -166,16 +188,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.png:
             _pyplot()   # fail before printing anything
-        schedule = build_schedule(args.schedule, pp=args.pp, vp=args.vp,
+        vp = args.vp if args.vp is not None else (2 if args.schedule in ("zbv", "dualpipev") else 1)
+        schedule = build_schedule(args.schedule, pp=args.pp, vp=vp,
                                   microbatches=args.microbatches,
                                   microbatch_group_size=args.group_size)
-        sim = simulate(schedule, fwd_cost=args.fwd_cost, bwd_cost=args.bwd_cost,
+        wgrad = args.wgrad_cost
+        if wgrad is None and schedule.split_backward:
+            wgrad = args.bwd_cost
+        sim = simulate(schedule, fwd_cost=args.fwd_cost, bwd_cost=args.bwd_cost, wgrad_cost=wgrad,
                        p2p_latency=args.p2p_latency, comm=args.comm)
         if args.json:
             print(json.dumps(sim.as_dict()))
         else:
             print(render_ascii(schedule, sim, latency=args.p2p_latency))
-            print(summary(schedule, sim))
+            print(summary(schedule, sim, fwd=args.fwd_cost, bwd=args.bwd_cost, wgrad=wgrad))
             if args.actions:
                 print(schedule.describe())
         if args.png:

@@ -240,7 +240,8 @@ def main(argv=None) -> int:
     def checked():
         cfg = load_config(args.config, args.config_overrides or [], defaults=base_defaults)
         return cfg, prepare(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
-    return launch("posttrain.py", checked, lambda p, world: run_posttrain(p[0], p[1], args.run_dir, world=world))
+    return launch("posttrain.py", checked, lambda p, world: run_posttrain(p[0], p[1], args.run_dir, world=world),
+                  timeout_s=lambda p: p[0].fault.collective_timeout_s)
 
 
 if __name__ == "__main__":

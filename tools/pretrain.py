@@ -3,7 +3,11 @@
     torchrun --nproc-per-node N tools/pretrain.py --config configs/<preset>.toml [--set key=value ...] [--run-dir DIR]
 
 The run directory holds config.json (the resolved config), metrics.jsonl, tensorboard/ and
-checkpoints/; a run directory that already holds a complete checkpoint resumes from it.
+checkpoints/; a run directory that already holds a complete checkpoint resumes from it. A non-empty
+directory that is not a Tessel run, and a resume that changes the model, data, global batch or sequence
+length, are refused before anything starts (engine/fault.py). Exit status: 0 finished or stopped by
+SIGTERM/SIGINT after saving; 2 bad input; 3 the run diverged; 4 the hang watchdog fired
+(fault.hang_timeout_s; docs/fault_tolerance.md).
 """
 from __future__ import annotations
 
@@ -30,32 +34,47 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     def prepare():
+        from engine.fault import check_run_dir
+
         cfg = config_from_args(args)
-        return (cfg, *plan_run(cfg, world=int(os.environ.get("WORLD_SIZE", "1"))))
+        model, plan, tok = plan_run(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
+        # A foreign directory is never written into; a resume must not change what its checkpoint depends on.
+        check_run_dir(cfg, args.run_dir or cfg.train.run_dir, model_config=model.hf_config)
+        return cfg, model, plan, tok
 
     def run(prepared, world):
         cfg, model, plan, tok = prepared
         run_training(cfg, model, plan, args.run_dir, world=world, tokenizer=tok)
-    return launch("pretrain.py", prepare, run)
+    return launch("pretrain.py", prepare, run, timeout_s=lambda prepared: prepared[0].fault.collective_timeout_s)
 
 
-def launch(prog: str, prepare: Callable[[], Any], run: Callable[[Any, int], Any]) -> int:
+def launch(prog: str, prepare: Callable[[], Any], run: Callable[[Any, int], Any], *,
+           timeout_s: Callable[[Any], float]) -> int:
     """A torchrun job's frame: ``prepare()`` (every check that needs no communication, before any process
-    group exists: every rank fails the same way, so rank 0 alone says it), the process group, ``run(prepared,
-    world)``, and the process groups freed while the interpreter is alive. Exit status 2 on a ValueError."""
+    group exists: every rank fails the same way, so rank 0 alone says it), the process group (its collectives
+    time out after ``timeout_s(prepared)`` seconds), ``run(prepared, world)``, and the process groups freed
+    while the interpreter is alive. Exit status 2 on a ValueError; 3 (``EXIT_STOPPED``) when the run stopped
+    itself on every rank (it diverged: ``RunStopped``, ``NonFiniteGradError``), said once by rank 0."""
+    from engine.fault import EXIT_STOPPED, RunStopped
+    from engine.optim import NonFiniteGradError
+
     try:
         prepared = prepare()
     except (ValueError, FileNotFoundError) as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"{prog}: {e}", file=sys.stderr)
         return 2
-    rank, world = init_distributed()
+    rank, world = init_distributed(timeout_s=timeout_s(prepared))
     try:
         run(prepared, world)
         return 0
     except ValueError as e:
         print(f"{prog} (rank {rank}): {e}", file=sys.stderr)
         return 2
+    except (RunStopped, NonFiniteGradError) as e:  # raised on every rank at the same step: one line, from rank 0
+        if rank == 0:
+            print(f"{prog}: {e}", file=sys.stderr)
+        return EXIT_STOPPED
     finally:
         # Free the run (its mesh holds the process groups) while the interpreter is fully alive: a
         # gloo group first destroyed during interpreter finalisation can abort the process after a

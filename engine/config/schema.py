@@ -16,7 +16,7 @@ from typing import Any
 
 from engine.config._fields import coerce, unknown_key_error
 from engine.config.posttrain import PosttrainConfig
-from engine.config.sections import (CheckpointConfig, DataConfig, LoggingConfig, ModelConfig,
+from engine.config.sections import (CheckpointConfig, DataConfig, FaultConfig, LoggingConfig, ModelConfig,
                                     OptimConfig, ParallelConfig, TrainConfig)
 
 SECTIONS: dict[str, type] = {
@@ -27,6 +27,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
+    "fault": FaultConfig,
     "posttrain": PosttrainConfig,
 }
 # Provenance fields of the root: written to JSON, not settable from TOML or --set.
@@ -53,6 +54,7 @@ class TesselConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     posttrain: PosttrainConfig = field(default_factory=PosttrainConfig)
     source: str | None = None
     overrides: list[str] = field(default_factory=list)
@@ -73,6 +75,7 @@ class TesselConfig:
         self._check_schedule()
         self._check_sequence_split()
         self._check_overlap()
+        self._check_zero3()
         self._check_batch()
 
     # ----------------------------------------------------------------------------------------
@@ -87,14 +90,25 @@ class TesselConfig:
         sizes it resolved from ``model.hf_config``.
         """
         tp, pp, vp = self.parallel.tp, self.parallel.pp, self.parallel.vp
-        for key, value in (("num_attention_heads", num_attention_heads),
-                           ("num_key_value_heads", num_key_value_heads),
-                           ("ffn_hidden_size", ffn_hidden_size)):
+        sizes = {"num_attention_heads": num_attention_heads,
+                 "num_key_value_heads": num_key_value_heads or num_attention_heads,  # the default: MHA
+                 "ffn_hidden_size": ffn_hidden_size}
+        for key, value in sizes.items():
             if value is not None and value % tp:
+                known = {k: v for k, v in sizes.items() if v is not None}
+                fits = [d for d in range(1, min(known.values()) + 1) if all(v % d == 0 for v in known.values())]
                 raise ValueError(f"model.{key}={value} is not divisible by parallel.tp={tp} "
                                  "(tensor parallelism splits it evenly); choose parallel.tp "
-                                 "among the common divisors of the model's heads, kv heads and "
-                                 f"ffn size, e.g. one of {_divisors(value)}")
+                                 "among the common divisors of the model's "
+                                 + ", ".join(f"{k}={v}" for k, v in known.items())
+                                 + f": one of {', '.join(map(str, fits))}")
+        par = self.parallel
+        a2a = {"a2a": par.cp, "hybrid": par.cp_a2a_size or 1}.get(par.cp_comm, 1) if par.cp > 1 else 1
+        for key, value in (("num_attention_heads", num_attention_heads), ("num_key_value_heads", num_key_value_heads)):
+            if value is not None and a2a > 1 and (value // tp) % a2a:
+                raise ValueError(f"model.{key}={value} over parallel.tp={tp} leaves {value // tp} heads per rank, not "
+                                 f"divisible by {a2a}: parallel.cp_comm={par.cp_comm!r} scatters heads over "
+                                 f"{a2a} cp ranks; use parallel.cp_comm='ring' (or a smaller cp_a2a_size, hybrid)")
         layout = self.parallel.pipeline_layout
         if num_layers is not None and layout is not None and sum(layout) != num_layers:
             raise ValueError(f"parallel.pipeline_layout={layout} places {sum(layout)} layers but "
@@ -129,6 +143,9 @@ class TesselConfig:
 
     def _check_sequence_split(self) -> None:
         seq, cp, tp = self.train.seq_length, self.parallel.cp, self.parallel.tp
+        if cp > 1 and self.posttrain.method != "none":
+            raise ValueError(f"parallel.cp={cp} with posttrain.method={self.posttrain.method!r}: context parallelism "
+                             "for post-training objectives (per-sequence units) is not built; set parallel.cp=1")
         if cp > 1 and seq % (2 * cp):
             raise ValueError(f"train.seq_length={seq} is not divisible by 2*parallel.cp = "
                              f"{2 * cp} (context parallelism splits each sequence into 2*cp "
@@ -147,6 +164,21 @@ class TesselConfig:
         if par.tp_overlap != "none" and self.model.fp8 != "none":
             raise ValueError(f"parallel.tp_overlap={par.tp_overlap!r} with model.fp8={self.model.fp8!r}: FP8 ring "
                              "collective matmuls are not implemented; set one of them to 'none'")
+
+    def _check_zero3(self) -> None:
+        o, post = self.optim, self.posttrain
+        if not (o.distributed and o.zero_stage == 3):
+            return
+        if self.parallel.schedule == "zb-h1":
+            raise ValueError("parallel.schedule='zb-h1' defers weight gradients to W actions, after ZeRO-3 has "
+                             "released the layer's gathered parameters and reduce-scattered its micro-batch; "
+                             "split backward does not compose with ZeRO-3: use optim.zero_stage 1 or 2, or "
+                             "parallel.schedule='1f1b'")
+        if post.method == "grpo" and post.grpo.kl_beta > 0 and not post.lora.rank:
+            raise ValueError("posttrain.method='grpo' with posttrain.grpo.kl_beta > 0 keeps a full copy of the base "
+                             "weights to copy in and out of the parameters, which ZeRO-3 shards; use "
+                             "posttrain.lora.rank > 0 (the base is the reference), kl_beta=0, or optim.zero_stage "
+                             "1 or 2")
 
     def _check_batch(self) -> None:
         train = self.train

@@ -1,4 +1,4 @@
-"""The per-component config sections: model, parallel, train, optim, data, checkpoint, logging.
+"""The per-component config sections: model, parallel, train, optim, data, checkpoint, logging, fault.
 
 Each section is a frozen ``@dataclass(kw_only=True)`` validated in ``__post_init__`` on its own; checks
 that need two sections (tp divides the heads, warmup fits in the steps, ...) live in the root
@@ -14,13 +14,14 @@ from engine.config._fields import Section
 from engine.ops import BACKENDS
 from engine.ops.fp8_linear import RECIPES as FP8_RECIPES
 from engine.optim import DECAY_STYLES, NO_DECAY_GROUPS, NONFINITE_ACTIONS as NONFINITE
+from parallel.context_parallel import CP_COMM
 from parallel.mesh import AXES as MESH_AXES
 from parallel.pipeline.actions import SCHEDULE_NAMES as SCHEDULES
 from parallel.tensor_parallel.overlap import TP_OVERLAP
 
 # Choice lists come from their owners (the imports above). models/ sits above the engine, so the
 # families are listed here; tests/engine/test_config.py checks them against models.FAMILIES.
-FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
 # Families with learned absolute positions and plain multi-head attention (no RoPE, no GQA).
 LEARNED_POSITION_FAMILIES = ("gpt2",)
 DTYPES = ("bf16", "fp32")
@@ -202,11 +203,17 @@ class ParallelConfig(Section):
     (virtual) stages, in stage order; ``None`` splits the layers evenly.
     ``sequence_parallel`` at ``tp=1`` is accepted and has no effect (there is nothing to shard),
     so one preset can scale from tp=1 upwards; ``sequence_parallel_active`` says whether it acts.
-    ``vp > 1`` and ``schedule="interleaved"`` go together. ``tp_overlap``: "none", or "ring" to run
+    ``vp > 1`` and ``schedule="interleaved"`` go together. ``schedule="zb-h1"`` splits each backward
+    into input and weight gradients (docs/pipeline.md, zero-bubble schedules; not with ZeRO-3);
+    "zbv" and "dualpipev" are named here but refused until the trainer places V stages. ``tp_overlap``: "none", or "ring" to run
     the sequence-parallel linears as ring collective matmuls, communication under the GEMMs
     (docs/overlap.md; needs tp >= 2 and sequence_parallel); "symm_mem" is refused (not built).
     ``p2p_early_recv``: post each pipeline receive one action ahead and let sends complete in the
     background (``parallel.pipeline.actions.p2p_plan``; the same messages, the same results).
+    ``cp`` (context parallelism, docs/context_parallel.md): each sequence is split over cp ranks (zigzag);
+    ``cp_comm`` says how attention spans them: "ring" (K/V rotate by p2p), "a2a" (all-to-all over heads;
+    the heads after tp must divide by cp) or "hybrid" (all-to-all inside blocks of ``cp_a2a_size`` cp
+    ranks, ring across the blocks; ``cp_a2a_size`` is read by "hybrid" only).
     """
 
     SECTION = "parallel"
@@ -216,6 +223,8 @@ class ParallelConfig(Section):
     vp: int = 1
     dp: int = -1
     cp: int = 1
+    cp_comm: str = "ring"
+    cp_a2a_size: int | None = None
     ep: int = 1
     sequence_parallel: bool = False
     order: str = "dp-pp-cp-tp"
@@ -231,12 +240,22 @@ class ParallelConfig(Section):
                              "pipeline; remove it or set parallel.pp >= 2")
         for key in ("tp", "pp", "vp", "cp", "ep"):
             check_min(self, key, 1, why="a parallel degree")
+        check_choice(self, "cp_comm", CP_COMM)
+        check_min(self, "cp_a2a_size", 1, why="the cp ranks of one all-to-all block")
+        if self.cp_comm == "hybrid":
+            a = self.cp_a2a_size
+            if a is None or self.cp % a:
+                raise ValueError(f"parallel.cp_comm='hybrid' needs parallel.cp_a2a_size, a divisor of parallel.cp="
+                                 f"{self.cp} (all-to-all inside blocks of that many cp ranks, ring across them); "
+                                 f"set it to one of {[d for d in range(1, self.cp + 1) if self.cp % d == 0]}")
+        elif self.cp_a2a_size is not None:
+            raise ValueError(f"parallel.cp_a2a_size={self.cp_a2a_size} is read by parallel.cp_comm='hybrid' only "
+                             f"(cp_comm is {self.cp_comm!r}); remove it or set parallel.cp_comm='hybrid'")
         # Accepted keys must work: these degrees arrive with their capabilities.
-        if self.cp > 1:
-            raise ValueError(f"parallel.cp={self.cp}: context parallelism is not implemented yet; set parallel.cp=1")
         if self.ep > 1:
-            raise ValueError(f"parallel.ep={self.ep}: expert parallelism is not implemented yet (no MoE family); "
-                             "set parallel.ep=1")
+            raise ValueError(f"parallel.ep={self.ep}: expert parallelism is not implemented yet in the trainer (the "
+                             "MoE layer has it, docs/moe.md, but expert gradients are not reduced over edp nor "
+                             "experts checkpointed per ep rank); set parallel.ep=1")
         if self.dp != -1 and self.dp < 1:
             raise ValueError(f"parallel.dp={self.dp} is not valid; set parallel.dp=-1 to infer it "
                              "from the world size, or a degree >= 1")
@@ -245,6 +264,13 @@ class ParallelConfig(Section):
             raise ValueError(f"parallel.vp={self.vp} needs parallel.pp > 1 (virtual stages are "
                              "interleaved across pipeline ranks); set parallel.vp=1 or "
                              "parallel.pp >= 2")
+        if self.schedule in ("zbv", "dualpipev"):
+            # The schedule library, the simulator and run_schedule handle the V placement; the training
+            # engine does not place V stages yet (assembly, tied-embedding group, evaluation, memory report).
+            raise ValueError(f"parallel.schedule='{self.schedule}' (two chunks per rank in a V) runs in "
+                             "parallel.pipeline.runtime.run_schedule and tools/pipeline_schedule.py, but the "
+                             "trainer does not build V-placed stages yet; use parallel.schedule='zb-h1' (zero-bubble "
+                             "with one chunk per rank) or 'interleaved'")
         if self.vp > 1 and self.schedule != "interleaved":
             raise ValueError(f"parallel.vp={self.vp} needs parallel.schedule='interleaved' (got "
                              f"'{self.schedule}'); set parallel.schedule=interleaved or "
@@ -345,7 +371,8 @@ class OptimConfig(Section):
     ``overlap_grad_reduce`` launches each bucket's reduction from backward hooks on the last
     micro-batch. ``no_decay_on`` lists parameter groups exempt from weight
     decay (norms, biases, embeddings). ``nonfinite``: on an inf/nan gradient norm, ``skip`` the
-    step or ``stop`` training.
+    step or ``stop`` training. ``max_skipped_steps``: with ``skip``, the most consecutive skipped steps
+    a run survives; one more stops it with a non-zero exit (a diverged run; None: never).
     """
 
     SECTION = "optim"
@@ -367,6 +394,7 @@ class OptimConfig(Section):
     overlap_param_gather: bool = False
     no_decay_on: list[str] = field(default_factory=lambda: ["norms", "biases", "embeddings"])
     nonfinite: str = "skip"
+    max_skipped_steps: int | None = 10
 
     def _validate(self) -> None:
         check_positive(self, "lr")
@@ -406,6 +434,12 @@ class OptimConfig(Section):
             raise ValueError(f"optim.no_decay_on={self.no_decay_on} repeats a group; list each "
                              "once")
         check_choice(self, "nonfinite", NONFINITE)
+        check_min(self, "max_skipped_steps", 0, why="0 stops at the first skipped step; leave it unset (none) "
+                  "to never stop")
+        if self.nonfinite == "stop" and self.max_skipped_steps != 10:
+            raise ValueError(f"optim.max_skipped_steps={self.max_skipped_steps} applies to optim.nonfinite='skip', "
+                             "but optim.nonfinite='stop' stops at the first non-finite step; remove "
+                             "optim.max_skipped_steps or set optim.nonfinite='skip'")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -482,7 +516,10 @@ class CheckpointConfig(Section):
 
 @dataclass(kw_only=True, frozen=True)
 class LoggingConfig(Section):
-    """Metrics sinks. ``peak_tflops`` overrides the device's dense bf16 peak used for MFU."""
+    """Metrics sinks. ``peak_tflops`` overrides the device's dense bf16 peak used for MFU.
+    ``memory_report``: rank 0 logs the predicted bytes per rank at start-up and, after the first step
+    (measured with the allocator; on CPU under the profiler, which slows that step), the measured peak
+    beside it (docs/memory.md); false skips both."""
 
     SECTION = "logging"
 
@@ -490,7 +527,44 @@ class LoggingConfig(Section):
     jsonl: bool = True
     progress_bar: str = "auto"
     peak_tflops: float | None = None
+    memory_report: bool = True
 
     def _validate(self) -> None:
         check_choice(self, "progress_bar", PROGRESS_BAR)
         check_positive(self, "peak_tflops")
+
+
+@dataclass(kw_only=True, frozen=True)
+class FaultConfig(Section):
+    """Fault tolerance (docs/fault_tolerance.md). ``collective_timeout_s``: how long a collective waits for a
+    missing or stopped peer before it raises on the ranks still alive (every process group of the run),
+    so a hung job fails and can be restarted instead of waiting forever.
+
+    ``hang_timeout_s`` (None: off): a watchdog thread per rank; when no step and no collective finished for
+    that long, every live rank writes its stacks and its last ``flight_records`` collectives to
+    ``RUN_DIR/hang/rank<R>.txt``, names the collective and the ranks that did not progress, and exits with
+    status 4 (engine/watchdog.py). ``straggler_ratio`` (None: off): every log interval, a rank whose step
+    time exceeds the median's by this factor is named in the log and in metrics.jsonl (engine/straggler.py).
+    ``nan_replay``: the first step of each run of non-finite steps (loss or gradient norm) is replayed with
+    hooks; the log names the first layer, tensor and rank that went non-finite (engine/nan_locate.py).
+    """
+
+    SECTION = "fault"
+
+    collective_timeout_s: float = 600.0
+    hang_timeout_s: float | None = None
+    flight_records: int = 64
+    straggler_ratio: float | None = None
+    nan_replay: bool = True
+
+    def _validate(self) -> None:
+        check_positive(self, "collective_timeout_s")
+        check_positive(self, "hang_timeout_s")
+        check_min(self, "flight_records", 1, why="the hang report lists that many of the last collectives")
+        if self.hang_timeout_s is not None and self.hang_timeout_s >= self.collective_timeout_s:
+            raise ValueError(f"fault.hang_timeout_s={self.hang_timeout_s:g} must be below fault.collective_timeout_s="
+                             f"{self.collective_timeout_s:g}: a stuck collective would raise before the watchdog "
+                             "reports it; lower fault.hang_timeout_s or raise fault.collective_timeout_s")
+        if self.straggler_ratio is not None and not (self.straggler_ratio > 1 and _finite(self.straggler_ratio)):
+            raise ValueError(f"fault.straggler_ratio={self.straggler_ratio} must be > 1 (a rank this many times "
+                             "slower than the median is named); e.g. 1.5, or leave it unset (none) to turn it off")

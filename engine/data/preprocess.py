@@ -9,6 +9,12 @@ Each document becomes one sequence: its token ids followed by the tokenizer's EO
 processes (spawned, so no Rust thread pool is forked) encode documents in input order, so the
 output does not depend on ``workers``. Every bad input raises ``ValueError``/``FileNotFoundError``
 naming the file (and line for JSONL); nothing is written unless the whole corpus succeeds.
+
+Every output (``.bin``, ``.idx``, the tokenizer and its config) is written under a temporary name and
+renamed into place only after the whole corpus succeeded, so a failed run leaves an existing dataset's
+files byte-identical and a fresh prefix without any file (nor a directory it had to create). The renames
+themselves are separate: a process killed between them (microseconds) can pair new data with the old
+tokenizer.
 """
 from __future__ import annotations
 
@@ -17,14 +23,16 @@ import functools
 import json
 import multiprocessing
 import os
+import shutil
 import sys
+import tempfile
 import time
 from typing import Iterator
 
 import numpy as np
 
 from engine.data.indexed_dataset import IndexedDatasetBuilder
-from engine.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe_tokenizer
+from engine.data.tokenizer import ByteTokenizer, _config_path, load_tokenizer, train_bpe_tokenizer
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -192,12 +200,59 @@ def preprocess(inputs: list[str], output_prefix: str, *, tokenizer: str = "bpe",
         raise ValueError(f"chunksize={chunksize} must be >= 1")
     if not json_key:
         raise ValueError("json_key is empty: pass the JSONL field holding the text, e.g. --json-key text")
-    parent = os.path.dirname(os.path.abspath(output_prefix))
-    os.makedirs(parent, exist_ok=True)
     files = discover_files(list(inputs))
+    parent = os.path.dirname(os.path.abspath(output_prefix))
+    created = _missing_dirs(parent)
+    os.makedirs(parent, exist_ok=True)
+    # The tokenizer (and its config) is staged in a private directory and renamed beside the data last.
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(output_prefix)}.tokenizer.tmp.", dir=parent)
+    try:
+        return _preprocess(files, list(inputs), output_prefix, staging=staging, tokenizer=tokenizer, json_key=json_key,
+                           workers=workers, vocab_size=vocab_size, eod_token=eod_token, chunksize=chunksize,
+                           progress=progress)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # before the directories holding it
+        for d in reversed(created):  # a fresh prefix's directories, innermost first, if still empty
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # empty after a success
+
+
+def _missing_dirs(path: str) -> list[str]:
+    """The directories ``os.makedirs(path)`` would create, outermost first."""
+    missing = []
+    while path and not os.path.exists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing[::-1]
+
+
+def _commit_tokenizer(staging: str, output_prefix: str) -> None:
+    """Move the staged tokenizer files beside the data (their final names); a config the new tokenizer
+    does not have (an earlier HF tokenizer's) is removed, so every file of the prefix is of this run."""
+    saved = os.path.join(staging, "tokenizer.json")
+    final = tokenizer_path_for(output_prefix)
+    os.replace(saved, final)
+    staged_config, final_config = _config_path(saved), _config_path(final)
+    if os.path.exists(staged_config):
+        os.replace(staged_config, final_config)
+    elif os.path.exists(final_config):
+        os.remove(final_config)
+
+
+def _preprocess(files: list[str], inputs: list[str], output_prefix: str, *, staging: str, tokenizer: str, json_key: str,
+                workers: int, vocab_size: int, eod_token: str | None, chunksize: int,
+                progress: bool) -> PreprocessStats:
     start = time.perf_counter()
     tok, spec = _prepare_tokenizer(tokenizer, files=files, json_key=json_key, vocab_size=vocab_size,
-                                   eod_token=eod_token, save_path=tokenizer_path_for(output_prefix))
+                                   eod_token=eod_token, save_path=os.path.join(staging, "tokenizer.json"))
     tokenizer_seconds = time.perf_counter() - start
     start = time.perf_counter()
     builder = IndexedDatasetBuilder(output_prefix, vocab_size=tok.vocab_size)
@@ -226,9 +281,10 @@ def preprocess(inputs: list[str], output_prefix: str, *, tokenizer: str = "bpe",
             tokens += len(ids)
         if documents == 0:
             raise ValueError(
-                f"empty corpus: every document in {list(inputs)} has empty text ({skipped} skipped)"
+                f"empty corpus: every document in {inputs} has empty text ({skipped} skipped)"
             )
         builder.finalize()
+        _commit_tokenizer(staging, output_prefix)
     except BaseException:
         builder.discard()
         raise

@@ -17,6 +17,7 @@ function shadows its module's name (``engine.ops.swiglu`` is the module).
     engine.ops.fp8_cast_transpose  fp8_cast_transpose, fp8_cast_transpose_reference
     engine.ops.fp8_linear       fp8_linear, DelayedScaling, scaled_gemm, scaled_gemm_reference (FP8 recipes
                                 on torch._scaled_mm; docs/fp8.md)
+    engine.ops.grouped_gemm     grouped_mm, grouped_mm_reference (MoE experts over torch._grouped_mm)
     engine.ops.cute_fp8_gemm    fp8_gemm, fp8_gemm_reference, compile_fp8_gemm  (CuTe DSL, optional
                                 extra ``cute``; cutlass is imported only when the kernel is used)
 

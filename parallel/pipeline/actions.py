@@ -6,7 +6,14 @@ Vocabulary (docs/pipeline.md has the full contract):
 * A model is cut into ``S = pp * vp`` *virtual stages* ``s = 0 .. S-1``. Placement is Megatron's
   interleaved one: stage ``s`` lives on rank ``s % pp`` as model chunk ``s // pp``. With ``vp == 1``
   stage and rank coincide.
-* ``F{s}.{m}`` runs the forward of stage ``s`` on microbatch ``m``; ``B{s}.{m}`` its backward.
+* ``F{s}.{m}`` runs the forward of stage ``s`` on microbatch ``m``; ``B{s}.{m}`` its backward. In a
+  *split-backward* schedule (``Schedule.split_backward``: the zero-bubble ones, Qi et al. 2023)
+  ``B{s}.{m}`` computes only the input gradient (what stage ``s - 1`` waits for) and ``W{s}.{m}`` the
+  weight gradients, later on the same rank; W sends nothing.
+* Placement ``"loop"`` (the default, Megatron's) is the one above. Placement ``"v"`` (ZB-V,
+  DualPipeV: ``vp == 2``) folds the pipeline into a V: stage ``s < pp`` lives on rank ``s`` as chunk
+  0, stage ``s >= pp`` on rank ``2 pp - 1 - s`` as chunk 1, so rank 0 holds the first and the last
+  stage and rank ``pp - 1`` the two middle ones.
 * Tensors crossing ranks are named by the action that *produces* them: ``act{s}.{m}`` is the output of
   ``F{s}.{m}`` (consumed by ``F{s+1}.{m}``); ``grad{s}.{m}`` is the input gradient from ``B{s}.{m}``
   (consumed by ``B{s-1}.{m}``).
@@ -30,12 +37,14 @@ from dataclasses import dataclass
 
 FORWARD = "F"
 BACKWARD = "B"
+WEIGHT = "W"
 ACTIVATION = "act"
 GRADIENT = "grad"
 SEND = "send"
 RECV = "recv"
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
+PLACEMENTS = ("loop", "v")
 
 
 class ScheduleError(ValueError):
@@ -81,7 +90,7 @@ class P2P:
 
 @dataclass(frozen=True)
 class Action:
-    """``F`` or ``B`` of virtual ``stage`` on ``microbatch``, with its messages.
+    """``F``, ``B`` or ``W`` of virtual ``stage`` on ``microbatch``, with its messages.
 
     ``recvs`` complete (in the batch posted just before this action) before it runs; ``sends`` are
     posted just after it (batched with the next action's recvs). ``str()`` is the compact ``F3.1``;
@@ -116,10 +125,12 @@ class Action:
 class Schedule:
     """A whole pipeline schedule: ``ranks[r]`` is the ordered action list of pipeline rank ``r``.
 
-    Stage ``s`` lives on rank ``s % pp`` (model chunk ``s // pp``); ``microbatch_group_size`` is the
+    Stage ``s`` lives on rank ``s % pp`` (model chunk ``s // pp``) with ``placement="loop"``, and
+    as the module docstring says with ``placement="v"``; ``microbatch_group_size`` is the
     interleaved schedule's group size ``N`` (``None`` for the non-interleaved schedules).
     ``forward_only``: evaluation; every microbatch gets one ``F`` per stage and no ``B``, and only
-    activations cross ranks.
+    activations cross ranks. ``split_backward``: every ``B`` is followed, later on its rank, by one
+    ``W`` of the same stage and microbatch (weight gradients).
     """
 
     name: str
@@ -129,16 +140,22 @@ class Schedule:
     ranks: tuple[tuple[Action, ...], ...]
     microbatch_group_size: int | None = None
     forward_only: bool = False
+    placement: str = "loop"
+    split_backward: bool = False
 
     @property
     def num_stages(self) -> int:
         return self.pp * self.vp
 
     def rank_of(self, stage: int) -> int:
-        return stage % self.pp
+        return stage_rank(stage, pp=self.pp, placement=self.placement)
 
     def chunk_of(self, stage: int) -> int:
         return stage // self.pp
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The virtual stages of ``rank`` in chunk order (``stages_of(r)[c]`` is chunk ``c``)."""
+        return sorted((s for s in range(self.num_stages) if self.rank_of(s) == rank), key=self.chunk_of)
 
     def describe(self) -> str:
         """One line per rank listing its actions with their messages."""
@@ -146,6 +163,14 @@ class Schedule:
         for rank, actions in enumerate(self.ranks):
             lines.append(f"rank {rank}: " + " | ".join(a.describe() for a in actions))
         return "\n".join(lines)
+
+
+def stage_rank(stage: int, *, pp: int, placement: str = "loop") -> int:
+    """The pipeline rank holding virtual ``stage``: ``stage % pp`` ("loop"), or the V fold ("v")."""
+    if placement == "loop":
+        return stage % pp
+    assert placement == "v", placement
+    return stage if stage < pp else 2 * pp - 1 - stage
 
 
 @dataclass(frozen=True)

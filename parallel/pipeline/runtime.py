@@ -15,12 +15,22 @@ the received gradient (Megatron's "deallocate output tensor" trick). ``peak_live
 The loss of each microbatch is divided by the number of microbatches before its backward, so the
 accumulated gradients equal those of the mean loss over the global batch.
 
+Split backward (``schedule.split_backward``: ZB-H1, ZB-V, DualPipeV): forwards run under
+:func:`parallel.tensor_parallel.wgrad.deferrable`; ``B`` runs the backward under
+:func:`~parallel.tensor_parallel.wgrad.capture`, so the TP linears queue their weight-gradient GEMMs
+(with only their input and output gradient) instead of running them, and the autograd graph is freed;
+``W`` runs that (stage, micro-batch)'s queue, which accumulates the gradients and fires the parameters'
+post-accumulate hooks, and drops it. A pair counts in ``peak_live`` from its ``F`` to its ``W``.
+``grad_sync(chunk)`` is then called before the chunk's last ``W``. With the V placement two consecutive
+stages can share a rank: the activation and its gradient are handed over in memory.
+
 A forward-only schedule (:func:`parallel.pipeline.schedules.forward_only`, evaluation) runs through the
 same loop: nothing is kept for a backward, an output lives until the batch that sends it completes,
 and the losses are recorded as they are.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -28,7 +38,8 @@ import torch
 
 from parallel import comm
 from parallel.comm import Group
-from parallel.pipeline.actions import ACTIVATION, BACKWARD, FORWARD, GRADIENT, P2P, SEND, Schedule, p2p_plan
+from parallel.pipeline.actions import ACTIVATION, BACKWARD, FORWARD, GRADIENT, P2P, SEND, WEIGHT, Schedule, p2p_plan
+from parallel.tensor_parallel import wgrad
 
 # forward_step(chunk, x, microbatch) -> Tensor. ``x`` is None on virtual stage 0 (the step reads its
 # own inputs); on the last virtual stage the step returns the microbatch's scalar mean loss.
@@ -87,9 +98,9 @@ def run_schedule(schedule: Schedule, *, rank: int, pp_group: Group, forward_step
     (a forward-only schedule: call it under ``torch.no_grad()``; nothing is kept for a backward).
 
     ``act_shape`` is the per-microbatch shape of every activation crossing a stage boundary.
-    ``grad_sync(chunk)`` (optional) is called right before the LAST backward of each model chunk,
-    so data-parallel reduction of that chunk can be enabled for it (Megatron's "last microbatch"
-    rule); it receives the chunk index. ``early_recv``: run the early-receive plan of
+    ``grad_sync(chunk)`` (optional) is called right before the LAST backward of each model chunk
+    (its last ``W`` with split backward), so data-parallel reduction of that chunk can be enabled for
+    it (Megatron's "last microbatch" rule); it receives the chunk index. ``early_recv``: run the early-receive plan of
     :func:`parallel.pipeline.actions.p2p_plan` (receives in flight one action ahead, sends completing
     in the background) instead of the blocking one; the same messages in the same order.
     """
@@ -101,13 +112,18 @@ def run_schedule(schedule: Schedule, *, rank: int, pp_group: Group, forward_step
     held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}  # (stage, mb) -> (in, out)
     received: dict[tuple[str, int, int], torch.Tensor] = {}
     input_grads: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> grad to send upstream
+    local: dict[tuple[str, int, int], torch.Tensor] = {}  # handed to a neighbour stage on this rank (V)
+    pending_w: dict[tuple[int, int], wgrad.WgradQueue] = {}  # (stage, mb) -> deferred weight gradients
+    split = schedule.split_backward
+    last_op = WEIGHT if split else BACKWARD  # the action that finishes a chunk's gradients
     remaining_b = {}
     for a in actions:
-        if a.op == BACKWARD:
+        if a.op == last_op:
             c = schedule.chunk_of(a.stage)
             remaining_b[c] = remaining_b.get(c, 0) + 1
     result = PipelineResult()
     forward_only = schedule.forward_only
+    rank_of = schedule.rank_of
 
     plan = p2p_plan(schedule, rank, early_recv=early_recv)
     works: dict[P2P, object] = {}  # posted, not yet waited: P2P -> work handle
@@ -146,10 +162,14 @@ def run_schedule(schedule: Schedule, *, rank: int, pp_group: Group, forward_step
         if a.op == FORWARD:
             x = None
             if a.stage > 0:
-                x = received.pop((ACTIVATION, a.stage - 1, a.microbatch))
+                src = local if rank_of(a.stage - 1) == rank else received
+                x = src.pop((ACTIVATION, a.stage - 1, a.microbatch))
                 if not forward_only:
                     x.requires_grad_()
-            out = forward_step(chunk, x, a.microbatch)
+            with wgrad.deferrable() if split else contextlib.nullcontext():
+                out = forward_step(chunk, x, a.microbatch)
+            if a.stage < last_stage and rank_of(a.stage + 1) == rank:
+                local[(ACTIVATION, a.stage, a.microbatch)] = out.detach()
             if a.stage == last_stage:
                 result.losses.append(float(out.detach()))
                 out = out / m_total
@@ -160,21 +180,36 @@ def run_schedule(schedule: Schedule, *, rank: int, pp_group: Group, forward_step
                 held[key] = (x, out)
             elif a.sends:  # kept until the batch that sends it completes
                 held[key] = (None, out)
-            result.peak_live = max(result.peak_live, len(held))
-        else:
-            x, out = held.pop(key)
-            grad = None if a.stage == last_stage else received.pop((GRADIENT, a.stage + 1, a.microbatch))
+            result.peak_live = max(result.peak_live, len(held) + len(pending_w))
+            continue
+        if a.op == last_op:
             remaining_b[chunk] -= 1
             if remaining_b[chunk] == 0 and grad_sync is not None:
                 grad_sync(chunk)
+        if a.op == WEIGHT:
+            pending_w.pop(key).run()
+            continue
+        x, out = held.pop(key)
+        grad = None
+        if a.stage < last_stage:
+            src = local if rank_of(a.stage + 1) == rank else received
+            grad = src.pop((GRADIENT, a.stage + 1, a.microbatch))
+        if split:
+            pending_w[key] = wgrad.WgradQueue()
+            with wgrad.capture(pending_w[key]):
+                _run_backward(out, grad)
+        else:
             _run_backward(out, grad)
-            if a.stage > 0:
-                assert x is not None and x.grad is not None, f"no input gradient for stage {a.stage}"
+        if a.stage > 0:
+            assert x is not None and x.grad is not None, f"no input gradient for stage {a.stage}"
+            if rank_of(a.stage - 1) == rank:
+                local[(GRADIENT, a.stage, a.microbatch)] = x.grad
+            else:
                 input_grads[key] = x.grad
-            del x, out
+        del x, out
     boundary(len(actions))
     assert not works, "pipeline finished with messages not waited on"
-    assert not held and not input_grads, "pipeline finished with live activations"
+    assert not held and not input_grads and not local and not pending_w, "pipeline finished with live activations"
     return result
 
 

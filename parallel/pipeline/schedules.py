@@ -10,7 +10,7 @@ import bisect
 import math
 
 from parallel.pipeline.actions import (ACTIVATION, BACKWARD, FORWARD, GRADIENT, RECV,
-                                       SCHEDULE_NAMES, SEND, Action, P2P, Schedule)
+                                       SCHEDULE_NAMES, SEND, WEIGHT, Action, P2P, Schedule, stage_rank)
 from parallel.pipeline.simulate import dataflow_times
 
 # Costs of the ideal timeline used to place receives. Equal costs make a blocking runtime match the
@@ -79,7 +79,8 @@ def check_interleaved_args(p: int, v: int, m: int, group_size: int | None = None
 
 def attach_messages(name: str, order: list[list[tuple[str, int, int]]], *, pp: int, vp: int,
                     microbatches: int, microbatch_group_size: int | None = None,
-                    forward_only: bool = False) -> Schedule:
+                    forward_only: bool = False, placement: str = "loop",
+                    split_backward: bool = False) -> Schedule:
     """Turn per-rank compute orders ``(op, stage, microbatch)`` into a :class:`Schedule` with messages.
 
     Every tensor crossing ranks (``act{s}`` from ``F{s}``, ``grad{s}`` from ``B{s}``; none when
@@ -93,24 +94,30 @@ def attach_messages(name: str, order: list[list[tuple[str, int, int]]], *, pp: i
     costs (and never deadlocks); latest keeps early-received tensors alive as briefly as possible.
     For 1F1B and GPipe this is the boundary right before the consumer (as in Megatron-LM); in
     interleaved schedules a tensor may arrive a few actions early and is kept until its consumer runs.
+    ``W`` actions (``split_backward``) send nothing; ``placement`` says which rank holds each stage.
     """
     num_stages = pp * vp
+
+    def rank_of(stage):
+        return stage_rank(stage, pp=pp, placement=placement)
+
     position = {}                               # (op, stage, mb) -> index in its rank's list
     sends = []
     for rank, ops in enumerate(order):
         rank_sends = []
         for i, (op, stage, mb) in enumerate(ops):
-            assert stage % pp == rank, (op, stage, rank)
+            assert rank_of(stage) == rank, (op, stage, rank)
             position[(op, stage, mb)] = i
             dst = stage + 1 if op == FORWARD else stage - 1
-            if 0 <= dst < num_stages and dst % pp != rank:
+            if op != WEIGHT and 0 <= dst < num_stages and rank_of(dst) != rank:
                 kind = ACTIVATION if op == FORWARD else GRADIENT
-                rank_sends.append((P2P(SEND, kind, stage, mb, dst % pp),))
+                rank_sends.append((P2P(SEND, kind, stage, mb, rank_of(dst)),))
             else:
                 rank_sends.append(())
         sends.append(rank_sends)
     times = dataflow_times(order, pp=pp, num_stages=num_stages, fwd=(PLACEMENT_FWD,) * num_stages,
-                           bwd=(PLACEMENT_BWD,) * num_stages)
+                           bwd=(PLACEMENT_BWD,) * num_stages, wgt=(PLACEMENT_BWD,) * num_stages,
+                           placement=placement)
     # Boundary i of a rank (the batch before its action i) is open from the end of action i - 1 to
     # the start of action i in the ideal timeline.
     opens = [[0.0] + [end for _, end in ts[:-1]] for ts in times]
@@ -145,7 +152,8 @@ def attach_messages(name: str, order: list[list[tuple[str, int, int]]], *, pp: i
         tuple(Action(op, stage, mb, tuple(recvs[r][i]), sends[r][i])
               for i, (op, stage, mb) in enumerate(ops))
         for r, ops in enumerate(order))
-    return Schedule(name, pp, vp, microbatches, ranks, microbatch_group_size, forward_only)
+    return Schedule(name, pp, vp, microbatches, ranks, microbatch_group_size, forward_only, placement,
+                    split_backward)
 
 
 def gpipe(p: int, m: int) -> Schedule:
@@ -249,9 +257,17 @@ def forward_only(p: int, v: int, m: int) -> Schedule:
 
 def build_schedule(name: str, *, pp: int, vp: int = 1, microbatches: int,
                    microbatch_group_size: int | None = None) -> Schedule:
-    """Dispatch by name: ``"gpipe"``, ``"1f1b"`` (both need ``vp == 1``) or ``"interleaved"``."""
+    """Dispatch by name: ``"gpipe"``, ``"1f1b"``, ``"zb-h1"`` (all need ``vp == 1``),
+    ``"interleaved"``, or ``"zbv"`` and ``"dualpipev"`` (both need ``vp == 2``: two chunks in a V)."""
     if name not in SCHEDULE_NAMES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+    if name in ("zb-h1", "zbv", "dualpipev"):
+        from parallel.pipeline.zero_bubble import build_zero_bubble
+        if microbatch_group_size is not None:
+            raise ValueError(
+                f"microbatch_group_size applies only to the 'interleaved' schedule (got "
+                f"{microbatch_group_size} for {name!r}); leave it unset")
+        return build_zero_bubble(name, pp=pp, vp=vp, microbatches=microbatches)
     if name != "interleaved":
         _check_pp_m(pp, microbatches)
         _check_int("vp", vp, minimum=1, fix="use vp=1 for this schedule")

@@ -5,7 +5,8 @@ Two models (docs/pipeline.md):
 * ``comm="async"`` (default, :func:`dataflow_times`): each rank runs its actions in list order, one
   at a time; an action starts when its rank is free and its inputs exist (``F{s}.{m}`` needs
   ``F{s-1}.{m}``; ``B{s}.{m}`` needs ``F{s}.{m}`` and ``B{s+1}.{m}``). An input made on another rank
-  arrives ``p2p_latency`` after its producer ends; one made on the same rank at once. Communication
+  arrives ``p2p_latency`` after its producer ends; one made on the same rank at once. In a
+  split-backward schedule ``W{s}.{m}`` needs ``B{s}.{m}`` (same rank) and costs ``wgrad_cost``. Communication
   never occupies a rank nor blocks it: the ideal that the analytic bubble formulas assume.
 * ``comm="blocking"`` (:func:`blocking_times`): the runtime's semantics with the strictest
   transport. Before each action the rank posts its batch of sends and receives and waits until every
@@ -18,8 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from parallel.pipeline.actions import (BACKWARD, FORWARD, RECV, SEND, Action, Schedule,
-                                       ScheduleError)
+from parallel.pipeline.actions import (BACKWARD, FORWARD, RECV, SEND, WEIGHT, Action, Schedule,
+                                       ScheduleError, stage_rank)
 from parallel.pipeline.validate import validate
 
 
@@ -43,7 +44,9 @@ class Simulation:
     rank has the same ``C`` and this is Narayanan et al.'s bubble). ``idle_ratio[r]`` is the same
     ratio for each rank with its own compute. ``peak_inflight[r]`` is the most (stage, microbatch)
     pairs rank ``r`` holds at once: forward done, backward not yet done (one per model chunk, as
-    Megatron-LM counts).
+    Megatron-LM counts); in a split-backward schedule "done" means its ``W`` has run, since W keeps
+    what the weight gradients need. ``peak_activations[r]``: the same count up to ``B`` (the whole
+    activation set of a pair is alive from its F to its B; equal to ``peak_inflight`` without W).
     """
 
     timelines: tuple[tuple[TimelineEntry, ...], ...]
@@ -52,6 +55,7 @@ class Simulation:
     bubble_ratio: float
     idle_ratio: tuple[float, ...]
     peak_inflight: tuple[int, ...]
+    peak_activations: tuple[int, ...] = ()
 
     def as_dict(self) -> dict:
         """JSON-ready summary (what ``tools/pipeline_schedule.py --json`` prints)."""
@@ -77,32 +81,37 @@ def _per_stage(name: str, cost, num_stages: int) -> tuple[float, ...]:
     return costs
 
 
-def peak_inflight(schedule: Schedule) -> tuple[int, ...]:
+def peak_inflight(schedule: Schedule, *, until: str | None = None) -> tuple[int, ...]:
     """Most (stage, microbatch) pairs with forward done and backward pending, per rank.
 
+    A pair is released by its last backward action: ``W`` in a split-backward schedule, else ``B``;
+    ``until="B"`` counts up to ``B`` in every schedule (:attr:`Simulation.peak_activations`).
     Depends only on each rank's action order, not on timing.
     """
+    release = until or (WEIGHT if schedule.split_backward else BACKWARD)
     peaks = []
     for actions in schedule.ranks:
         live = peak = 0
         for a in actions:
-            live += 1 if a.op == FORWARD else -1
+            live += 1 if a.op == FORWARD else -1 if a.op == release else 0
             peak = max(peak, live)
         peaks.append(peak)
     return tuple(peaks)
 
 
 def dataflow_times(order: Sequence[Sequence[tuple[str, int, int]]], *, pp: int, num_stages: int,
-                   fwd: Sequence[float], bwd: Sequence[float], latency: float = 0.0
+                   fwd: Sequence[float], bwd: Sequence[float], latency: float = 0.0,
+                   wgt: Sequence[float] | None = None, placement: str = "loop"
                    ) -> list[list[tuple[float, float]]]:
     """Start/end of every action when communication never blocks (the "async" model).
 
     ``order[r]`` is rank ``r``'s ``(op, stage, microbatch)`` sequence; ``fwd``/``bwd`` give one cost
-    per virtual stage. Each action starts when its rank is free and its inputs exist (an input from
+    per virtual stage (``wgt`` the ``W`` costs of a split-backward order; ``placement`` which rank
+    holds each stage). Each action starts when its rank is free and its inputs exist (an input from
     another rank ``latency`` after its producer ends). Raises ``ScheduleError`` if the orders
     deadlock on their own dependencies.
     """
-    cost = {FORWARD: fwd, BACKWARD: bwd}
+    cost = {FORWARD: fwd, BACKWARD: bwd, WEIGHT: wgt}
     end: dict[tuple[str, int, int], float] = {}
     pos = [0] * pp
     clock = [0.0] * pp
@@ -119,10 +128,13 @@ def dataflow_times(order: Sequence[Sequence[tuple[str, int, int]]], *, pp: int, 
                     deps.append((FORWARD, stage, mb))
                     if stage < num_stages - 1:
                         deps.append((BACKWARD, stage + 1, mb))
+                elif op == WEIGHT:
+                    deps.append((BACKWARD, stage, mb))
                 if any(d not in end for d in deps):
                     break
-                start = max([clock[rank]] + [end[d] + (latency if d[1] % pp != rank else 0.0)
-                                             for d in deps])
+                start = max([clock[rank]] + [
+                    end[d] + (latency if stage_rank(d[1], pp=pp, placement=placement) != rank else 0.0)
+                    for d in deps])
                 clock[rank] = end[(op, stage, mb)] = start + cost[op][stage]
                 times[rank].append((start, clock[rank]))
                 pos[rank] += 1
@@ -137,7 +149,8 @@ def dataflow_times(order: Sequence[Sequence[tuple[str, int, int]]], *, pp: int, 
 
 
 def blocking_times(schedule: Schedule, *, fwd: Sequence[float], bwd: Sequence[float],
-                   latency: float = 0.0) -> tuple[list[list[tuple[float, float]]], list[float]]:
+                   latency: float = 0.0, wgt: Sequence[float] | None = None
+                   ) -> tuple[list[list[tuple[float, float]]], list[float]]:
     """Start/end of every action under the runtime's batch semantics (the "blocking" model).
 
     A rank reaching the boundary before action ``i`` posts ``actions[i-1].sends + actions[i].recvs``;
@@ -145,7 +158,7 @@ def blocking_times(schedule: Schedule, *, fwd: Sequence[float], bwd: Sequence[fl
     completes when all its messages have (at once if empty); then action ``i`` runs. Returns the
     per-rank (start, end) lists and each rank's finishing time (its last batch included).
     """
-    cost = {FORWARD: fwd, BACKWARD: bwd}
+    cost = {FORWARD: fwd, BACKWARD: bwd, WEIGHT: wgt}
     pp = schedule.pp
     posted: dict[tuple[str, int, int, int], float] = {}   # (op, src, dst, seq) -> post time
     counts: dict[tuple[str, int, int], int] = {}
@@ -187,7 +200,7 @@ def blocking_times(schedule: Schedule, *, fwd: Sequence[float], bwd: Sequence[fl
     return times, finish
 
 
-def simulate(schedule: Schedule, *, fwd_cost, bwd_cost, p2p_latency: float = 0.0,
+def simulate(schedule: Schedule, *, fwd_cost, bwd_cost, wgrad_cost=None, p2p_latency: float = 0.0,
              comm: str = "async") -> Simulation:
     """Simulate ``schedule`` (validated first; a broken one raises ``ScheduleError``).
 
@@ -196,21 +209,34 @@ def simulate(schedule: Schedule, *, fwd_cost, bwd_cost, p2p_latency: float = 0.0
     reach another rank (>= 0). ``comm="async"`` (default): communication never blocks a rank, the
     ideal of the analytic formulas (:func:`dataflow_times`); ``comm="blocking"``: the runtime's
     batch-and-wait semantics with rendezvous sends (:func:`blocking_times`).
+
+    ``wgrad_cost`` (scalar or per stage): the weight-gradient part of the backward. A split-backward
+    schedule needs it (``B`` costs ``bwd_cost``, ``W`` costs ``wgrad_cost``); for the others it is
+    optional and their ``B`` (input and weight gradients together) costs ``bwd_cost + wgrad_cost``,
+    so every schedule can be compared at the same ``F``, ``B``, ``W`` costs.
     """
     validate(schedule)
     num_stages = schedule.num_stages
     fwd = _per_stage("fwd_cost", fwd_cost, num_stages)
     bwd = _per_stage("bwd_cost", bwd_cost, num_stages)
+    wgt = None
+    if wgrad_cost is not None:
+        wgt = _per_stage("wgrad_cost", wgrad_cost, num_stages)
+        if not schedule.split_backward:
+            bwd, wgt = tuple(b + w for b, w in zip(bwd, wgt)), None
+    elif schedule.split_backward:
+        raise ValueError(f"schedule {schedule.name!r} splits the backward into B (input gradients) and W "
+                         "(weight gradients): give wgrad_cost, the time of one W (e.g. equal to bwd_cost)")
     if isinstance(p2p_latency, bool) or not isinstance(p2p_latency, (int, float)) \
             or not (math.isfinite(p2p_latency) and p2p_latency >= 0):
         raise ValueError(f"p2p_latency must be a finite number >= 0, got {p2p_latency!r}")
     if comm == "async":
         order = [[a.key for a in actions] for actions in schedule.ranks]
-        times = dataflow_times(order, pp=schedule.pp, num_stages=num_stages, fwd=fwd, bwd=bwd,
-                               latency=float(p2p_latency))
+        times = dataflow_times(order, pp=schedule.pp, num_stages=num_stages, fwd=fwd, bwd=bwd, wgt=wgt,
+                               latency=float(p2p_latency), placement=schedule.placement)
         finish = [ts[-1][1] if ts else 0.0 for ts in times]
     elif comm == "blocking":
-        times, finish = blocking_times(schedule, fwd=fwd, bwd=bwd, latency=float(p2p_latency))
+        times, finish = blocking_times(schedule, fwd=fwd, bwd=bwd, wgt=wgt, latency=float(p2p_latency))
     else:
         raise ValueError(f"comm must be 'async' or 'blocking', got {comm!r}")
 
@@ -226,4 +252,5 @@ def simulate(schedule: Schedule, *, fwd_cost, bwd_cost, p2p_latency: float = 0.0
         bubble_ratio=(makespan - busiest) / busiest,
         idle_ratio=tuple((makespan - c) / c for c in compute),
         peak_inflight=peak_inflight(schedule),
+        peak_activations=peak_inflight(schedule, until=BACKWARD),
     )

@@ -6,14 +6,16 @@
    (``stage % pp``) and its ids are in range; every message names the right peer and a tensor that
    really crosses ranks;
 2. coverage: every microbatch gets exactly one ``F`` and one ``B`` (only the ``F`` in a forward-only
-   schedule) on every virtual stage, and every
+   schedule) on every virtual stage, plus exactly one ``W`` in a split-backward schedule (and none
+   elsewhere), and every
    tensor crossing ranks is sent exactly once and received exactly once;
 3. execution: the schedule is run the way a runtime runs it (per rank, in order; before action
    ``i`` one batch of ``actions[i-1].sends + actions[i].recvs`` that must fully complete), with the
    strictest transport: a send completes only when its receiver has posted the matching receive
    (rendezvous), and messages between two ranks match first-in first-out. It checks that
    ``F{s}.{m}`` runs after ``F{s-1}.{m}`` (its input was received or computed locally), that
-   ``B{s}.{m}`` runs after ``B{s+1}.{m}`` and ``F{s}.{m}``, that a send is posted only after its
+   ``B{s}.{m}`` runs after ``B{s+1}.{m}`` and ``F{s}.{m}``, that ``W{s}.{m}`` runs after
+   ``B{s}.{m}`` (same rank), that a send is posted only after its
    tensor exists, that paired messages name the same tensor, and that no state is reached where
    every unfinished rank waits (deadlock).
 
@@ -23,8 +25,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from parallel.pipeline.actions import (ACTIVATION, BACKWARD, FORWARD, GRADIENT, RECV, SEND, P2P,
-                                       Schedule, ScheduleError, p2p_plan)
+from parallel.pipeline.actions import (ACTIVATION, BACKWARD, FORWARD, GRADIENT, PLACEMENTS, RECV, SEND,
+                                       WEIGHT, P2P, Schedule, ScheduleError, p2p_plan)
 
 __all__ = ["ScheduleError", "validate"]
 
@@ -49,11 +51,20 @@ def _cross_rank_tensors(sched: Schedule) -> dict[tuple[str, int, int], tuple[int
 def _check_structure(sched: Schedule) -> None:
     if len(sched.ranks) != sched.pp:
         raise ScheduleError(None, None, f"has {len(sched.ranks)} rank action lists but pp={sched.pp}")
+    if sched.placement not in PLACEMENTS or (sched.placement == "v" and sched.vp != 2):
+        raise ScheduleError(None, None, f"placement {sched.placement!r} is not one of {PLACEMENTS} "
+                            "('v' needs vp=2)")
     crossing = _cross_rank_tensors(sched)
     for rank, actions in enumerate(sched.ranks):
         for a in actions:
-            if a.op not in (FORWARD, BACKWARD):
-                raise ScheduleError(rank, str(a), f"op must be 'F' or 'B', got {a.op!r}")
+            if a.op not in (FORWARD, BACKWARD, WEIGHT):
+                raise ScheduleError(rank, str(a), f"op must be 'F', 'B' or 'W', got {a.op!r}")
+            if a.op == WEIGHT and not sched.split_backward:
+                raise ScheduleError(rank, str(a), "a W action in a schedule without split backward "
+                                    "(its B computes the weight gradients already)")
+            if a.op == WEIGHT and a.sends:
+                raise ScheduleError(rank, str(a), "a W action produces nothing another rank needs: "
+                                    "it sends nothing")
             if a.op == BACKWARD and sched.forward_only:
                 raise ScheduleError(rank, str(a), "a forward-only schedule has no backward actions")
             if not 0 <= a.stage < sched.num_stages or not 0 <= a.microbatch < sched.microbatches:
@@ -88,12 +99,15 @@ def _check_coverage(sched: Schedule) -> None:
                 raise ScheduleError(rank, str(a), f"duplicated: runs at positions {seen[a.key]} and "
                                     f"{i} (every microbatch needs exactly one F and one B per stage)")
             seen[a.key] = i
+    ops = (FORWARD,) if sched.forward_only else (FORWARD, BACKWARD)
+    ops += (WEIGHT,) if sched.split_backward else ()
     for s in range(sched.num_stages):
         for mb in range(sched.microbatches):
-            for op in (FORWARD,) if sched.forward_only else (FORWARD, BACKWARD):
+            for op in ops:
                 if (op, s, mb) not in seen:
                     raise ScheduleError(sched.rank_of(s), f"{op}{s}.{mb}", "missing: no rank runs "
-                                        "it (every microbatch needs one F and one B per stage)")
+                                        "it (every microbatch needs one " + ", one ".join(ops)
+                                        + " per stage)")
     sends = Counter(p.tensor for acts in sched.ranks for a in acts for p in a.sends)
     recvs = Counter(p.tensor for acts in sched.ranks for a in acts for p in a.recvs)
     for tensor, (producer, consumer) in sorted(_cross_rank_tensors(sched).items(),
@@ -176,6 +190,8 @@ class _Execution:
             needs.append((None, None, (FORWARD, a.stage, a.microbatch)))
             if a.stage < self.sched.num_stages - 1:
                 needs.append((GRADIENT, a.stage + 1, (BACKWARD, a.stage + 1, a.microbatch)))
+        if a.op == WEIGHT:
+            needs.append((None, None, (BACKWARD, a.stage, a.microbatch)))
         for kind, src_stage, producer in needs:
             if kind is None or self.sched.rank_of(src_stage) == rank:
                 if producer not in self.produced[rank]:

@@ -27,6 +27,7 @@ from parallel.comm import Group
 from parallel.mappings import (copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp,
                                scatter_to_tp)
 from parallel.tensor_parallel.sharding import divide, mark_replicated, set_tensor_parallel_attributes, shard_tensor
+from parallel.tensor_parallel.wgrad import defer_weight_grad, linear
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -78,8 +79,10 @@ class _GatherLinear(torch.autograd.Function):
             grad_x_full = grad_out.matmul(weight)  # (s, b, in), partial over TP ranks
             grad_x = comm.reduce_scatter(grad_x_full, ctx.group, dim=0)
         if ctx.needs_input_grad[1]:
+            # Split backward (zero-bubble schedules): the all-gather stays here in B, the GEMM waits for W.
             x_full = comm.all_gather(x_shard.contiguous(), ctx.group, dim=0)
-            grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(x_full.reshape(-1, x_full.shape[-1]))
+            if not defer_weight_grad(weight, x_full, grad_out):
+                grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(x_full.reshape(-1, x_full.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
         return grad_x, grad_w, grad_b, None
@@ -102,11 +105,11 @@ class DefaultLinearImpl(LinearImpl):
             y = _GatherLinear.apply(x, weight, bias, group)
         else:
             x = gather_from_sp(x, group) if sequence_parallel else copy_to_tp(x, group)
-            y = F.linear(x, weight, bias)
+            y = linear(x, weight, bias)  # F.linear, or deferrable under a split-backward schedule (wgrad.py)
         return gather_from_tp(y, group) if gather_output else y
 
     def row_forward(self, x, weight, bias, *, group, sequence_parallel):
-        y = F.linear(x, weight)
+        y = linear(x, weight)
         y = reduce_scatter_to_sp(y, group) if sequence_parallel else reduce_from_tp(y, group)
         return y if bias is None else y + bias
 

@@ -17,6 +17,7 @@ OPTIMIZERS = {  # optimizer mode -> config overrides
     "zero1": ["optim.distributed=true", "optim.zero_stage=1"],
     "zero2": ["optim.distributed=true", "optim.zero_stage=2"],
     "overlap_param_gather": ["optim.distributed=true", "optim.zero_stage=1", "optim.overlap_param_gather=true"],
+    "zero3": ["optim.distributed=true", "optim.zero_stage=3"],
 }
 FAMILIES = ("llama", "gpt2", "qwen3")
 
@@ -31,22 +32,26 @@ class Layout:
     schedule: str = "1f1b"
     tp_overlap: str = "none"  # parallel.tp_overlap (ring: collective matmuls, docs/overlap.md)
     early_recv: bool = False  # parallel.p2p_early_recv (pipeline receives posted one action ahead)
+    cp: int = 1  # parallel.cp (context parallelism, docs/context_parallel.md)
+    cp_comm: str = "ring"  # parallel.cp_comm
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     def overrides(self) -> list[str]:
         return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.vp={self.vp}",
                 f"parallel.dp={self.dp}", f"parallel.sequence_parallel={str(self.sp).lower()}",
                 f"parallel.schedule={self.schedule}", f"parallel.tp_overlap={self.tp_overlap}",
-                f"parallel.p2p_early_recv={str(self.early_recv).lower()}"]
+                f"parallel.p2p_early_recv={str(self.early_recv).lower()}", f"parallel.cp={self.cp}",
+                f"parallel.cp_comm={self.cp_comm}"]
 
     def __str__(self) -> str:
-        parts = [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("vp", self.vp), ("dp", self.dp)) if v > 1]
+        parts = [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("vp", self.vp), ("dp", self.dp),
+                                        ("cp", self.cp)) if v > 1]
         return "x".join(parts or ["1 process"]) + (" sp" if self.sp else "") + (
             f" {self.schedule}" if self.pp > 1 else "") + (f" {self.tp_overlap}" if self.tp_overlap != "none" else "") + (
-            " early-recv" if self.early_recv else "")
+            " early-recv" if self.early_recv else "") + (f" {self.cp_comm}" if self.cp > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -110,15 +115,28 @@ DEFAULT_ROWS: tuple[Row, ...] = (
     Row(L(tp=2, pp=2, sp=True), "plain", family="gpt2", recompute="selective", reshard=L(dp=4),
         reshard_optimizer="zero1"),
     Row(L(pp=2, vp=2, dp=2, schedule="interleaved"), "zero1", recompute="full", reshard=L(dp=2, tp=2, sp=True)),
+    # Zero-bubble ZB-H1 (docs/pipeline.md): split backward (B then deferred W), resumed into plain 1F1B.
+    Row(L(dp=2, pp=2, schedule="zb-h1"), "zero1", family="gpt2", tied=True, reshard=L(dp=2, pp=2)),
+    # ZeRO-3 (docs/data_parallel.md): parameter shards saved as flat pieces, resharded into other stages.
+    Row(L(dp=4), "zero3", dtype="bf16", reshard=L(dp=2, tp=2, sp=True), reshard_optimizer="zero1"),
+    Row(L(dp=2, pp=2), "zero3", family="gpt2", tied=True, recompute="full", reshard=L(dp=4)),
+    Row(L(dp=2, tp=2, sp=True), "zero3", family="qwen3", reshard=L(tp=2, pp=2, sp=True), reshard_optimizer="plain"),
+    # Context parallelism (docs/context_parallel.md): cp shards no weight, so a cp2 x pp2 checkpoint
+    # resumes into all-to-all attention at cp4.
+    Row(L(cp=2, pp=2), "zero1", reshard=L(cp=4, cp_comm="a2a")),
 )
 METHODS = ("pretrain", "sft", "dpo", "grpo")
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
 
 # Combinations refused at config time: (overrides, the message fragment the refusal must carry).
 REFUSED: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("parallel.cp=2",), "context parallelism is not implemented yet"),
+    (("parallel.cp=4", "parallel.cp_comm=hybrid"), "needs parallel.cp_a2a_size"),
+    (("parallel.cp=2", "parallel.cp_comm=a2a"), "scatters heads over 2 cp ranks"),
     (("train.activation_checkpointing=selective", "train.recompute_num_layers=1"), "applies to full recompute only"),
     (("optim.distributed=false", "optim.overlap_param_gather=true"), "overlap_param_gather"),
+    (("optim.distributed=true", "optim.zero_stage=3", "optim.overlap_param_gather=true"), "prefetches the next one"),
+    (("optim.distributed=true", "optim.zero_stage=3", "posttrain.method=grpo", "posttrain.grpo.kl_beta=0.1",
+      "data.paths=[]", "posttrain.data=[\"x.jsonl\"]"), "ZeRO-3 shards"),
     (("model.fp8=tensorwise", "model.fp8_backend=te"), "Transformer Engine"),
     (("model.fp8=tensorwise", "model.fp8_exclude=[\"mlp.fc3\"]"), "match no linear"),
     (("model.fp8=tensorwise", "model.ffn_hidden_size=344"), r"multiples of 16.*model.fp8_exclude"),
@@ -162,6 +180,8 @@ def full_rows() -> list[Row]:
     for k, layout in enumerate(layouts):
         for j, (method, lora) in enumerate((("sft", False), ("sft", True), ("dpo", False), ("grpo", False))):
             opt = "plain" if layout.dp == 1 else list(OPTIMIZERS)[(k + j) % len(OPTIMIZERS)]
+            if method == "grpo" and opt == "zero3":
+                opt = "zero2"  # GRPO's full-weight reference copy is refused with ZeRO-3 (REFUSED below)
             if method == "grpo":
                 other = [lay for lay in same_dp[layout.dp] if lay != layout] or [layout]
                 reshard, reshard_opt = other[0], ("plain" if opt != "plain" or layout.dp == 1 else "zero1")

@@ -301,7 +301,7 @@ def test_toml_error_names_the_file(tmp_path):
     (["model.max_position_embeddings=32"],
      "train.seq_length=64 exceeds model.max_position_embeddings=32"),
     # sequence splits
-    (["parallel.cp=3"], "parallel.cp=3: context parallelism is not implemented yet"),
+    (["parallel.cp=3"], "train.seq_length=64 is not divisible by 2*parallel.cp = 6"),
     (["train.seq_length=66", "parallel.tp=4", "parallel.sequence_parallel=true"],
      "train.seq_length/parallel.cp = 66 tokens per rank is not divisible by parallel.tp=4"),
     # model

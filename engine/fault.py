@@ -1,0 +1,152 @@
+"""Fault tolerance at start-up and at the end of a run: what protects a run directory and its data.
+
+* :func:`check_run_dir` (tools/pretrain.py, before any process group exists): a non-empty directory
+  that is not a Tessel run is refused (its files are never overwritten); a run directory holding a
+  complete checkpoint is a resume, and a launch whose config changes what the checkpoint depends on
+  (the model, the data, the global batch, the sequence length, the seed) is refused with one line
+  naming the keys and the way out.
+* :func:`remove_stale_saves`: the temporary directories of saves that never committed
+  (``.tmp_step_*``) and the trash of an interrupted retention (``.trash_step_*``), removed by rank 0
+  at start-up, before anything of this run writes there.
+* :class:`RunStopped`: the run stopped itself for a reason every rank shares (it diverged); the
+  launcher prints its one-line reason once and exits non-zero (``EXIT_STOPPED``).
+
+docs/fault_tolerance.md says what each mechanism promises and what is not built.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from engine.checkpoint.format import METADATA_FILE, TMP_PREFIX, TRASH_PREFIX, list_checkpoints
+
+EXIT_STOPPED = 3  # the exit status of a run that stopped itself (diverged, non-finite with nonfinite='stop')
+EXIT_HUNG = 4  # the exit status of a rank whose hang watchdog fired (fault.hang_timeout_s; engine/watchdog.py)
+
+# Keys of the run config a resume depends on: the sample order and the tensors in the checkpoint.
+# The architecture itself is compared on its resolved form (model_config.json), so a model given by
+# model.hf_config and one given by explicit fields compare alike.
+RESUME_KEYS = ("model.dtype", "data.paths", "data.weights", "data.split", "train.global_batch_size",
+               "train.seq_length", "train.seed")
+# Entries a Tessel run directory may hold besides config.json (for the message only).
+RUN_FILES = ("config.json", "model_config.json", "metrics.jsonl", "tensorboard", "checkpoints")
+
+
+class RunStopped(RuntimeError):
+    """The run stopped itself for a reason every rank shares (e.g. ``optim.max_skipped_steps`` consecutive
+    non-finite steps). Raised on every rank at the same step; the message is one line."""
+
+
+def _is_tessel_config(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("model"), dict) and isinstance(data.get("train"), dict)
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _get(tree: dict | None, dotted: str) -> tuple[bool, Any]:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def config_changes(saved: dict, new: dict, *, keys=RESUME_KEYS) -> list[str]:
+    """``key (old -> new)`` for each of ``keys`` whose value differs between two config dicts
+    (``TesselConfig.to_dict()`` form). A key the saved config lacks (an older version) is not compared."""
+    out = []
+    for key in keys:
+        had, old = _get(saved, key)
+        has, value = _get(new, key)
+        if had and has and old != value:
+            out.append(f"{key} ({json.dumps(old)} -> {json.dumps(value)})")
+    return out
+
+
+def architecture_changes(saved: dict | None, new: dict) -> list[str]:
+    """``model <key> (old -> new)`` for each architecture key (the resolved Hugging Face config.json
+    dict) that differs."""
+    if not isinstance(saved, dict):
+        return []
+    keys = sorted(set(saved) | set(new))
+    return [f"model {k} ({json.dumps(saved.get(k))} -> {json.dumps(new.get(k))})"
+            for k in keys if saved.get(k) != new.get(k)]
+
+
+def check_run_dir(cfg, run_dir: str, *, model_config: dict | None = None) -> str | None:
+    """Refuse a launch into ``run_dir`` that would destroy or corrupt something (no communication).
+
+    * ``run_dir`` exists, is not empty and holds no Tessel config.json: not a Tessel run, refused.
+    * It holds a complete checkpoint (under ``checkpoint.dir`` or ``run_dir/checkpoints``): this launch
+      resumes it, so the saved config (``run_dir/config.json``, else the checkpoint's own) and model
+      (``run_dir/model_config.json``, else the checkpoint's) must agree with ``cfg`` and ``model_config``
+      on the model, :data:`RESUME_KEYS`; steps, the LR schedule, logging, the layout and the rest may
+      change. Refused otherwise, in one line naming the keys and the way out.
+
+    Returns the checkpoint that will be resumed (None: a fresh start). ValueError on refusal.
+    """
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ValueError(f"run directory {run_dir!r} is a file; choose a directory (--run-dir or train.run_dir)")
+    config_json = os.path.join(run_dir, "config.json")
+    if os.path.isdir(run_dir):
+        entries = sorted(os.listdir(run_dir))
+        if entries and not _is_tessel_config(config_json):
+            shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+            raise ValueError(f"run directory {run_dir!r} is not empty ({shown}) and is not a Tessel run (no Tessel "
+                             "config.json): refusing to write into it; choose a new or empty directory with "
+                             "--run-dir or --set train.run_dir=DIR")
+    root = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
+    complete = list_checkpoints(root)
+    if not complete:
+        return None
+    latest = complete[-1][1]
+    saved_cfg = _read_json(config_json) if os.path.isfile(config_json) else None
+    saved_model = _read_json(os.path.join(run_dir, "model_config.json"))
+    if saved_cfg is None or saved_model is None:
+        meta = _read_json(str(latest / METADATA_FILE)) or {}
+        saved_cfg = saved_cfg or (meta.get("trainer_state") or {}).get("config")
+        saved_model = saved_model or meta.get("model_config")
+    changes = config_changes(saved_cfg or {}, cfg.to_dict())
+    if model_config is not None:
+        changes = architecture_changes(saved_model, model_config) + changes
+    if not changes:
+        return str(latest)
+    way_out = "start a new run directory (--run-dir NEW)"
+    if not any(c.startswith("model") for c in changes):
+        way_out += f", with --set checkpoint.load={latest} to start from its weights (model only)"
+    raise ValueError(f"run directory {run_dir!r} holds checkpoint {latest.name}, and this launch would resume it "
+                     f"with changes that break the run: {', '.join(changes)}; {way_out}, or launch with the "
+                     "saved values to resume")
+
+
+def remove_stale_saves(root: str | os.PathLike) -> list[Path]:
+    """Delete the temporary directories of saves that never committed (``.tmp_step_*``) and the trash of an
+    interrupted retention (``.trash_step_*``) under the checkpoint root; returns what was removed.
+
+    Call on ONE rank (rank 0, which alone creates them) at start-up, before this run saves: no save of
+    this run is in flight then, so every such directory belongs to a crashed process."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    stale = sorted(p for p in root.iterdir() if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)))
+    for p in stale:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    return stale

@@ -1,0 +1,501 @@
+"""Memory per rank: the formulas that predict it and the allocator that measures it (docs/memory.md).
+
+Predicted (no communication, nothing allocated; the same functions serve the start-up report and the
+tests that assert them against what torch allocates):
+
+* :func:`layer_saved_bytes`: what one transformer layer's forward keeps for backward on one TP rank,
+  for ``none`` / ``selective`` / ``full`` recompute, with and without sequence parallelism;
+* :func:`stage_memory`: one micro-batch of one pipeline stage (its layers, the embedding, the final
+  norm and the loss): the bytes kept until its backward, and the transients of its forward and backward;
+* :func:`predict_memory`: every pipeline rank of a run: parameters, gradients and optimizer state
+  from the data-parallel buffer layout and ZeRO stage, the pipeline's in-flight micro-batches by
+  walking the schedule's action lists, and the transients of the step (gradient reduction, parameter
+  all-gather, optimizer).
+
+Measured: :class:`PeakMemory` (a block's peak above its entry, from the allocator) and
+:func:`state_bytes` (the run's persistent tensors). On CUDA :class:`PeakMemory` reads the caching
+allocator's statistics (``max_memory_allocated`` after ``reset_peak_memory_stats``). On CPU torch keeps
+no such statistics, but its CPU allocator reports every allocation and free to the profiler when
+``profile_memory=True``, each with the allocator's running total of live bytes; the peak is the largest
+total seen. Either way ``peak`` counts bytes *above* what was live at entry and ``end`` the bytes still
+allocated at exit.
+
+Why the running total and not the sum of the events: the profiler records an event only on threads it
+profiles, and gloo's worker threads often drop the last reference to a collective's tensors (the input
+of a reduce-scatter, a temporary all-reduced buffer): those frees never appear as events, and a sum of
+events grows by every such tensor (measured: megabytes per step at tp=2 with sequence parallelism).
+The allocator's total is right whichever thread frees, provided it keeps its size table on every
+thread: c10's ``FLAGS_caffe2_report_cpu_memory_usage`` (exported by libc10; no Python setter exists,
+so it is set through ctypes for the duration of the block). Where the flag cannot be found the sum of
+the events is used and ``PeakMemory.exact`` is False. The CPU path runs the block under
+``torch.profiler`` (CPU activity only): slower than a plain run, so measure one step, not a loop. Not
+re-entrant.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import glob
+import os
+from dataclasses import dataclass
+
+import torch
+
+from parallel.data_parallel.buffers import bucket_size_elements, plan_buckets
+from parallel.pipeline import build_schedule
+from parallel.pipeline.actions import FORWARD
+from parallel.pipeline.split import split_layers
+
+MB = 1e6
+
+
+# -- the formulas -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class LayerShape:
+    """The facts of a transformer block the formulas need (any object with models.TransformerConfig's
+    fields gives them: :meth:`of`)."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    gated: bool = True  # SwiGLU (fc1 holds gate and up) or a plain GELU MLP
+    norm: str = "rmsnorm"  # or "layernorm"
+    rope: bool = True
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+
+    @classmethod
+    def of(cls, config) -> "LayerShape":
+        return cls(hidden_size=config.hidden_size, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+                   head_dim=config.head_dim, ffn_hidden_size=config.ffn_hidden_size, gated=config.mlp == "swiglu",
+                   norm=config.norm, rope=config.position_embedding == "rope",
+                   attention_dropout=config.attention_dropout, hidden_dropout=config.hidden_dropout)
+
+    def attention_path(self, device: str) -> str:
+        """SDPA's path: "math" (CPU with attention dropout: it materialises the probabilities) or
+        "flash" (keeps q, k, v, the output and the log-sum-exp: CPU without dropout, CUDA's kernels)."""
+        return "math" if self.attention_dropout > 0 and device == "cpu" else "flash"
+
+
+def layer_saved_bytes(shape: LayerShape, *, s: int, b: int, tp: int = 1, sp: bool = False, recompute: str = "none",
+                      elem: int = 4, attention: str | None = None) -> int:
+    """Bytes one layer's training forward keeps for backward on one TP rank (docs/memory.md's table):
+    ``s`` the sequence (the full one; sequence parallelism divides the replicated terms by ``tp``),
+    ``b`` the micro-batch, ``elem`` bytes per activation element; ``attention`` "math" or "flash"
+    (default: :meth:`LayerShape.attention_path` on CPU). Weights and the stage's rope tables excluded."""
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r} must be 'none', 'selective' or 'full'")
+    attention = attention or shape.attention_path("cpu")
+    if attention not in ("math", "flash"):
+        raise ValueError(f"attention={attention!r} must be 'math' or 'flash'")
+    r = tp if sp else 1
+    h, a, d, f = shape.hidden_size, shape.num_heads, shape.head_dim, shape.ffn_hidden_size
+    sb = s * b
+    if recompute == "full":
+        return elem * sb * h // r  # the layer input
+    n, kv = a * d, shape.num_kv_heads * d
+    # Replicated (sequence shards under SP): per RMSNorm its input, x * rsqrt and its output (the next
+    # linear's input) and rsqrt; per LayerNorm its input and output, mean and rstd; residual dropout masks.
+    if shape.norm == "rmsnorm":
+        replicated = 6 * sb * h + 2 * sb
+    else:
+        replicated = 4 * sb * h + 4 * sb
+    if shape.hidden_dropout > 0:
+        replicated += 2 * sb * h
+    qkv = sb * (n + 2 * kv)  # the fused qkv output: v (and without RoPE q and k) are views of it
+    rope_qk = sb * (n + kv) if shape.rope else 0  # q and k after RoPE
+    context = sb * n  # core attention's output, the out projection's input
+    mlp = (4 if shape.gated else 2) * sb * f  # fc1 output [gate|up], silu(gate), their product / GELU in and out
+    lse = 0
+    if recompute == "selective":  # the checkpoint keeps its arguments q, k, v
+        attn = rope_qk + qkv + context
+    elif attention == "math":  # q and k copies, v (a copy when GQA expands it), probabilities, mask, dropped
+        attn = 2 * sb * n + (sb * n if kv < n else qkv) + context + 3 * a * s * s * b
+    else:
+        attn = rope_qk + qkv + context
+        lse = 4 * a * sb // tp  # fp32 log-sum-exp, whatever the activation dtype
+    return elem * (replicated // r + (attn + mlp) // tp) + lse
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One micro-batch of one pipeline stage on one rank: ``saved`` is kept from its forward until its
+    backward; ``forward`` and ``backward`` are the transients on top (``saved`` counted) at the peak of
+    each."""
+
+    saved: int
+    forward: int
+    backward: int
+
+
+def stage_memory(shape: LayerShape, *, s: int, b: int, layers: int, tp: int = 1, sp: bool = False,
+                 recompute: str = "none", recompute_layers: int | None = None, pre_process: bool = False,
+                 post_process: bool = False, vocab_local: int = 0, elem: int = 4, fused_ce: bool = False,
+                 attention: str | None = None) -> StageMemory:
+    """:class:`StageMemory` of a stage with ``layers`` layers (the first ``recompute_layers`` of them
+    fully recomputed when ``recompute='full'``; None: all). Beyond the layers: the rope tables (Hugging
+    Face's expanded cos and sin, shared by the layers), the embedding's masked ids, the final norm and
+    the loss (unfused: the fp32 softmax kept, the logits alive beside it while it is made; fused: one
+    logits chunk). Transients: a non-last stage's output until it is sent, the received gradient, the
+    gradient of the first MLP linear's output in a layer's backward, the output layer's weight gradient."""
+    h, d = shape.hidden_size, shape.head_dim
+    sb = s * b
+    r = tp if sp else 1
+    saved = 0
+    if layers:
+        kw = dict(s=s, b=b, tp=tp, sp=sp, elem=elem, attention=attention)
+        if recompute == "full":
+            recomputed = layers if recompute_layers is None else min(layers, recompute_layers)
+            saved += recomputed * layer_saved_bytes(shape, recompute="full", **kw)
+            saved += (layers - recomputed) * layer_saved_bytes(shape, recompute="none", **kw)
+        else:
+            saved += layers * layer_saved_bytes(shape, recompute=recompute, **kw)
+        if shape.rope:
+            saved += 2 * sb * d * elem
+    if pre_process:
+        saved += 8 * sb + (sb if tp > 1 else 0)  # the masked ids (int64), the out-of-shard mask (bool)
+    forward = 0 if post_process else elem * sb * h // r  # the output until its send completes
+    width = (2 if shape.gated else 1) * shape.ffn_hidden_size
+    backward = (elem * sb * width // tp if layers else 0) + (0 if post_process else elem * sb * h // r)
+    if post_process:
+        norm = 3 * sb * h + sb if shape.norm == "rmsnorm" else 2 * sb * h + 2 * sb  # with the output layer's input
+        saved += elem * norm // r
+        if fused_ce:
+            chunk = min(sb, 1 << max(0, ((1 << 26) // max(vocab_local, 1)).bit_length() - 1))
+            saved += (elem * sb * h if sp else 0) + 4 * 4 * sb  # the gathered input, per-token statistics
+            forward = 4 * chunk * vocab_local
+            backward = max(backward, 4 * chunk * vocab_local + 4 * sb * h + elem * vocab_local * h)
+        else:
+            saved += 4 * sb * vocab_local + 10 * sb  # fp32 softmax, target ids (int64), two masks (bool)
+            forward = elem * sb * vocab_local  # the logits, alive while their fp32 copy is made
+            backward = max(backward, elem * (vocab_local * h + sb * h))  # output weight and input gradients
+    return StageMemory(saved=saved, forward=forward, backward=backward)
+
+
+def pipeline_peak(actions, stages: dict[int, StageMemory], *, after_first_backward: int = 0) -> tuple[int, int, int]:
+    """Walk one rank's action list: ``(peak bytes above the step's start, saved activation bytes at
+    that moment, micro-batches in flight then)``. ``after_first_backward``: bytes that appear with the
+    rank's first backward and stay (ZeRO-2's gradient buckets)."""
+    live = extra = peak = at_saved = at_count = 0
+    count = 0
+    for a in actions:
+        if a.op == "W":  # split backward: activations are counted up to B (W's queued inputs are not)
+            continue
+        m = stages[a.stage]
+        if a.op == FORWARD:
+            top = live + extra + m.saved + m.forward
+            saved_now, count_now = live + m.saved, count + 1
+            live, count = live + m.saved, count + 1
+        else:
+            extra = after_first_backward
+            top = live + extra + m.backward
+            saved_now, count_now = live, count
+            live, count = live - m.saved, count - 1
+        if top > peak:
+            peak, at_saved, at_count = top, saved_now, count_now
+    return peak, at_saved, at_count
+
+
+# -- one run's prediction ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Predicted bytes on the ranks of one pipeline coordinate (tp and dp ranks alike) at the step's peak."""
+
+    pp_rank: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int  # saved for backward, by the micro-batches in flight at the peak
+    transient: int  # the rest: logits, gradients of activations, communication and update buffers
+    inflight: int  # micro-batches whose activations are held at the peak
+    phase: str  # where the peak falls: "pipeline" (forward/backward) or "step" (reduction, update, gather)
+
+    @property
+    def state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.state + self.activations + self.transient
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """:func:`predict_memory`'s answer: one :class:`RankMemory` per pipeline rank."""
+
+    ranks: tuple[RankMemory, ...]
+    layout: str
+    notes: tuple[str, ...] = ()  # parts of this run the formulas do not model
+
+    @property
+    def largest(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.total)
+
+    def line(self) -> str:
+        r = self.largest
+        per = ", ".join(f"{x.pp_rank}: {x.total / MB:.2f}" for x in self.ranks) if len(self.ranks) > 1 else ""
+        return (f"tessel: memory: predicted per rank ({self.layout}; the largest, pp rank {r.pp_rank}): parameters "
+                f"{r.params / MB:.2f} MB, gradients {r.grads / MB:.2f} MB, optimizer state {r.optimizer / MB:.2f} MB, "
+                f"activations {r.activations / MB:.2f} MB ({r.inflight} micro-batch{'es' if r.inflight != 1 else ''} "
+                f"in flight), transients {r.transient / MB:.2f} MB = {r.total / MB:.2f} MB at the {r.phase} peak"
+                + (f"; per pp rank (MB) {per}" if per else "") + (f" (not modeled: {'; '.join(self.notes)})"
+                                                                  if self.notes else ""))
+
+    def record(self) -> dict:
+        """The start-up record for metrics.jsonl (bytes of the largest rank; totals per pp rank)."""
+        r = self.largest
+        return {"step": 0, "event": "predicted", "layout": self.layout, "pp_rank": r.pp_rank,
+                "params_bytes": r.params, "grads_bytes": r.grads, "optimizer_bytes": r.optimizer,
+                "activations_bytes": r.activations, "transient_bytes": r.transient, "total_bytes": r.total,
+                "inflight_microbatches": r.inflight, "peak_phase": r.phase,
+                "total_bytes_per_pp_rank": [x.total for x in self.ranks], "not_modeled": list(self.notes)}
+
+
+def _padded_numel(sizes, *, dp: int, bucket: int | None, zero: int) -> tuple[int, int, int]:
+    """(padded buffer elements, the largest layer's elements, the other parameters' elements) of one
+    rank's chunks: DataParallel's layout (parallel/data_parallel/buffers.py: reverse registration
+    order, a bucket per chunk or more, each padded to a multiple of dp; a tied embedding alone; under
+    ZeRO-3 no bucket spans two layers)."""
+    placed = list(reversed(sizes))  # (chunk, name, numel, shared)
+    units = [(c, name.split(".")[1] if name.startswith("layers.") else "root") for c, name, _, _ in placed]
+    keys = {u: i for i, u in enumerate(dict.fromkeys(units))}
+    groups = [keys[u] for u in units] if zero == 3 else [c for c, *_ in placed]
+    _, _, total = plan_buckets([n for _, _, n, _ in placed], bucket_size=bucket, dp=dp,
+                               separate=[shared for *_, shared in placed], groups=groups)
+    per_unit: dict = {}
+    for u, (_, _, n, _) in zip(units, placed):
+        per_unit[u] = per_unit.get(u, 0) + n
+    layer = max((n for (_, name), n in per_unit.items() if name != "root"), default=0)
+    root = sum(n for (_, name), n in per_unit.items() if name == "root")
+    return total, layer, root
+
+
+def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_sample: int = 1) -> MemoryPrediction:
+    """Bytes per rank of the run ``cfg`` of ``model`` (a models.hook.ModelHook: ``config``,
+    ``stage_param_sizes``, ``make_vocab_size_divisible_by``, ``fused_cross_entropy``) over ``world``
+    ranks on ``device`` ("cpu": gloo, SDPA's CPU paths; "cuda": NCCL, fused cross-entropy by default)."""
+    from engine.optim import resolve_adamw
+
+    p, t, o = cfg.parallel, cfg.train, cfg.optim
+    dp = cfg.validate_world(world)
+    cp = getattr(p, "cp", 1)
+    zero = o.zero_stage if o.distributed else 0
+    elem = 2 if cfg.model.dtype == "bf16" else 4
+    num_stages = p.pp * p.vp
+    ranges = split_layers(model.num_layers, num_stages, p.pipeline_layout)
+    m = cfg.num_microbatches(dp)
+    schedule = build_schedule(p.schedule, pp=p.pp, vp=p.vp, microbatches=m)
+    shape = LayerShape.of(model.config)
+    sp = p.sequence_parallel and p.tp > 1
+    s, b = t.seq_length // cp, t.micro_batch_size * rows_per_sample
+    vocab_local = model.config.padded_vocab_size(
+        tp=p.tp, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by) // p.tp
+    fused = model.fused_cross_entropy if model.fused_cross_entropy is not None else device == "cuda"
+    bucket = bucket_size_elements(bucket_size=None, bucket_size_mb=o.bucket_size_mb)
+    adam = resolve_adamw("auto", device=device)[0]
+    notes = []
+    if cfg.model.fp8 != "none":
+        notes.append("FP8 scales and casts")
+    if cp > 1:
+        notes.append("context-parallel attention buffers")
+    if getattr(model.config, "qk_norm", False) or getattr(model.config, "sliding_windows", ()):
+        notes.append("q/k norms and sliding-window masks")
+    ranks = []
+    for r in range(p.pp):
+        mine = [st for st in range(num_stages) if st % p.pp == r]
+        sizes = [(c, name, n, shared) for c, st in enumerate(mine)
+                 for name, n, shared in model.stage_param_sizes(tp=p.tp, layer_range=ranges[st], pre_process=st == 0,
+                                                                post_process=st == num_stages - 1)]
+        total, layer, root = _padded_numel(sizes, dp=dp, bucket=bucket, zero=zero)
+        params = total * elem if zero < 3 else total // dp * elem
+        grads = total * 4 if zero < 2 else total // dp * 4
+        owned = total // dp if zero >= 1 else total
+        optimizer = owned * (8 + (4 if elem != 4 else 0))
+        per_stage = {}
+        for st in mine:
+            sm = stage_memory(shape, s=s, b=b, layers=ranges[st][1] - ranges[st][0], tp=p.tp, sp=sp,
+                              recompute=t.activation_checkpointing, recompute_layers=t.recompute_num_layers,
+                              pre_process=st == 0, post_process=st == num_stages - 1, vocab_local=vocab_local,
+                              elem=elem, fused_ce=fused, attention=shape.attention_path(device))
+            if zero == 3 and dp > 1:  # one layer's fp32 gradient bucket (and, on gloo, its reduce-scatter copy)
+                sm = StageMemory(sm.saved, sm.forward, sm.backward + layer * 4 * (2 if device == "cpu" else 1)
+                                 + layer // dp * 4)
+            per_stage[st] = sm
+        buckets = total * 4 if zero == 2 and m > 1 else 0  # lazy fp32 buckets live from the first backward on
+        pipe, saved, inflight = pipeline_peak(schedule.ranks[r], per_stage, after_first_backward=buckets)
+        if zero == 3 and dp > 1:  # the chunks' other parameters stay gathered; a layer and its prefetch
+            pipe += (root + 2 * layer) * elem
+        step = owned * 4 if adam == "foreach" else 0  # foreach AdamW's denominator
+        if dp > 1 and zero in (1, 2):
+            reduce = total // dp * 4 + (total * 4 if device == "cpu" else 0)  # gloo reduce-scatters a copy
+            step = max(step, reduce + (total * 4 if zero == 2 else 0), total * elem)  # ... then gathers
+        phase = "pipeline" if pipe >= step else "step"
+        ranks.append(RankMemory(pp_rank=r, params=params, grads=grads, optimizer=optimizer,
+                                activations=saved if pipe >= step else 0,
+                                transient=(pipe - saved) if pipe >= step else step,
+                                inflight=inflight if pipe >= step else 0, phase=phase))
+    layout = (f"dp {dp} x pp {p.pp} x tp {p.tp}" + (" sp" if sp else "") + (f" x cp {cp}" if cp > 1 else "")
+              + (f" vp {p.vp}" if p.vp > 1 else "") + f", zero {zero}, {t.activation_checkpointing} recompute")
+    return MemoryPrediction(ranks=tuple(ranks), layout=layout, notes=tuple(notes))
+
+
+# -- measured --------------------------------------------------------------------------------------
+
+def state_bytes(chunks, ddp, optimizer) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer state) bytes this rank holds, from the tensors themselves: the
+    data-parallel parameter buffers (ZeRO-3: the shards) plus frozen parameters outside them, the
+    persistent fp32 gradient buffers or shards, the optimizer's masters and moments."""
+    params = sum(buf.param_data.numel() * buf.param_data.element_size() for buf in ddp.flat_buffers)
+    seen = set()
+    for q in chunks.parameters():
+        if not q.requires_grad and q.untyped_storage().data_ptr() not in seen:
+            seen.add(q.untyped_storage().data_ptr())
+            params += q.untyped_storage().nbytes()
+    return params, ddp.grad_buffer_bytes(), optimizer.state_bytes()
+
+
+def measured_report(prediction: MemoryPrediction, rows: list[list[float]], *, step: int) -> tuple[str, dict]:
+    """The log line and the metrics.jsonl record of the measured peak: ``rows`` holds one
+    ``[pp_rank, params, grads, optimizer, step_peak]`` per world rank (bytes; step_peak above the
+    step's start). A pipeline rank's measured peak is the largest of its ranks'."""
+    by_pp: dict[int, float] = {}
+    for pp_rank, params, grads, opt, peak in rows:
+        by_pp[int(pp_rank)] = max(by_pp.get(int(pp_rank), 0.0), params + grads + opt + peak)
+    measured = [int(by_pp[r.pp_rank]) for r in prediction.ranks]
+    predicted = [r.total for r in prediction.ranks]
+    worst = max(range(len(measured)), key=lambda i: measured[i])
+    err = [(pr - me) / me if me else 0.0 for pr, me in zip(predicted, measured)]
+    per = "; ".join(f"pp rank {r.pp_rank}: {me / MB:.2f} vs {pr / MB:.2f} MB ({100 * e:+.1f}%)"
+                    for r, me, pr, e in zip(prediction.ranks, measured, predicted, err))
+    line = (f"tessel: memory: measured peak of step {step} {measured[worst] / MB:.2f} MB (pp rank {worst}: state "
+            f"+ the step's peak above it) vs predicted {predicted[worst] / MB:.2f} MB ({100 * err[worst]:+.1f}%)"
+            + (f"; {per}" if len(measured) > 1 else ""))
+    record = {"step": step, "event": "measured", "measured_peak_bytes": measured[worst],
+              "predicted_peak_bytes": predicted[worst], "relative_error": err[worst],
+              "measured_bytes_per_pp_rank": measured, "predicted_bytes_per_pp_rank": predicted,
+              "measured_state_bytes": int(max(sum(row[1:4]) for row in rows)),
+              "measured_step_bytes": int(max(row[4] for row in rows))}
+    return line, record
+
+
+def _c10_report_flag():
+    """c10's ``FLAGS_caffe2_report_cpu_memory_usage`` as a ctypes bool, or None if not exported."""
+    libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for path in glob.glob(os.path.join(libdir, "libc10.*")):
+        try:
+            return ctypes.c_bool.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_report_cpu_memory_usage")
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence file descriptor 2 for the block: Kineto prints a line to it at every profiler start and stop
+    (on every rank, at every run's first step), which is noise in a training log."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+class PeakMemory:
+    """``with PeakMemory(device) as m: ...`` then ``m.peak`` / ``m.end`` (bytes, see the module docstring)."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.peak: int | None = None
+        self.end: int | None = None
+        self.exact = True  # False: CPU without the allocator's cross-thread total (see the module docstring)
+        self._prof = None
+        self._flag = None
+        self._flag_was = False
+        self._start = 0
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+            return self
+        if self.device.type != "cpu":
+            raise ValueError(f"PeakMemory measures cpu or cuda devices, not {self.device.type!r}")
+        from torch.profiler import ProfilerActivity, profile
+        gc.collect()  # free unreachable cycles now, not inside the window
+        self._flag = _c10_report_flag()
+        self.exact = self._flag is not None
+        if self._flag is not None:
+            self._flag_was = bool(self._flag.value)
+            self._flag.value = True
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False,
+                             with_stack=False)
+        with _quiet_stderr():
+            self._prof.__enter__()
+        torch.empty(1)  # an event whose total is the baseline (allocated and freed at once)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self._start
+            self.end = torch.cuda.memory_allocated(self.device) - self._start
+            return
+        torch.empty(1)  # an event after the last free on another thread: the total at exit
+        try:
+            with _quiet_stderr():
+                self._prof.__exit__(*exc)
+        finally:
+            if self._flag is not None:
+                self._flag.value = self._flag_was
+        if exc[0] is not None:
+            return
+        self.peak, self.end = cpu_allocation_peak(self._prof, totals=self.exact)
+
+    def __repr__(self) -> str:
+        return f"PeakMemory(device={self.device}, peak={self.peak}, end={self.end})"
+
+
+def _allocations(prof):
+    """(time, signed bytes, allocator total) of every CPU allocation event of a finished profile."""
+    alloc = torch._C._profiler._EventType.Allocation
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    out = []
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag == alloc:
+            f = e.extra_fields
+            if f.device.type == "cpu":
+                out.append((e.start_time_ns, f.alloc_size, f.total_allocated))
+    return sorted(out)
+
+
+def cpu_allocation_peak(prof, *, totals: bool = True) -> tuple[int, int]:
+    """``(peak, end)`` in bytes above the first event of a finished CPU profile: the largest and the
+    last allocator total (``totals``), else the running sum of the events."""
+    events = _allocations(prof)
+    if not events:
+        return 0, 0
+    if totals:
+        _, first_bytes, first_total = events[0]
+        base = first_total - first_bytes
+        inside = events[:-2] if len(events) > 2 else events  # PeakMemory's exit probe is the last two
+        return max(t for _, _, t in inside) - base, events[-1][2] - base
+    live = peak = 0
+    for _, nbytes, _ in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak, live

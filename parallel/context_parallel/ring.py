@@ -1,0 +1,169 @@
+"""Ring attention: K and V rotate around the cp ring while each rank attends its queries to the block in hand.
+
+Forward, on each of the ``n`` ranks of ``group`` (Liu et al. 2023, "Ring Attention"; Brandon et al. 2023):
+step t attends the local queries to the K/V block of ring rank ``me - t``, while the next block already
+travels (one ``batch_p2p`` of the packed K and V: send to ``me + 1``, receive from ``me - 1``, waited on
+after the compute). Partial outputs merge by the online-softmax rule: with ``lse`` the running
+log-sum-exp of each query row, ``lse' = logaddexp(lse, lse_b)`` and
+``out' = exp(lse - lse') out + exp(lse_b - lse') out_b``. Only blocks with something visible are
+computed (:func:`parallel.context_parallel.masks.computed_blocks`); the ring still moves every block.
+
+Backward rotates K and V again (nothing gathered is kept: memory stays 1/cp) and sends the dK/dV
+accumulator of each block along with it, one rank behind: after ``n`` hops it is back at its owner.
+
+Bytes per layer and rank (asserted from the ledger): forward ``(n-1) * (|K| + |V|)`` sent; backward
+``(n-1) * (|K| + |V|) + n * (|dK| + |dV|)``, dK/dV in the compute dtype (float32 for bf16/fp16 inputs,
+else the inputs' dtype). GQA sends only the kv heads.
+
+Layouts: ``q (b, g, q_per_group, s_local, hd)``, ``k, v (b, g, s_local, hd)``; a rank's local sequence is
+the chunks ``chunks_of(ring_rank)`` (each ``chunk_len`` tokens) concatenated in that order.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from parallel import comm
+from parallel.comm import Group, P2P
+from parallel.context_parallel.masks import BlockMasks, computed_blocks
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float64, torch.float32) else torch.float32
+
+
+def _block_forward(q, k, v, mask, scale):
+    """One block: q (b, g, qpg, Lq, hd), k/v (b, g, Lk, hd), mask None or (b|1, Lq, Lk).
+    Returns the block's normalised output (b, g, qpg, Lq, hd) and log-sum-exp (b, g, qpg, Lq)
+    (-inf on rows that see nothing in this block)."""
+    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale  # (b, g, qpg, Lq, Lk)
+    if mask is not None:
+        s = s.masked_fill(~mask[:, None, None], float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)  # (b, g, qpg, Lq, 1)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m)
+    denom = p.sum(dim=-1, keepdim=True)  # (b, g, qpg, Lq, 1)
+    out = torch.matmul(p, v.unsqueeze(2)) / denom.clamp(min=torch.finfo(denom.dtype).tiny)
+    return out, (m + torch.log(denom)).squeeze(-1)
+
+
+def _merge(out, lse, out_b, lse_b) -> None:
+    """In place: fold a block's (out_b, lse_b) into the running (out, lse) of the same query rows."""
+    new = torch.logaddexp(lse, lse_b)  # (b, g, qpg, L)
+    safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+    out.copy_(out * torch.exp(lse - safe).unsqueeze(-1) + out_b * torch.exp(lse_b - safe).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _block_backward(q, k, v, dout, lse, delta, mask, scale):
+    """Gradients of one block given the FINAL log-sum-exp of the query rows and
+    ``delta = rowsum(dout * out)`` (both (b, g, qpg, Lq)). Returns dq (b, g, qpg, Lq, hd), dk and dv
+    (b, g, Lk, hd)."""
+    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale  # (b, g, qpg, Lq, Lk)
+    if mask is not None:
+        s = s.masked_fill(~mask[:, None, None], float("-inf"))
+    lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))
+    p = torch.exp(s - lse.unsqueeze(-1))  # the final attention probabilities of this block
+    dv = torch.matmul(p.transpose(-1, -2), dout).sum(dim=2)  # (b, g, Lk, hd)
+    dp = torch.matmul(dout, v.unsqueeze(2).transpose(-1, -2))  # (b, g, qpg, Lq, Lk)
+    ds = p * (dp - delta.unsqueeze(-1))
+    dq = torch.matmul(ds, k.unsqueeze(2)) * scale  # (b, g, qpg, Lq, hd)
+    dk = torch.matmul(ds.transpose(-1, -2), q).sum(dim=2) * scale  # (b, g, Lk, hd)
+    return dq, dk, dv
+
+
+def _rotate(buf: torch.Tensor, group: Group) -> tuple[torch.Tensor, list]:
+    """Post the send of ``buf`` to the next ring rank and the receive of the previous rank's; returns
+    (the receive buffer, the work handles). Nothing to do on a ring of one."""
+    if group.size == 1:
+        return buf, []
+    nxt, prv = (group.rank + 1) % group.size, (group.rank - 1) % group.size
+    incoming = torch.empty_like(buf)
+    works = comm.batch_p2p([P2P("send", buf, nxt), P2P("recv", incoming, prv)], group)
+    return incoming, works
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group: Group, chunks_of: Callable[[int], Sequence[int]], masks: BlockMasks,
+                scale: float):
+        n, me = group.size, group.rank
+        L, cdt = masks.chunk_len, compute_dtype(q.dtype)
+        qc = q.to(cdt)
+        my_chunks = chunks_of(me)
+        out = torch.zeros_like(qc)  # (b, g, qpg, s_local, hd)
+        lse = torch.full(qc.shape[:-1], float("-inf"), dtype=cdt, device=q.device)  # (b, g, qpg, s_local)
+        kv = torch.stack([k, v]).contiguous()  # (2, b, g, s_local, hd): one message per hop
+        for t in range(n):
+            src = (me - t) % n
+            nxt, works = _rotate(kv, group) if t < n - 1 else (None, [])
+            kb, vb = kv[0].to(cdt), kv[1].to(cdt)
+            for qi, ki, mask in computed_blocks(my_chunks, chunks_of(src), masks):
+                rows, cols = slice(qi * L, (qi + 1) * L), slice(ki * L, (ki + 1) * L)
+                o, l = _block_forward(qc[..., rows, :], kb[..., cols, :], vb[..., cols, :], mask, scale)
+                _merge(out[..., rows, :], lse[..., rows], o, l)
+            if works:
+                comm.wait(works, group)
+                kv = nxt
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.chunks_of, ctx.masks, ctx.scale = group, chunks_of, masks, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, chunks_of, masks, scale = ctx.group, ctx.chunks_of, ctx.masks, ctx.scale
+        n, me = group.size, group.rank
+        L, cdt = masks.chunk_len, out.dtype
+        qc, dout = q.to(cdt), dout.to(cdt)
+        delta = (dout * out).sum(dim=-1)  # (b, g, qpg, s_local)
+        my_chunks = chunks_of(me)
+        dq = torch.zeros_like(qc)
+        kv = torch.stack([k, v]).contiguous()  # (2, b, g, s_local, hd)
+        dkv_in, dkv_works = None, []
+        for t in range(n):
+            src = (me - t) % n
+            nxt, works = _rotate(kv, group) if t < n - 1 else (None, [])
+            kb, vb = kv[0].to(cdt), kv[1].to(cdt)
+            dkv = torch.zeros((2, *kb.shape), dtype=cdt, device=kb.device)  # this rank's share for block src
+            for qi, ki, mask in computed_blocks(my_chunks, chunks_of(src), masks):
+                rows, cols = slice(qi * L, (qi + 1) * L), slice(ki * L, (ki + 1) * L)
+                dqb, dkb, dvb = _block_backward(qc[..., rows, :], kb[..., cols, :], vb[..., cols, :],
+                                                dout[..., rows, :], lse[..., rows], delta[..., rows], mask, scale)
+                dq[..., rows, :] += dqb
+                dkv[0][..., cols, :] += dkb
+                dkv[1][..., cols, :] += dvb
+            if dkv_works:  # the accumulator of block src from the ranks before this one
+                comm.wait(dkv_works, group)
+                dkv += dkv_in
+            if n > 1:
+                dkv_in, dkv_works = _rotate(dkv, group)  # on to the next rank (after n hops: the owner)
+            else:
+                dkv_in = dkv
+            if works:
+                comm.wait(works, group)
+                kv = nxt
+        if dkv_works:
+            comm.wait(dkv_works, group)
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Group,
+                   chunks_of: Callable[[int], Sequence[int]], masks: BlockMasks, scale: float) -> torch.Tensor:
+    """Attention of the local queries over the whole sequence, K/V rotating over ``group``.
+
+    ``q`` (s_local, b, nh, hd); ``k``, ``v`` (s_local, b, g, hd), ``nh`` a multiple of ``g`` (query head h
+    uses kv head h // (nh/g)). ``chunks_of(ring_rank)``: the global chunk indices of that rank's local
+    sequence, in order. Returns (s_local, b, nh*hd). Differentiable in q, k and v."""
+    s, b, nh, hd = q.shape
+    g = k.shape[2]
+    if s != len(chunks_of(group.rank)) * masks.chunk_len:
+        raise ValueError(f"ring attention: {s} local tokens do not make the {len(chunks_of(group.rank))} chunks "
+                         f"of {masks.chunk_len} this rank holds; shard the sequence with "
+                         "parallel.context_parallel.shard_micro_batch")
+    q5 = q.permute(1, 2, 0, 3).reshape(b, g, nh // g, s, hd)  # (b, g, qpg, s, hd)
+    k4 = k.permute(1, 2, 0, 3)  # (b, g, s, hd)
+    v4 = v.permute(1, 2, 0, 3)  # (b, g, s, hd)
+    out = _RingAttention.apply(q5, k4, v4, group, chunks_of, masks, scale)  # (b, g, qpg, s, hd)
+    return out.reshape(b, nh, s, hd).permute(2, 0, 1, 3).reshape(s, b, nh * hd)  # (s, b, nh*hd)

@@ -1,0 +1,215 @@
+"""Benchmark: context-parallel attention (docs/context_parallel.md) on CPU -- ring vs all-to-all vs one process.
+
+One causal attention layer's core (no projections), fp32, forward + backward of q, k and v, at each
+``--seqs`` length, with tiny heads (``--heads`` query heads over ``--kv-heads`` kv heads, ``--head-dim``):
+
+* ``one process (SDPA)``: ``F.scaled_dot_product_attention`` over the whole sequence with ``--cp``
+  threads -- the baseline every ratio is against, measured in the same run on the same cores;
+* ``one process (blocks)``: the ring's own block kernel (``parallel.context_parallel.ring``) over the
+  whole sequence in one process with ``--cp`` threads: the kernel's cost without communication;
+* ``ring`` and ``a2a``: ``--cp`` gloo ranks of one thread each (``parallel.testing.run_distributed``),
+  each holding its zigzag shard; a step's time is the slowest rank's. Beside each: the bytes a rank
+  sent (from parallel/comm's ledger) and the seconds it was blocked in communication (``comm.wait``
+  and synchronous collectives: what the compute did not hide).
+
+After one untimed warm-up, ``--repeats`` timed rounds; medians. The ring computes each block with plain
+matmuls and an explicit softmax (exact, any mask), which on CPU is slower than SDPA's fused kernel:
+"one process (blocks)" shows that cost apart from the parallel speed-up.
+
+    .venv/bin/python tools/bench_attention.py --json docs/benchmarks/attention.json --md docs/benchmarks/attention.md
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+COMMS = ("ring", "a2a")
+
+
+def _inputs(s: int, args: dict):
+    """Full-sequence q (s, 1, nh, hd), k, v (s, 1, g, hd) and the output gradient, from ``args['seed']``."""
+    g = torch.Generator().manual_seed(args["seed"] + s)
+    q = torch.randn(s, 1, args["heads"], args["head_dim"], generator=g)
+    k = torch.randn(s, 1, args["kv_heads"], args["head_dim"], generator=g)
+    v = torch.randn(s, 1, args["kv_heads"], args["head_dim"], generator=g)
+    go = torch.randn(s, 1, args["heads"] * args["head_dim"], generator=g)
+    return q, k, v, go
+
+
+def _timed(step, repeats: int) -> list[float]:
+    step()  # warm-up
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _sdpa_step(q, k, v, go, scale):
+    def step():
+        qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs.permute(1, 2, 0, 3), ks.permute(1, 2, 0, 3), vs.permute(1, 2, 0, 3),
+                                           is_causal=True, scale=scale, enable_gqa=True)  # (1, nh, s, hd)
+        o.permute(2, 0, 1, 3).reshape(go.shape).backward(go)
+    return step
+
+
+def _cp_step(cp, q, k, v, go, masks, scale):
+    def step():
+        qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+        cp.attention(qs, ks, vs, masks=masks, scale=scale).backward(go)
+    return step
+
+
+def _one_process(args: dict) -> dict:
+    from parallel.comm import Group
+    from parallel.context_parallel import BlockMasks, ring_attention
+
+    torch.set_num_threads(args["cp"])
+    scale = args["head_dim"] ** -0.5
+    out = {}
+    for s in args["seqs"]:
+        q, k, v, go = _inputs(s, args)
+        masks = BlockMasks(seq_len=s, num_chunks=2 * args["cp"], doc_ids=None, window=None)
+        every = list(range(2 * args["cp"]))
+
+        def blocks():
+            qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+            ring_attention(qs, ks, vs, group=Group.trivial("cp"), chunks_of=lambda r: every, masks=masks,
+                           scale=scale).backward(go)
+        out[s] = {"sdpa": _timed(_sdpa_step(q, k, v, go, scale), args["repeats"]),
+                  "blocks": _timed(blocks, args["repeats"])}
+    return out
+
+
+def _ranks(args: dict) -> dict:
+    """On each cp rank (spawned): times, bytes sent and blocked seconds of ring and a2a per length."""
+    from parallel.context_parallel import BlockMasks, ContextParallel, zigzag_shard
+    from parallel.mesh import Mesh, ParallelDims
+
+    cp_size = args["cp"]
+    mesh = Mesh.build(ParallelDims(cp=cp_size))
+    scale = args["head_dim"] ** -0.5
+    out = {}
+    for s in args["seqs"]:
+        full = _inputs(s, args)
+        q, k, v, go = (zigzag_shard(t, cp=cp_size, rank=mesh.cp.rank, dim=0).contiguous() for t in full)
+        masks = BlockMasks(seq_len=s, num_chunks=2 * cp_size, doc_ids=None, window=None)
+        for comm_kind in COMMS:
+            cp = ContextParallel(group=mesh.cp, comm=comm_kind)
+            step = _cp_step(cp, q, k, v, go, masks, scale)
+            step()  # warm-up
+            sent0, blocked0 = mesh.ledger.total(axis="cp"), mesh.ledger.blocked_s.get("cp", 0.0)
+            times = []
+            for _ in range(args["repeats"]):
+                t0 = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t0)
+            n = args["repeats"]
+            out[(s, comm_kind)] = {"times": times, "sent_bytes": (mesh.ledger.total(axis="cp") - sent0) / n,
+                                   "blocked_s": (mesh.ledger.blocked_s.get("cp", 0.0) - blocked0) / n}
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    from parallel.context_parallel import check_a2a_heads, check_cp_sequence
+    from parallel.testing import run_distributed
+
+    a = {k: v for k, v in vars(args).items() if k not in ("json", "md")}
+    for s in args.seqs:
+        check_cp_sequence(s, cp=args.cp)
+    check_a2a_heads(heads=args.heads, kv_heads=args.kv_heads, size=args.cp)
+    single = _one_process(a)
+    ranks = run_distributed(_ranks, args.cp, a, timeout=3600)
+    rows = []
+    for s in args.seqs:
+        base = statistics.median(single[s]["sdpa"])
+        row = {"seq": s, "one_process_sdpa_s": base,
+               "one_process_blocks_s": statistics.median(single[s]["blocks"])}
+        row["one_process_blocks_ratio"] = row["one_process_blocks_s"] / base
+        for comm_kind in COMMS:
+            per = [r[(s, comm_kind)] for r in ranks]
+            slowest = [max(p["times"][i] for p in per) for i in range(args.repeats)]
+            row[f"{comm_kind}_s"] = statistics.median(slowest)
+            row[f"{comm_kind}_ratio"] = row[f"{comm_kind}_s"] / base
+            row[f"{comm_kind}_sent_bytes_per_rank"] = per[0]["sent_bytes"]
+            row[f"{comm_kind}_blocked_s_max"] = max(p["blocked_s"] for p in per)
+        rows.append(row)
+    return {"benchmark": "tools/bench_attention.py",
+            "command": "python tools/bench_attention.py " + " ".join(sys.argv[1:]),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                        "cpu_count": os.cpu_count(), "torch": torch.__version__,
+                        "loadavg_1min_at_end": os.getloadavg()[0]},  # other work on the machine skews ratios
+            "args": a, "rows": rows}
+
+
+def format_table(res: dict) -> str:
+    a = res["args"]
+    lines = [f"causal attention fwd+bwd, fp32, 1 x {a['heads']} heads over {a['kv_heads']} kv heads x {a['head_dim']}, "
+             f"cp={a['cp']} (one thread per rank; one process with {a['cp']} threads); medians of {a['repeats']}; "
+             "ratios vs one process (SDPA), this run",
+             "| seq | one process SDPA s | one process blocks s (x) | ring s (x) | ring MiB sent/rank | ring blocked s "
+             "| a2a s (x) | a2a MiB sent/rank | a2a blocked s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['seq']} | {r['one_process_sdpa_s']:.3f} | {r['one_process_blocks_s']:.3f} "
+                     f"({r['one_process_blocks_ratio']:.2f}) | {r['ring_s']:.3f} ({r['ring_ratio']:.2f}) | "
+                     f"{r['ring_sent_bytes_per_rank'] / 2**20:.2f} | {r['ring_blocked_s_max']:.3f} | "
+                     f"{r['a2a_s']:.3f} ({r['a2a_ratio']:.2f}) | {r['a2a_sent_bytes_per_rank'] / 2**20:.2f} | "
+                     f"{r['a2a_blocked_s_max']:.3f} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384])
+    p.add_argument("--cp", type=int, default=2, help="context-parallel ranks (spawned, gloo)")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--md", default=None, help="write a markdown page (table, machine, command, date) here")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.repeats < 1 or args.cp < 2:
+        raise SystemExit("--repeats must be >= 1 and --cp >= 2")
+    res = run(args)
+    table = format_table(res)
+    print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+            f.write("\n")
+    if args.md:
+        m = res["machine"]
+        with open(args.md, "w") as f:
+            f.write(f"# Context-parallel attention on CPU (tools/bench_attention.py)\n\n"
+                    f"`{res['command']}` on {m['processor']}, {m['cpu_count']} cores, {m['platform']}, torch "
+                    f"{m['torch']}, {res['date']}. JSON beside this page. What each column is: the docstring "
+                    f"of tools/bench_attention.py and docs/context_parallel.md.\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

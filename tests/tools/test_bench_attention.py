@@ -1,0 +1,24 @@
+"""tools/bench_attention.py end to end at a tiny size: every row timed against the same run's one-process
+SDPA, and the bytes per rank are the ledger's formulas (ring: (cp-1)|KV| forward, (cp-1)|KV| + cp|dKV|
+backward; a2a: (cp-1)/cp of q, k, v and the output, forward and backward)."""
+from __future__ import annotations
+
+import json
+
+from tools import bench_attention
+
+
+def test_tiny_run(tmp_path):
+    out, md = tmp_path / "a.json", tmp_path / "a.md"
+    argv = ["--seqs", "64", "--cp", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--repeats", "1",
+            "--json", str(out), "--md", str(md)]
+    assert bench_attention.main(argv) == 0
+    res = json.loads(out.read_text())
+    (row,) = res["rows"]
+    for key in ("one_process_sdpa_s", "one_process_blocks_s", "ring_s", "a2a_s"):
+        assert row[key] > 0
+    kv = 32 * 2 * 8 * 4  # this rank's K shard: s/cp tokens x kv heads x head dim, fp32
+    q = 32 * 4 * 8 * 4
+    assert row["ring_sent_bytes_per_rank"] == 2 * kv + (2 * kv + 2 * 2 * kv)
+    assert row["a2a_sent_bytes_per_rank"] == 2 * 0.5 * (2 * q + 2 * kv)
+    assert "bench_attention.py" in md.read_text() and res["machine"]["cpu_count"] >= 1

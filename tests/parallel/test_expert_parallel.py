@@ -1,0 +1,298 @@
+"""Expert parallelism: router, permutation, dispatchers over the ep group, the MoE layer.
+
+Parity: at ep = 2 and 4 (alltoall and allgather dispatchers), and at tp = 2 x ep = 2 (with and without
+sequence parallelism), each rank's outputs equal the 1-process layer's (all experts) on the same tokens,
+and its experts' gradients equal the 1-process gradients of the summed loss of all ep ranks (fp32,
+dropless, atol 1e-6); replicated parameters' gradients (router, shared expert) summed over ep equal
+the reference. Ledger: the all-to-all sends exactly the rows routed to other ranks' experts, computed
+from the routing decisions, in each direction, and the count exchange E - E_local int64.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel import comm
+from parallel.comm import Group
+from parallel.expert_parallel import (MoELayer, TopKRouter, check_routing, default_init, load_balancing_loss, permute,
+                                      unpermute)
+from parallel.testing import run_distributed
+
+H, F_EXPERT, F_SHARED, E, K = 8, 6, 4, 8, 2
+
+
+def test_router_renormalisation_per_family():
+    torch.manual_seed(0)
+    x = torch.randn(10, H)
+    mixtral = TopKRouter(H, E, top_k=K, norm_topk_prob=True)
+    torch.nn.init.normal_(mixtral.weight)
+    r = mixtral(x)
+    # Mixtral: softmax then top-k renormalised == softmax over the top-k logits.
+    top_logits = r.logits.gather(1, r.indices)
+    assert torch.allclose(r.weights, torch.softmax(top_logits, dim=-1), atol=1e-6)
+    qwen = TopKRouter(H, E, top_k=K, norm_topk_prob=False)
+    qwen.weight.data.copy_(mixtral.weight.data)
+    q = qwen(x)
+    assert torch.equal(q.indices, r.indices)
+    assert torch.allclose(q.weights, torch.softmax(q.logits, -1).gather(1, q.indices))
+    # One layer's aux loss: E * sum_e f_e P_e with f_e the share of top-k assignments.
+    stats = mixtral.stats(r)
+    f = torch.bincount(r.indices.flatten(), minlength=E).float() / 10
+    assert torch.allclose(load_balancing_loss([stats], num_experts=E), E * (f * r.probs.mean(0)).sum())
+
+
+def test_permute_then_unpermute_by_index():
+    torch.manual_seed(1)
+    tokens = torch.randn(7, H)
+    indices = torch.stack([torch.randperm(E)[:K] for _ in range(7)])  # (T, k) distinct experts per token
+    rows, order, counts = permute(tokens, indices, num_experts=E)
+    assert torch.equal(counts, torch.bincount(indices.flatten(), minlength=E))
+    experts_of_rows = indices.flatten()[order]
+    assert torch.equal(experts_of_rows, experts_of_rows.sort().values)  # expert-contiguous
+    weights = torch.full((7, K), 1.0 / K)
+    assert torch.allclose(unpermute(rows, order, weights, num_tokens=7), tokens)
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="not divisible by parallel.ep=3.*choose ep in \\[1, 2, 4, 8\\]"):
+        check_routing(num_experts=8, top_k=2, ep=3)
+    with pytest.raises(ValueError, match="top_k=9 .* exceeds num_experts=8"):
+        check_routing(num_experts=8, top_k=9)
+    with pytest.raises(ValueError, match="moe_dispatcher='ring'"):
+        MoELayer(hidden_size=H, ffn_hidden_size=F_EXPERT, num_experts=E, top_k=K, tp_group=Group.trivial("tp"),
+                 ep_group=Group.trivial("ep"), dispatcher="ring")
+
+
+def _layer(tp, ep, dispatcher, *, sp=False, capacity=None):
+    return MoELayer(hidden_size=H, ffn_hidden_size=F_EXPERT, num_experts=E, top_k=K, tp_group=tp, ep_group=ep,
+                    dispatcher=dispatcher, sequence_parallel=sp, shared_expert_ffn_hidden_size=F_SHARED,
+                    norm_topk_prob=False, aux_loss_coef=0.01, z_loss_coef=0.001, init=default_init(0.3, seed=5),
+                    capacity_factor=capacity)
+
+
+def _batch(i: int):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(6, 2, H, generator=g), torch.randn(6, 2, H, generator=g)  # x (s, b, h), dL/dout
+
+
+def _reference(members: list[int], capacity=None):
+    """The 1-process layer over each member's batch; loss summed over members."""
+    ref = _layer(Group.trivial("tp"), Group.trivial("ep"), "alltoall", capacity=capacity)
+    outs = {}
+    for m in members:
+        x, g = _batch(m)
+        x.requires_grad_()
+        out = ref(x)
+        (out * g).sum().backward()
+        outs[m] = (out.detach(), x.grad)
+    return ref, outs
+
+
+def _remote_rows(members: list[int], me: int, ref) -> tuple[int, int]:
+    """(rows I send to other ranks' experts, rows other ranks send to mine), from the routing decisions."""
+    per_rank = E // len(members)
+    owner = lambda idx: idx // per_rank  # noqa: E731
+    sent = recv = 0
+    with torch.no_grad():
+        for pos, m in enumerate(members):
+            owners = owner(ref.router(_batch(m)[0].reshape(-1, H)).indices)
+            if pos == me:
+                sent = int((owners != me).sum())
+            else:
+                recv += int((owners == me).sum())
+    return sent, recv
+
+
+def _check_ep(mesh_ep, dp_index: int, members: list[int], dispatcher: str, tp=None, sp=False, capacity=None) -> dict:
+    tp = tp or Group.trivial("tp")
+    ref, ref_out = _reference(members, capacity)
+    layer = _layer(tp, mesh_ep, dispatcher, sp=sp, capacity=capacity)
+    x, g = _batch(dp_index)
+    if sp:
+        chunk = x.shape[0] // tp.size
+        x, g = (t[tp.rank * chunk:(tp.rank + 1) * chunk] for t in (x, g))
+    x.requires_grad_()
+    with mesh_ep.ledger.capture() as cap:
+        out = layer(x)
+        (out * g).sum().backward()
+    want, want_dx = ref_out[dp_index]
+    if sp:
+        want, want_dx = (t[tp.rank * chunk:(tp.rank + 1) * chunk] for t in (want, want_dx))
+    res = {"out": (out.detach() - want).abs().max().item(), "dx": (x.grad - want_dx).abs().max().item()}
+    ref_params = dict(ref.named_parameters())
+    err = 0.0
+    for name, p in layer.named_parameters():
+        grad = p.grad
+        if getattr(p, "tensor_parallel", False):
+            from parallel.tensor_parallel import full_param
+            grad = full_param(p, tp, grad=True)
+        if not getattr(p, "expert", False):
+            grad = grad.clone()
+            comm.all_reduce(grad, mesh_ep)  # replicated over ep: each rank holds its tokens' share
+        err = max(err, (grad - ref_params[name].grad).abs().max().item())
+    res["grad"] = err
+    res["local_experts"] = sorted({int(n.split(".")[1]) for n, _ in layer.named_parameters()
+                                   if n.startswith("experts.")})
+    res["dropped"] = layer.last_dropped_fraction
+    if dispatcher == "alltoall" and capacity is None:
+        sent, recv = _remote_rows(members, mesh_ep.rank, ref)
+        rows = [r for r in cap.select(op="all_to_all", axis="ep") if r.dtype == "torch.float32"]
+        counts = [r for r in cap.select(op="all_to_all", axis="ep") if r.dtype == "torch.int64"]
+        row_bytes = H * 4
+        res["a2a"] = ([r.sent_bytes for r in rows], [r.recv_bytes for r in rows], [r.sent_bytes for r in counts])
+        # forward dispatch, forward combine, backward of the combine, backward of the dispatch
+        res["a2a_want"] = ([sent * row_bytes, recv * row_bytes, sent * row_bytes, recv * row_bytes],
+                           [recv * row_bytes, sent * row_bytes, recv * row_bytes, sent * row_bytes],
+                           [(E - E // mesh_ep.size) * 8])
+    return res
+
+
+def _model_logits_error(mesh, dp_index: int) -> dict:
+    """Whole MoE models built on the mesh's tp and ep groups (SP on) against the same models at 1 process:
+    weights are drawn per global name, so both hold the same experts."""
+    from models import build_model, gather_logits
+    from tests.models.test_moe import MOE
+
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(dp_index))
+    out = {}
+    for name in ("mixtral", "qwen2_moe"):
+        ref = build_model(MOE[name], tp_group=Group.trivial("tp")).eval()
+        model = build_model(MOE[name], tp_group=mesh.tp, ep_group=mesh.ep, sequence_parallel=True).eval()
+        with torch.no_grad():
+            got = gather_logits(model(ids), mesh.tp, vocab_size=64)
+            out[name] = (got - ref(ids)[..., :64]).abs().max().item()
+    return out
+
+
+def _worker():
+    import torch.distributed as dist
+
+    from parallel.mesh import Mesh, ParallelDims
+
+    rank = dist.get_rank()
+    out = {}
+    for ep in (2, 4):
+        mesh = Mesh.build(ParallelDims(dp=4, ep=ep))
+        members = list(mesh.ep.ranks)  # dp index = global rank here
+        for dispatcher in ("alltoall", "allgather"):
+            out[(ep, dispatcher)] = _check_ep(mesh.ep, rank, members, dispatcher)
+            if ep == 2:  # with a capacity factor: the same pairs drop as at 1 process
+                out[("drop", dispatcher)] = _check_ep(mesh.ep, rank, members, dispatcher, capacity=0.75)
+    mesh = Mesh.build(ParallelDims(dp=2, tp=2, ep=2))
+    for sp in (False, True):  # tp2 x ep2: the tp ranks hold the same tokens (replicated, or SP chunks)
+        members = list(range(2))  # batches by dp index
+        out[("tp2", sp)] = _check_ep(mesh.ep, mesh.coords["dp"], members, "alltoall", tp=mesh.tp, sp=sp)
+    out["model"] = _model_logits_error(mesh, mesh.coords["dp"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def ep_results():
+    return run_distributed(_worker, 4, timeout=180)
+
+
+@pytest.mark.parametrize("case", [(2, "alltoall"), (4, "alltoall"), (2, "allgather"), (4, "allgather"),
+                                  ("tp2", False), ("tp2", True), ("drop", "alltoall"), ("drop", "allgather")])
+def test_parity_with_one_process(ep_results, case):
+    for rank, res in enumerate(ep_results):
+        r = res[case]
+        assert r["out"] < 1e-6 and r["grad"] < 1e-6 and r["dx"] < 1e-6, (rank, r)
+        assert (r["dropped"] > 0) == (case[0] == "drop"), r
+        if isinstance(case[0], int):
+            per = E // case[0]
+            first = (rank % case[0]) * per
+            assert r["local_experts"] == list(range(first, first + per))
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_all_to_all_bytes_are_the_remote_rows(ep_results, ep):
+    for res in ep_results:
+        got, want = res[(ep, "alltoall")]["a2a"], res[(ep, "alltoall")]["a2a_want"]
+        assert got == tuple(want)
+
+
+def test_moe_models_at_tp2_ep2_equal_one_process(ep_results):
+    for res in ep_results:
+        assert max(res["model"].values()) < 1e-5, res["model"]
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm missing")
+def test_grouped_gemm_experts_equal_the_loop():
+    def run(gemm):
+        layer = MoELayer(hidden_size=H, ffn_hidden_size=8, num_experts=E, top_k=K, tp_group=Group.trivial("tp"),
+                         ep_group=Group.trivial("ep"), init=default_init(0.3, seed=2), expert_gemm=gemm)
+        x, g = _batch(0)
+        x.requires_grad_()
+        out = layer(x)
+        (out * g).sum().backward()
+        return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
+
+    try:
+        got = run("torch")
+    except (RuntimeError, NotImplementedError) as e:  # no CPU kernel in this torch build
+        pytest.skip(str(e))
+    for a, b in zip(got, run("reference")):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def _plain_keep(indices, weights, *, capacity: int, policy: str):
+    """The capacity policy in plain Python: visit the (token, choice) pairs by priority, keep while the
+    expert has room."""
+    pairs = [(t, j) for t in range(indices.shape[0]) for j in range(indices.shape[1])]
+    if policy == "probs":
+        pairs.sort(key=lambda p: -weights[p].item())  # stable: ties keep the earlier position
+    used, keep = [0] * E, torch.zeros(indices.shape, dtype=torch.bool)
+    for t, j in pairs:
+        e = int(indices[t, j])
+        if used[e] < capacity:
+            used[e] += 1
+            keep[t, j] = True
+    return keep
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_dropping_matches_a_plain_reference(policy):
+    from parallel.expert_parallel import drop_over_capacity, expert_capacity
+
+    layer = MoELayer(hidden_size=H, ffn_hidden_size=F_EXPERT, num_experts=E, top_k=K, tp_group=Group.trivial("tp"),
+                     ep_group=Group.trivial("ep"), init=default_init(0.3, seed=7), capacity_factor=0.5,
+                     drop_policy=policy)
+    x = _batch(3)[0]
+    tokens = x.reshape(-1, H)
+    with torch.no_grad():
+        routing = layer.router(tokens)
+        cap = expert_capacity(tokens.shape[0], num_experts=E, top_k=K, capacity_factor=0.5)
+        want = _plain_keep(routing.indices, routing.weights, capacity=cap, policy=policy)
+        dropped, n = drop_over_capacity(routing, num_experts=E, capacity_factor=0.5, policy=policy)
+        assert torch.equal(dropped.indices != E, want) and n == int((~want).sum()) > 0
+        out = layer(x).reshape(-1, H)
+        ref = torch.zeros_like(tokens)
+        for t in range(tokens.shape[0]):  # plain loop over tokens and their kept choices
+            for j in range(K):
+                if want[t, j]:
+                    ref[t] += routing.weights[t, j] * layer.experts[str(int(routing.indices[t, j]))](tokens[t:t + 1])[0]
+    assert torch.allclose(out, ref, atol=1e-6)
+    assert layer.last_dropped_fraction == n / routing.indices.numel()
+
+
+def test_aux_and_z_losses_train_the_router_through_the_injector():
+    """Backward through the layer output adds d(aux_coef * aux + z_coef * z) to the router's gradient: the
+    same gradient as adding the losses to the objective explicitly."""
+    from parallel.expert_parallel import z_loss
+
+    x, g = _batch(4)
+
+    def grads(coefs: bool):
+        layer = MoELayer(hidden_size=H, ffn_hidden_size=F_EXPERT, num_experts=E, top_k=K,
+                         tp_group=Group.trivial("tp"), ep_group=Group.trivial("ep"), init=default_init(0.3, seed=9),
+                         aux_loss_coef=0.1 if coefs else 0.0, z_loss_coef=0.01 if coefs else 0.0)
+        loss = (layer(x) * g).sum()
+        if not coefs:
+            assert torch.allclose(layer.last_z_loss, torch.logsumexp(
+                torch.nn.functional.linear(x.reshape(-1, H), layer.router.weight), -1).square().mean())
+            loss = loss + 0.1 * layer.last_aux_loss + 0.01 * z_loss(
+                torch.nn.functional.linear(x.reshape(-1, H), layer.router.weight))
+        loss.backward()
+        return layer.router.weight.grad
+
+    assert torch.allclose(grads(True), grads(False), atol=1e-7)

@@ -1,0 +1,65 @@
+"""NaN localisation (``fault.nan_replay``; issue 22): a non-finite value injected into layer k's output on one
+rank is localised, by replaying the step with hooks, to layer k and that rank, in the log and metrics.jsonl."""
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import torch
+
+from parallel.testing import run_distributed
+
+
+def _injected_run(run_dir: str, layer: str, bad_rank: int, bad_step: int, nonfinite: str):
+    import torch.distributed as dist
+
+    from engine.assembly import build_run
+    from engine.optim import NonFiniteGradError
+    from models.hook import ModelHook
+    from tests.engine.test_fault import HF, _cfg, _Data
+
+    hf = dict(HF, num_hidden_layers=3)
+    cfg = _cfg(run_dir, "train.steps=3", "checkpoint.interval=0", "logging.memory_report=false",
+               f"optim.nonfinite={nonfinite}")
+    model = ModelHook.from_hf(hf, dtype=torch.float32, seed=cfg.train.seed, sequence_parallel=False)
+    log = io.StringIO()
+    run = build_run(cfg, model=model, train_data=_Data(6), run_dir=run_dir, log_stream=log, checkpoints=False)
+    tr = run.trainer
+
+    def inject(mod, inputs, output):  # a faulty layer on one rank, in one step (the replay sees it again)
+        if tr.step == bad_step - 1:
+            output = output.clone()
+            output.view(-1)[5] = float("nan")
+        return output
+    if dist.get_rank() == bad_rank:
+        tr.chunks[0].layers[layer].register_forward_hook(inject)
+    try:
+        history = run.train()
+    except NonFiniteGradError:
+        history = None
+    return log.getvalue(), tr.nonfinite_report, None if history is None else [st.applied for st in history]
+
+
+def test_a_nan_injected_into_layer_k_on_one_rank_is_localised_to_it(tmp_path):
+    run_dir = str(tmp_path / "run")
+    (log, report, applied), (_, report1, _) = run_distributed(_injected_run, 2, run_dir, "1", 1, 2, "skip", timeout=120)
+    assert applied == [True, False, True]  # step 2 skipped, step 3 trains on
+    assert report == report1 and report["step"] == 2 and list(report["ranks"]) == [1], report  # rank 0 stayed finite
+    fw = report["ranks"][1]["forward"]
+    assert fw == {"module": "stage 0 layers.1", "type": "TransformerLayer", "tensor": "output 0",
+                  "inputs_finite": True}, fw
+    assert "parameter" not in report["ranks"][1]  # the weights were finite: the layer produced it
+    (line,) = [x for x in log.splitlines() if x.startswith("tessel: non-finite step")]
+    assert line.startswith("tessel: non-finite step 2 replayed with hooks: rank 1: first non-finite forward "
+                           "tensor: output 0 of stage 0 layers.1 (TransformerLayer), its inputs finite"), line
+    records = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
+    (rec,) = [r for r in records if r["split"] == "nonfinite"]
+    assert rec["step"] == 2 and rec["ranks"]["1"]["forward"]["module"] == "stage 0 layers.1"
+
+
+def test_nonfinite_stop_is_localised_before_it_stops(tmp_path):
+    run_dir = str(tmp_path / "run")
+    log, report, applied = run_distributed(_injected_run, 1, run_dir, "2", 0, 1, "stop", timeout=120)[0]
+    assert applied is None and report["step"] == 1 and list(report["ranks"]) == [0]
+    assert report["ranks"][0]["forward"]["module"] == "stage 0 layers.2", report

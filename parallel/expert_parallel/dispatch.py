@@ -28,6 +28,9 @@ import torch
 from parallel import comm
 from parallel.comm import Group
 from parallel.expert_parallel.router import Routing
+# Row-wise (dim 0) all-gather forward / reduce-scatter backward and the reverse, over any group: the same
+# autograd mappings sequence parallelism uses for its sequence dim.
+from parallel.mappings import gather_from_sp, reduce_scatter_to_sp
 
 ExpertFn = Callable[[torch.Tensor, list], torch.Tensor]
 DISPATCHERS = ("alltoall", "allgather")
@@ -46,32 +49,6 @@ class _AllToAll(torch.autograd.Function):
         back = comm.all_to_all(g.contiguous(), ctx.group, output_split_sizes=ctx.in_splits,
                                input_split_sizes=ctx.out_splits)
         return back, None, None, None
-
-
-class _AllGather(torch.autograd.Function):
-    """Concatenate every rank's rows forward; reduce-scatter the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group: Group):
-        ctx.group = group
-        return comm.all_gather(x.contiguous(), group, dim=0)
-
-    @staticmethod
-    def backward(ctx, g):
-        return comm.reduce_scatter(g.contiguous(), ctx.group, dim=0), None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    """Sum over ranks and keep this rank's block of rows forward; all-gather the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group: Group):
-        ctx.group = group
-        return comm.reduce_scatter(x.contiguous(), group, dim=0)
-
-    @staticmethod
-    def backward(ctx, g):
-        return comm.all_gather(g.contiguous(), ctx.group, dim=0), None
 
 
 # -- permutation -----------------------------------------------------------------------------------
@@ -151,8 +128,8 @@ class AllGatherDispatcher:
         if (sizes != t).any():
             raise ValueError(f"the allgather MoE dispatcher needs the same token count on every ep rank; got "
                              f"{sizes.tolist()}: use parallel.moe_dispatcher='alltoall' for ragged batches")
-        all_tokens = _AllGather.apply(tokens, self.group)  # (ep*T, h)
-        all_weights = _AllGather.apply(routing.weights, self.group)  # (ep*T, k)
+        all_tokens = gather_from_sp(tokens, self.group)  # (ep*T, h)
+        all_weights = gather_from_sp(routing.weights, self.group)  # (ep*T, k)
         all_indices = comm.all_gather(routing.indices.contiguous(), self.group)  # (ep*T, k)
         first = self.group.rank * e_local
         flat = all_indices.reshape(-1)  # (ep*T*k,)
@@ -163,7 +140,7 @@ class AllGatherDispatcher:
         y = experts(all_tokens.index_select(0, order // k), counts)  # (n, h)
         w = all_weights.reshape(-1).index_select(0, order)  # (n,)
         partial = y.new_zeros(ep * t, y.shape[1]).index_add(0, order // k, y * w.unsqueeze(1).to(y.dtype))
-        return _ReduceScatter.apply(partial, self.group)  # (T, h)
+        return reduce_scatter_to_sp(partial, self.group)  # (T, h)
 
 
 def make_dispatcher(kind: str, *, num_experts: int, ep_group: Group):

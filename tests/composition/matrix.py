@@ -124,6 +124,7 @@ DEFAULT_ROWS: tuple[Row, ...] = (
     # Context parallelism (docs/context_parallel.md): cp shards no weight, so a cp2 x pp2 checkpoint
     # resumes into all-to-all attention at cp4.
     Row(L(cp=2, pp=2), "zero1", reshard=L(cp=4, cp_comm="a2a")),
+    Row(L(cp=2, pp=2, vp=2, schedule="interleaved"), "zero2", family="qwen3", reshard=L(cp=2, pp=2)),
 )
 METHODS = ("pretrain", "sft", "dpo", "grpo")
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")

@@ -55,6 +55,7 @@ class MemoryPlan:
     source: str
     fits_instead: tuple[str, ...] = ()
     frozen: bool = False  # LoRA: the base holds weights only
+    zero_stage: int = 1  # the stage the fitting layouts of ``fits_instead`` were sized with
 
     @property
     def need(self) -> float:
@@ -71,18 +72,23 @@ class MemoryPlan:
                 f"{what} ({self.bytes_per_param:g} bytes each); a rank has {have}")
 
     def error(self) -> str:
-        alt = ("Layouts of the same ranks that would fit (optim.distributed=true): " + "; ".join(self.fits_instead)
+        alt = (f"Layouts of the same ranks that would fit (optim.distributed=true, zero_stage={self.zero_stage}): "
+               + "; ".join(self.fits_instead)
                if self.fits_instead else f"No layout of {self.world} ranks fits: launch more ranks or train a smaller model")
         return (f"the run does not fit in memory: {self.line().removeprefix('tessel: plan: ')}; refusing before "
                 f"allocating anything. {alt}")
 
 
-def _bytes_per_param(dtype: str, *, distributed: bool, dp: int, frozen: bool = False) -> float:
+def _bytes_per_param(dtype: str, *, zero_stage: int, dp: int, frozen: bool = False) -> float:
+    """Persistent bytes per parameter: ``zero_stage`` 0 (plain) to 3 shards the optimizer state, then
+    the fp32 gradients, then the parameters over ``dp`` (docs/data_parallel.md's table)."""
     param = 2 if dtype == "bf16" else 4
     if frozen:  # a LoRA run's base: weights only (the adapters' share is below the plan's resolution)
         return param
     state = (4 if dtype == "bf16" else 0) + 8  # fp32 masters (fp32 params are their own) + Adam moments
-    return param + 4 + state / (dp if distributed else 1)
+    grad = 4
+    return (param / (dp if zero_stage >= 3 else 1) + grad / (dp if zero_stage >= 2 else 1)
+            + state / (dp if zero_stage >= 1 else 1))
 
 
 def _largest_rank_numel(model, *, tp: int, pp: int, vp: int, layout) -> int:
@@ -118,7 +124,8 @@ def memory_plan(cfg: TesselConfig, model, *, world: int, available: int | None =
         available, source = _available_bytes(world)
     frozen = bool(cfg.posttrain.lora.rank)
     plan = MemoryPlan(world=world, numel=numel, source=source, available=available, frozen=frozen,
-                      bytes_per_param=_bytes_per_param(cfg.model.dtype, distributed=o.distributed, dp=dp, frozen=frozen))
+                      bytes_per_param=_bytes_per_param(cfg.model.dtype, zero_stage=o.zero_stage if o.distributed else 0,
+                                                       dp=dp, frozen=frozen))
     if plan.fits or available is None:
         return plan
     fits = []
@@ -129,10 +136,12 @@ def memory_plan(cfg: TesselConfig, model, *, world: int, available: int | None =
                 n = _largest_rank_numel(model, tp=tp, pp=pp, vp=1, layout=None)
             except ValueError:
                 continue
-            need = n * _bytes_per_param(cfg.model.dtype, distributed=True, dp=world // (tp * pp), frozen=frozen)
+            need = n * _bytes_per_param(cfg.model.dtype, zero_stage=max(1, o.zero_stage), dp=world // (tp * pp),
+                                        frozen=frozen)
             if need <= available:
                 fits.append((need, f"tp={tp} pp={pp} dp={world // (tp * pp)} ({need / 1e9:.2f} GB)"))
     return MemoryPlan(world=world, numel=numel, bytes_per_param=plan.bytes_per_param, available=available,
+                      zero_stage=max(1, o.zero_stage),
                       source=source, fits_instead=tuple(text for _, text in sorted(fits)[:4]), frozen=frozen)
 
 

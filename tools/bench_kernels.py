@@ -139,18 +139,12 @@ def measure_ceilings(device: torch.device, *, reps: int, dtype: str = "bf16") ->
 # Peak memory on CPU
 # ----------------------------------------------------------------------------------------------
 class CPUMemoryPeak:
-    """Peak and net bytes allocated by PyTorch's CPU allocator inside a ``with`` block.
-
-    With ``torch.profiler.profile(profile_memory=True)`` every allocation (+bytes) and free
-    (-bytes) of the CPU allocator is recorded as a ``[memory]`` event; ``peak_bytes`` is the maximum
-    of their running sum in time order (from 0 at ``__enter__``), ``end_bytes`` its final value -
-    what ``torch.cuda.max_memory_allocated() - base`` is on a GPU. It sees allocations wherever
-    they happen: inside custom ops (a TorchDispatchMode sees a torch.library op as one call and
-    misses its temporaries), in autograd, in inductor-compiled code. Not seen: memory that
-    libraries allocate themselves (BLAS / oneDNN scratch) and Python objects. A block allocated
-    before the window and freed inside it is not subtracted (the allocator's reporter does not know
-    its size), so such frees can only make the peak larger, never smaller. Counts every thread of
-    the process.
+    """Peak and net bytes allocated by PyTorch's CPU allocator inside a ``with`` block: ``peak_bytes``
+    and ``end_bytes`` above what was live at ``__enter__`` (what ``torch.cuda.max_memory_allocated() -
+    base`` is on a GPU). A thin adapter over :class:`engine.memory.PeakMemory`, which reads the allocator's
+    own running total from the profiler's memory events (every thread of the process, frees on other
+    threads included). It sees allocations inside custom ops, autograd and inductor-compiled code; not
+    memory that libraries allocate themselves (BLAS / oneDNN scratch) or Python objects.
     """
 
     def __init__(self):
@@ -158,28 +152,18 @@ class CPUMemoryPeak:
             raise RuntimeError("CPUMemoryPeak needs the Kineto profiler, which this torch build lacks.")
         self.peak_bytes: Optional[int] = None
         self.end_bytes: Optional[int] = None
-        self._prof = None
+        self._mem = None
 
     def __enter__(self) -> "CPUMemoryPeak":
-        gc.collect()  # free unreachable cycles now, not inside the window
-        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                            profile_memory=True)
-        self._prof.__enter__()
+        from engine.memory import PeakMemory
+
+        self._mem = PeakMemory("cpu").__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._prof.__exit__(*exc)
-        cpu = torch._C._autograd.DeviceType.CPU
-        # (time, arrival order, signed bytes): arrival order breaks ties at equal timestamps
-        events = sorted((e.start_ns(), i, e.nbytes())
-                        for i, e in enumerate(self._prof.profiler.kineto_results.events())
-                        if e.name() == "[memory]" and e.device_type() == cpu)
-        current = peak = 0
-        for _, _, nbytes in events:
-            current += nbytes
-            peak = max(peak, current)
-        self.peak_bytes, self.end_bytes = peak, current
-        self._prof = None
+        self._mem.__exit__(*exc)
+        self.peak_bytes, self.end_bytes = self._mem.peak, self._mem.end
+        self._mem = None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ expert ``i``) and returns one output row per input row. Dropless: every (token, 
 * Permutation (:func:`permute` / :func:`unpermute`): the T*k (token, choice) pairs are sorted by
   expert with one stable argsort and gathered by index; the combine is one weighted ``index_add``.
   No Python loop over tokens.
-* :class:`AllToAllDispatcher` (``parallel.moe_dispatcher = "alltoall"``): the per-expert counts are
+* :class:`AllToAllDispatcher` (``build_model(moe_dispatcher="alltoall")``; no config key until the trainer runs ep > 1): the per-expert counts are
   exchanged first (one all-to-all of E int64), then the rows go straight to their expert's rank
   (all-to-all with those split sizes), are regrouped by local expert, computed, and sent back the
   same way. Bytes per layer forward: each rank sends exactly the rows routed to experts on other
@@ -127,7 +127,7 @@ class AllGatherDispatcher:
         sizes = comm.all_gather(torch.tensor([t], device=tokens.device), self.group)  # (ep,)
         if (sizes != t).any():
             raise ValueError(f"the allgather MoE dispatcher needs the same token count on every ep rank; got "
-                             f"{sizes.tolist()}: use parallel.moe_dispatcher='alltoall' for ragged batches")
+                             f"{sizes.tolist()}: build the model with moe_dispatcher='alltoall' for ragged batches")
         all_tokens = gather_from_sp(tokens, self.group)  # (ep*T, h)
         all_weights = gather_from_sp(routing.weights, self.group)  # (ep*T, k)
         all_indices = comm.all_gather(routing.indices.contiguous(), self.group)  # (ep*T, k)

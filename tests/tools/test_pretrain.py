@@ -109,6 +109,13 @@ def test_a_preset_too_big_is_refused_before_allocating(tmp_path, corpus):
                                                     "parallel.dp=4", "optim.distributed=true"]),
                           model, world=8, available=30 * 10**9)
     assert not sharded.fits and "tp=8 pp=1 dp=1" in sharded.error()  # the layouts that would fit are named
+    # ZeRO-2 shards the fp32 gradients too, ZeRO-3 the parameters as well: (2 + 4 + 12) / dp at dp = 4.
+    for stage, want in ((2, 2 + 16 / 4), (3, 18 / 4)):
+        z = memory_plan(load_config("llama3_8b", ["parallel.tp=2", "model.vocab_size=128256", "parallel.dp=4",
+                                                  "optim.distributed=true", f"optim.zero_stage={stage}",
+                                                  "optim.overlap_param_gather=false"]),
+                        model, world=8, available=30 * 10**9)
+        assert z.bytes_per_param == want and z.fits, (stage, z.bytes_per_param)
     # From the command line: refused at once, once (rank 0), with the plan.
     start = time.monotonic()
     r = _cli("--config", "llama3_8b", "--set", f"data.paths={corpus}", "--set", f"data.tokenizer={corpus}.tokenizer.json",

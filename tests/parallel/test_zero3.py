@@ -223,8 +223,8 @@ def _live_storage_bytes() -> int:
 def _peak_of(stage: int) -> dict:
     from engine.memory import PeakMemory
 
-    cfg = _cfg(("optim.distributed=true", f"optim.zero_stage={stage}"), gbs=8, mbs=2, seq=128)
-    run = _build(cfg, hf=None, n=16, vocab=cfg.model.vocab_size, seq=128)
+    cfg = _cfg(("optim.distributed=true", f"optim.zero_stage={stage}"), gbs=4, mbs=1, seq=32)
+    run = _build(cfg, hf=None, n=8, vocab=cfg.model.vocab_size, seq=32)
     run.trainer.train_step(run.train_loader)  # allocator warm, lazy state made
     live = _live_storage_bytes()
     with PeakMemory("cpu") as m:

@@ -12,6 +12,10 @@ et al. 2022, so MFU does not reward recomputation. Per token, per layer, forward
 
 plus the logit layer ``2 h V`` once per token. For GPT (f = 4h, MHA, plain MLP) the per-step total
 is exactly Eq. 7 of the paper: ``72 B s l h^2 (1 + s/(6h) + V/(12 h l))``.
+
+``causal=True`` counts the attention term as half (``2 s h``: the causal mask skips the upper
+triangle), as Megatron-Core's current FLOP count does; the trainer logs both (``mfu`` and
+``mfu_causal``, docs/metrics.md).
 """
 from __future__ import annotations
 
@@ -45,15 +49,16 @@ class FlopsSpec:
                 raise ValueError(f"FlopsSpec.{f}={getattr(self, f)} must be >= 1")
 
 
-def model_flops_per_step(spec: FlopsSpec, *, batch_size: int, seq_length: int) -> float:
-    """Model FLOPs of one training step (forward + backward) over ``batch_size`` sequences."""
+def model_flops_per_step(spec: FlopsSpec, *, batch_size: int, seq_length: int, causal: bool = False) -> float:
+    """Model FLOPs of one training step (forward + backward) over ``batch_size`` sequences; ``causal``:
+    attention scores and weighted sum counted over the lower triangle only (half)."""
     h, s, f, V, L = spec.hidden_size, seq_length, spec.ffn_hidden_size, spec.vocab_size, spec.num_layers
     head_dim = spec.head_dim or h // spec.num_attention_heads
     n_kv = spec.num_key_value_heads or spec.num_attention_heads
     q_dim = spec.num_attention_heads * head_dim
     kv_dim = n_kv * head_dim
     per_token_layer = (2 * h * (q_dim + 2 * kv_dim)  # QKV
-                       + 4 * s * q_dim  # QK^T and attention-weighted V
+                       + (2 if causal else 4) * s * q_dim  # QK^T and attention-weighted V
                        + 2 * q_dim * h  # output projection
                        + 2 * (3 if spec.gated_mlp else 2) * h * f)  # MLP
     per_token = L * per_token_layer + 2 * h * V  # + logits
@@ -249,5 +254,6 @@ def format_line(r: dict[str, Any], *, prefix: str = "train") -> str:
         return " | ".join(parts)
     return (f"step {r['step']:>5} | loss {r['loss']:.4f} | lr {r['lr']:.3e} | grad_norm {r['grad_norm']:.3f}"
             f" | tokens/s {r['tokens_per_s']:,.0f} | TFLOP/s/dev {r['tflops_per_device']:.3f}"
-            f" | MFU {100 * r['mfu']:.2f}%" + (f" ({r['precision']})" if r.get("precision") else "")
+            f" | MFU {100 * r['mfu']:.2f}%" + (f" (causal {100 * r['mfu_causal']:.2f}%)" if "mfu_causal" in r else "")
+            + (f" ({r['precision']})" if r.get("precision") else "")
             + f" | mem {r['mem_bytes'] / 2**20:,.0f} MiB")

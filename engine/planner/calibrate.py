@@ -1,0 +1,195 @@
+"""``tools/plan.py --calibrate``: this machine's rates, and the tiny preset predicted beside measured.
+
+Measured here (docs/planner.md): the matmul rate by size (fp32; one thread, as torchrun's ranks run, and
+all threads, as one process runs), fitted to the planner's GEMM model ``2mnk / rate + overhead``; the copy
+bandwidth (a large clone: read + write); causal SDPA's rate at the preset's shape (the attention
+efficiency); gloo's all-reduce by size on 2 ranks, fitted to ``alpha + bytes / bandwidth`` with
+parallel/comm.py's bytes. From these a CPU device for the planner: ranks share the cores and the memory
+bandwidth (``world`` ranks on ``cores`` cores each get ``min(1, cores / world)`` of a core's rate).
+
+Then the tiny preset (configs/tiny_llama_cpu.toml) at 1 process, TP2, PP2, DP2 (ZeRO-1) and TP2 x PP2:
+predicted step time and peak memory (engine/memory.py, as the run's start-up report), then ``repeats``
+runs of tools/pretrain.py under ``torchrun --standalone``, whose metrics.jsonl gives the step time
+(median of the steps after the second: the first runs under the allocator profiler) and the measured
+peak (the memory report's ``measured`` record).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from engine.planner.hardware import GPU
+from engine.planner.model import from_preset
+from engine.planner.predict import Cluster, Layout, Training, predict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAYOUTS = (  # name, tp, pp, dp
+    ("1 process", 1, 1, 1), ("TP2", 2, 1, 1), ("PP2", 1, 2, 1), ("DP2 ZeRO-1", 1, 1, 2), ("TP2 x PP2", 2, 2, 1))
+STEPS = 6
+
+
+def _time(fn, repeats: int = 9) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def matmul_samples(*, threads: int, sizes=(32, 64, 128, 256, 512, 768)) -> list[tuple[int, float]]:
+    """(n, seconds) of an n x n x n fp32 matmul, best of 5, on ``threads`` threads."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = []
+        for n in sizes:
+            a, b = torch.randn(n, n), torch.randn(n, n)
+            out.append((n, _time(lambda: torch.matmul(a, b))))
+        return out
+    finally:
+        torch.set_num_threads(old)
+
+
+def fit_gemm(samples) -> tuple[float, float]:
+    """``t = flops / rate + overhead``: the rate from the largest size (almost all arithmetic; a lower bound
+    of the rate, never absurd), the overhead from the smallest (almost all overhead): robust where a
+    least-squares or two-point fit is thrown about by a shared machine's noise. (rate TFLOP/s, overhead us)."""
+    (n0, t0), (n1, t1) = samples[0], samples[-1]
+    rate = 2.0 * n1 ** 3 / t1
+    overhead = max(0.0, t0 - 2.0 * n0 ** 3 / rate)
+    return rate / 1e12, overhead * 1e6
+
+
+def copy_gbps(nbytes: int = 1 << 27) -> float:
+    x = torch.empty(nbytes // 4)
+    return 2 * nbytes / _time(lambda: x.clone()) / 1e9
+
+
+def attention_efficiency(rate_tflops: float, *, b: int = 2, heads: int = 4, s: int = 128, d: int = 32) -> float:
+    """Causal SDPA's achieved rate (half the s x s work) over the fitted matmul rate."""
+    q, k, v = (torch.randn(b, heads, s, d) for _ in range(3))
+    t = _time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    return min(1.0, 4 * b * heads * s * s * d * 0.5 / t / (rate_tflops * 1e12))
+
+
+def _gloo_allreduce(sizes):
+    import torch.distributed as dist
+
+    out = []
+    for n in sizes:
+        x = torch.ones(n // 4)
+        times = []
+        for _ in range(7):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            times.append(time.perf_counter() - t0)
+        out.append((n, statistics.median(times[2:])))
+    return out
+
+
+def gloo_alpha_beta(sizes=(4, 4096, 65536, 1 << 20, 1 << 22)) -> tuple[float, float]:
+    """(alpha us, GB/s) of gloo on 2 ranks: all-reduce time vs parallel/comm.py's sent bytes 2(p-1)/p N = N,
+    through the smallest size (latency) and the largest (bandwidth)."""
+    from parallel.testing import run_distributed
+
+    samples = run_distributed(_gloo_allreduce, 2, list(sizes), timeout=300)[0]
+    (n0, t0), (n1, t1) = samples[0], samples[-1]
+    gbps = (n1 - n0) / max(t1 - t0, 1e-12) / 1e9
+    # an all-reduce over 2 ranks takes a ring's 2(p-1) = 2 steps: alpha is half the smallest one's time
+    return max(0.0, t0 - n0 / (gbps * 1e9)) / 2 * 1e6, gbps
+
+
+def measure(cores: int | None = None) -> dict:
+    cores = cores or os.cpu_count() or 1
+    one = fit_gemm(matmul_samples(threads=1))
+    allt = fit_gemm(matmul_samples(threads=cores))
+    alpha, gbps = gloo_alpha_beta()
+    return {"cores": cores, "matmul_1_thread": {"tflops": one[0], "overhead_us": one[1]},
+            "matmul_all_threads": {"tflops": allt[0], "overhead_us": allt[1]}, "copy_gbps": copy_gbps(),
+            "attention_efficiency": attention_efficiency(one[0]), "gloo": {"alpha_us": alpha, "gbps": gbps}}
+
+
+def cpu_device(cal: dict, *, world: int) -> GPU:
+    """The planner's device for ``world`` ranks of one machine, from :func:`measure`'s figures."""
+    cores = cal["cores"]
+    if world == 1:
+        mm = cal["matmul_all_threads"]
+        share = 1.0
+    else:
+        mm = cal["matmul_1_thread"]
+        share = min(1.0, cores / world)
+    return GPU(name=f"cpu x{world}", bf16_tflops=mm["tflops"] * share, fp8_tflops=None,
+               tf32_tflops=mm["tflops"] * share, hbm_gbps=cal["copy_gbps"] / world, hbm_gb=1e9,
+               intra_gbps=cal["gloo"]["gbps"], inter_gbps=cal["gloo"]["gbps"], intra_alpha_us=cal["gloo"]["alpha_us"],
+               inter_alpha_us=cal["gloo"]["alpha_us"], gemm_efficiency=1.0, gemm_overhead_us=mm["overhead_us"] / share,
+               attention_efficiency=cal["attention_efficiency"], link_efficiency=1.0, sources=("measured",))
+
+
+def predict_tiny(cal: dict, tp: int, pp: int, dp: int):
+    model = from_preset("tiny_llama_cpu")
+    tr = model.base["train"]
+    world = tp * pp * dp
+    training = Training(seq_length=tr["seq_length"], global_batch_size=tr["global_batch_size"], precision="fp32",
+                        recompute=tr["activation_checkpointing"], zero=1)
+    cluster = Cluster(gpu=cpu_device(cal, world=world), nodes=1, gpus_per_node=world, device="cpu")
+    return predict(model, Layout(tp=tp, pp=pp, vp=1, dp=dp, cp=1, mbs=tr["micro_batch_size"]), training, cluster)
+
+
+def run_tiny(tp: int, pp: int, dp: int, *, run_dir: str) -> dict:
+    """One measured run: (median step seconds after step 2, measured peak bytes, predicted by the run)."""
+    world = tp * pp * dp
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           os.path.join(ROOT, "tools", "pretrain.py"), "--config", "tiny_llama_cpu", "--run-dir", run_dir,
+           "--set", f"parallel.tp={tp}", "--set", f"parallel.pp={pp}", "--set", "parallel.dp=-1",
+           "--set", f"train.steps={STEPS}", "--set", "train.log_interval=1", "--set", "train.eval_interval=0",
+           "--set", "logging.tensorboard=false", "--set", "logging.progress_bar=off",
+           "--set", "checkpoint.interval=0", "--set", "optim.warmup_steps=0"]
+    done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    steps, peak = [], None
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("event") == "measured":
+                peak = r["measured_peak_bytes"]
+            elif r.get("split") == "train" and "step_time_s" in r and r["step"] > 2:
+                steps.append(r["step_time_s"])
+    return {"step_s": statistics.median(steps), "peak_bytes": peak}
+
+
+def main_calibrate(*, repeats: int = 3, json_path: str | None = None) -> int:
+    cal = measure()
+    print(f"calibration: {json.dumps(cal)}")
+    rows = []
+    for name, tp, pp, dp in LAYOUTS:
+        pred = predict_tiny(cal, tp, pp, dp)
+        runs = []
+        for i in range(repeats):
+            with tempfile.TemporaryDirectory(prefix="tessel_cal_") as d:
+                runs.append(run_tiny(tp, pp, dp, run_dir=os.path.join(d, "run")))
+        times = [r["step_s"] for r in runs]
+        peaks = [r["peak_bytes"] for r in runs]
+        row = {"layout": name, "predicted_step_s": pred.step_time_s, "measured_step_s": times,
+               "predicted_peak_bytes": pred.memory_bytes, "measured_peak_bytes": peaks,
+               "step_error": pred.step_time_s / statistics.median(times) - 1,
+               "memory_error": pred.memory_bytes / statistics.median(peaks) - 1}
+        rows.append(row)
+        print(f"{name:<12} step predicted {pred.step_time_s:.4f} s, measured {', '.join(f'{t:.4f}' for t in times)} s "
+              f"({100 * row['step_error']:+.1f}% vs median) | peak predicted {pred.memory_bytes / 1e6:.2f} MB, "
+              f"measured {', '.join(f'{p / 1e6:.2f}' for p in peaks)} MB ({100 * row['memory_error']:+.1f}%)",
+              flush=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"calibration": cal, "rows": rows}, f, indent=1)
+    return 0

@@ -1,0 +1,110 @@
+"""The model a plan is for: a Tessel preset, a Hugging Face config.json, or explicit dimensions.
+
+Whatever the source, the planner holds the same two objects the trainer builds at start-up: the run
+config's plain data (``base``: the sections of a :class:`engine.config.TesselConfig`, re-validated per
+layout) and a :class:`models.hook.ModelHook` (the architecture; parameter sizes per stage without
+building anything). engine/memory.py's :func:`predict_memory` takes exactly these, so the planner's
+memory is the start-up report's, byte for byte.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass
+
+from engine.config import load_config
+from engine.config.schema import TesselConfig
+from models.hook import ModelHook, hf_config_from_run
+
+
+@dataclass(frozen=True)
+class PlanModel:
+    """``base``: a TesselConfig as a dict (model section complete); ``hook``: the model; ``name`` for output."""
+
+    base: dict
+    hook: ModelHook
+    name: str
+
+    @property
+    def config(self):
+        return self.hook.config
+
+    def run_config(self, *, tp: int, pp: int, vp: int, dp: int, cp: int, mbs: int, gbs: int, seq: int,
+                   recompute: str, zero: int, dtype: str | None = None, fp8: bool = False) -> TesselConfig:
+        """The validated run config of one layout (ValueError: the layout is illegal, and why)."""
+        data = copy.deepcopy(self.base)
+        for key in ("source", "overrides"):
+            data.pop(key, None)
+        par = data.setdefault("parallel", {})
+        par.update(tp=tp, pp=pp, vp=vp, dp=dp, cp=cp, ep=1, sequence_parallel=tp > 1,
+                   schedule="interleaved" if vp > 1 else "1f1b", pipeline_layout=None, p2p_early_recv=False)
+        if cp > 1:
+            par["cp_comm"] = "ring"
+            par.pop("cp_a2a_size", None)
+        tr = data.setdefault("train", {})
+        tr.update(micro_batch_size=mbs, global_batch_size=gbs, seq_length=seq, activation_checkpointing=recompute,
+                  recompute_num_layers=None)
+        opt = data.setdefault("optim", {})
+        opt.update(distributed=zero > 0, zero_stage=max(zero, 1))
+        if zero == 0:
+            opt["overlap_param_gather"] = False
+        model = data.setdefault("model", {})
+        if dtype is not None:
+            model["dtype"] = dtype
+        model["fp8"] = "tensorwise" if fp8 else "none"
+        if model.get("max_position_embeddings") is not None and model["max_position_embeddings"] < seq:
+            model["max_position_embeddings"] = seq
+        return TesselConfig.from_dict(data)
+
+
+def _hook(cfg: TesselConfig) -> ModelHook:
+    hf = hf_config_from_run(cfg.model, vocab_size=None)
+    return ModelHook.from_hf(hf, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+                             fused_cross_entropy=cfg.model.fused_cross_entropy)
+
+
+def from_preset(path: str, overrides=()) -> PlanModel:
+    """A Tessel preset name (configs/) or TOML file, with ``--set`` style overrides."""
+    cfg = load_config(path, list(overrides))
+    if cfg.model.vocab_size is None and not cfg.model.hf_config:
+        raise ValueError(f"--config {path}: model.vocab_size is unset (the tokenizer's would be used); "
+                         "add --set model.vocab_size=N")
+    return PlanModel(base=cfg.to_dict(), hook=_hook(cfg), name=os.path.basename(path).removesuffix(".toml"))
+
+
+def from_hf_config(path: str) -> PlanModel:
+    """A Hugging Face config.json (its model_type names the family)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--hf-config {path!r} does not exist; give the path of a config.json")
+    with open(path) as f:
+        family = json.load(f).get("model_type", "llama")
+    data = {"model": {"family": family, "hf_config": os.path.abspath(path)}}
+    cfg = TesselConfig.from_dict(data)
+    return PlanModel(base=cfg.to_dict(), hook=_hook(cfg), name=os.path.basename(os.path.dirname(os.path.abspath(path)))
+                     or "hf")
+
+
+def from_dims(*, family: str, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int | None = None,
+              ffn_hidden_size: int | None = None, vocab_size: int = 32000, num_experts: int = 0,
+              top_k: int = 0, tie_word_embeddings: bool | None = None, max_positions: int = 8192) -> PlanModel:
+    """Explicit dimensions (``num_experts`` > 0: a Mixtral-style MoE with ``top_k`` experts per token).
+    ``max_positions``: GPT-2's learned position table has this many rows (a parameter; RoPE families have
+    none, and :meth:`PlanModel.run_config` raises it to the sequence length where needed)."""
+    if num_experts and family != "mixtral":
+        raise ValueError(f"--num-experts {num_experts} needs --family mixtral (the MoE family); got {family!r}")
+    if family == "mixtral" and not (num_experts and top_k):
+        raise ValueError("--family mixtral needs --num-experts and --top-k")
+    model = {"family": family, "hidden_size": hidden_size, "num_layers": num_layers,
+             "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
+             "ffn_hidden_size": ffn_hidden_size, "vocab_size": vocab_size, "tie_word_embeddings": tie_word_embeddings}
+    model["max_position_embeddings"] = max_positions
+    model = {k: v for k, v in model.items() if v is not None}
+    if family == "gpt2":
+        model.pop("num_key_value_heads", None)
+    cfg = TesselConfig.from_dict({"model": model})
+    hf = hf_config_from_run(cfg.model, vocab_size=None)
+    if num_experts:
+        hf.update(num_local_experts=num_experts, num_experts_per_tok=top_k)
+    hook = ModelHook.from_hf(hf, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+    return PlanModel(base=cfg.to_dict(), hook=hook, name=f"{family}-h{hidden_size}-l{num_layers}")

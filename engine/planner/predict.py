@@ -1,0 +1,371 @@
+"""One layout's prediction: memory per GPU, step time (with its breakdown), TFLOP/s and MFU.
+
+Memory is engine/memory.py's :func:`predict_memory` on the layout's own run config (the start-up report
+and the tests that assert it against the allocator use the same call). Step time (docs/planner.md):
+
+* every GEMM of a layer by a roofline with a size-dependent efficiency: ``2mnk / (eff * peak) +
+  overhead`` (the fixed per-GEMM overhead is what makes small GEMMs slower than large ones);
+* core attention (causal, flash) at ``attention_efficiency`` of the dense peak, backward 2.5x forward;
+* memory-bound work (norms, residual adds, RoPE, the activation function, cross-entropy, the optimizer)
+  at HBM bandwidth;
+* each collective by an alpha-beta model over the link its group spans (NVLink inside a node,
+  the NIC across nodes), with the bytes of parallel/comm.py's cost table (the ledger the tests assert):
+  ``all_reduce`` ``2(p-1)/p N``, ``all_gather`` ``(p-1) N_shard``, ``reduce_scatter`` ``(p-1)/p N``;
+  TP collectives are exposed; context-parallel K/V rotation hides under attention up to its length;
+  data-parallel reduction hides under the last micro-batch's backward, the parameter all-gather under
+  the first forward, the rest is exposed;
+* pipeline: the per-stage forward/backward times and the p2p latency go into
+  parallel/pipeline/simulate.py's :func:`simulate` of the layout's own schedule; its makespan includes
+  the bubble.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from engine.memory import MemoryPrediction, predict_memory
+from engine.metrics import model_flops_per_step
+from engine.planner.hardware import GPU
+from models.hook import flops_spec
+from parallel.pipeline import build_schedule
+from parallel.pipeline.simulate import dataflow_times
+from parallel.pipeline.split import split_layers
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """``nodes`` x ``gpus_per_node`` devices of one type; ``memory_fraction``: the share of HBM a plan may
+    fill (the rest: CUDA context, NCCL buffers, allocator fragmentation); ``device``: "cuda" or "cpu"
+    (engine/memory.py's device: NCCL or gloo buffers, fused cross-entropy on CUDA)."""
+
+    gpu: GPU
+    nodes: int = 1
+    gpus_per_node: int = 8
+    memory_fraction: float = 0.92
+    device: str = "cuda"
+
+    def __post_init__(self):
+        for k in ("nodes", "gpus_per_node"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"--{k.replace('_', '-')}={getattr(self, k)} must be >= 1")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"--memory-fraction={self.memory_fraction} must be in (0, 1]")
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def capacity_bytes(self) -> float:
+        return self.gpu.hbm_gb * 1e9 * self.memory_fraction
+
+    def link(self, span: int) -> tuple[float, float]:
+        """(bytes/s, alpha seconds) of a group spanning ``span`` consecutive ranks (mesh order dp-pp-cp-tp:
+        tp innermost), NVLink if it stays inside a node."""
+        g = self.gpu
+        if span <= self.gpus_per_node:
+            return g.intra_gbps * 1e9 * g.link_efficiency, g.intra_alpha_us * 1e-6
+        return g.inter_gbps * 1e9 * g.link_efficiency, g.inter_alpha_us * 1e-6
+
+
+@dataclass(frozen=True, kw_only=True)
+class Training:
+    seq_length: int
+    global_batch_size: int
+    precision: str = "bf16"
+    recompute: str = "selective"
+    zero: int = 1
+    attention: str = "flash"  # or "unfused": scores materialised, softmax and dropout memory-bound (pre-2022 Megatron)
+
+    def __post_init__(self):
+        if self.attention not in ("flash", "unfused"):
+            raise ValueError(f"attention={self.attention!r}: use 'flash' or 'unfused'")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"--recompute {self.recompute!r}: use none, selective or full")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"--zero {self.zero}: use 0, 1, 2 or 3")
+        if self.precision not in ("bf16", "fp8", "fp32"):
+            raise ValueError(f"--precision {self.precision!r}: use bf16 or fp8")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    tp: int
+    pp: int
+    vp: int
+    dp: int
+    cp: int
+    mbs: int
+    ep: int = 1
+
+    def label(self) -> str:
+        return (f"tp{self.tp} pp{self.pp}" + (f" vp{self.vp}" if self.vp > 1 else "") + f" dp{self.dp}"
+                + (f" cp{self.cp}" if self.cp > 1 else "") + (f" ep{self.ep}" if self.ep > 1 else "")
+                + f" mbs{self.mbs}")
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    memory: MemoryPrediction
+    step_time_s: float
+    tflops_per_gpu: float
+    mfu: float
+    mfu_causal: float
+    fits: bool
+    breakdown: dict = field(default_factory=dict)  # seconds per step on the busiest pipeline rank
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.memory.largest.total
+
+    def as_dict(self) -> dict:
+        r = self.memory.largest
+        lay = self.layout
+        return {"tp": lay.tp, "pp": lay.pp, "vp": lay.vp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "mbs": lay.mbs,
+                "memory_gib_per_gpu": self.memory_bytes / GIB, "step_time_s": self.step_time_s,
+                "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu, "mfu_causal": self.mfu_causal,
+                "fits": self.fits,
+                "memory_gib": {"params": r.params / GIB, "grads": r.grads / GIB, "optimizer": r.optimizer / GIB,
+                               "activations": r.activations / GIB, "transient": r.transient / GIB,
+                               "inflight_microbatches": r.inflight},
+                "time_s": dict(self.breakdown)}
+
+
+# -- the cost pieces ---------------------------------------------------------------------------------
+
+def gemm_time(m: int, n: int, k: int, *, gpu: GPU, peak_tflops: float) -> float:
+    """Seconds of one (m x k) @ (k x n) GEMM: the roofline at the GPU's large-GEMM efficiency plus a fixed
+    per-GEMM overhead (launch, tail wave)."""
+    return 2.0 * m * n * k / (gpu.gemm_efficiency * peak_tflops * 1e12) + gpu.gemm_overhead_us * 1e-6
+
+
+def collective_time(op: str, nbytes: float, p: int, link: tuple[float, float]) -> float:
+    """Alpha-beta seconds of one ring collective over ``p`` ranks; ``nbytes`` is parallel/comm.py's ``N``
+    (the tensor passed in: the shard for all_gather, the full tensor otherwise)."""
+    if p <= 1 or nbytes <= 0:
+        return 0.0
+    bw, alpha = link
+    if op == "all_reduce":
+        return 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / bw
+    if op == "all_gather":
+        return (p - 1) * alpha + (p - 1) * nbytes / bw
+    if op == "reduce_scatter":
+        return (p - 1) * alpha + (p - 1) / p * nbytes / bw
+    if op == "send":
+        return alpha + nbytes / bw
+    raise ValueError(f"unknown collective {op!r}")
+
+
+@dataclass
+class _Costs:
+    """Seconds per micro-batch of one virtual stage, by kind; forward and backward."""
+
+    fwd: dict = field(default_factory=dict)
+    bwd: dict = field(default_factory=dict)
+
+    def add(self, kind: str, fwd: float, bwd: float) -> None:
+        self.fwd[kind] = self.fwd.get(kind, 0.0) + fwd
+        self.bwd[kind] = self.bwd.get(kind, 0.0) + bwd
+
+    def scaled(self, n: int) -> "_Costs":
+        return _Costs({k: v * n for k, v in self.fwd.items()}, {k: v * n for k, v in self.bwd.items()})
+
+    def merged(self, other: "_Costs") -> "_Costs":
+        out = _Costs(dict(self.fwd), dict(self.bwd))
+        for k, v in other.fwd.items():
+            out.fwd[k] = out.fwd.get(k, 0.0) + v
+        for k, v in other.bwd.items():
+            out.bwd[k] = out.bwd.get(k, 0.0) + v
+        return out
+
+
+def layer_costs(config, lay: Layout, tr: Training, cluster: Cluster) -> _Costs:
+    """One transformer layer, one micro-batch, one rank."""
+    gpu, c = cluster.gpu, config
+    peak = gpu.peak_tflops(tr.precision)
+    peak16 = gpu.peak_tflops("bf16") if tr.precision == "fp8" else peak
+    tp, cp = lay.tp, lay.cp
+    sp = tp > 1
+    r = tp if sp else 1
+    elem = 4 if tr.precision == "fp32" else 2
+    s = tr.seq_length
+    t = lay.mbs * s // cp  # tokens on this rank
+    h, n, kvd = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    f = flops_spec(c).ffn_hidden_size  # the active MLP width (MoE: top-k experts + shared)
+    width = (2 if c.gated else 1) * f
+    out = _Costs()
+    gemm = sum(gemm_time(t, nn, k, gpu=gpu, peak_tflops=peak)
+               for nn, k in (((n + 2 * kvd) // tp, h), (h, n // tp), (int(width) // tp, h), (h, int(f) // tp)))
+    out.add("gemm", gemm, 2 * gemm)  # backward: input and weight gradients, the same shapes
+    if tr.attention == "flash":
+        attn_flops = 4 * lay.mbs * (s // cp) * s * (n // tp) * 0.5  # causal: on average half the keys
+        attn = attn_flops / (gpu.attention_efficiency * peak16 * 1e12)
+        out.add("attention", attn, 2.5 * attn)
+    else:  # two batched GEMMs over the full s x s scores, then per score element: write, softmax read and
+        # write, dropout read, write and its mask, read by the second GEMM (13 bytes in bf16); backward twice
+        scores = lay.mbs * (s // cp) * s * (c.num_heads // tp)
+        bmm = 4 * scores * c.head_dim / (gpu.gemm_efficiency * peak16 * 1e12)
+        soft = scores * (6 * elem + 1) / (gpu.hbm_gbps * 1e9)
+        attn = bmm + soft
+        out.add("attention", attn, 2 * attn)
+    act = (3 if c.gated else 2) * f
+    mem = elem * t * (10 * h / r + (2 * (n + kvd) + act) / tp) / (gpu.hbm_gbps * 1e9)
+    out.add("memory_bound", mem, 2 * mem)
+    link = cluster.link(tp)
+    act_bytes = elem * t * h  # one (s, b, h) activation of the layer
+    if sp:
+        tpc = 2 * collective_time("all_gather", act_bytes / tp, tp, link) + 2 * collective_time(
+            "reduce_scatter", act_bytes, tp, link)
+    else:
+        tpc = 2 * collective_time("all_reduce", act_bytes, tp, link)
+    out.add("tp_comm", tpc, tpc)
+    if cp > 1:  # ring attention: K and V chunks pass cp - 1 times (backward: K/V and their gradients)
+        kv_bytes = 2 * elem * t * kvd // tp
+        ring = (cp - 1) * collective_time("send", kv_bytes, 2, cluster.link(tp * cp))
+        out.add("cp_comm_exposed", max(0.0, ring - attn), max(0.0, 2 * ring - 2.5 * attn))
+    if tr.recompute == "selective":
+        out.add("recompute", 0.0, attn)
+    elif tr.recompute == "full":
+        out.add("recompute", 0.0, gemm + attn + mem + tpc)
+    return out
+
+
+def stage_costs(model, lay: Layout, tr: Training, cluster: Cluster) -> list[_Costs]:
+    """Per virtual stage (pp * vp of them): its layers, plus the embedding on the first and the output
+    layer and loss on the last."""
+    c = model.config
+    gpu = cluster.gpu
+    peak = gpu.peak_tflops(tr.precision)
+    elem = 4 if tr.precision == "fp32" else 2
+    t = lay.mbs * tr.seq_length // lay.cp
+    h = c.hidden_size
+    stages = lay.pp * lay.vp
+    ranges = split_layers(c.num_layers, stages)
+    one = layer_costs(c, lay, tr, cluster)
+    vocab_local = c.padded_vocab_size(tp=lay.tp, make_vocab_size_divisible_by=model.hook.make_vocab_size_divisible_by
+                                      ) // lay.tp
+    link = cluster.link(lay.tp)
+    act_bytes = elem * t * h
+    out = []
+    for st, (a, b) in enumerate(ranges):
+        costs = one.scaled(b - a)
+        if st == 0:
+            extra = _Costs()
+            extra.add("memory_bound", 2 * act_bytes / (gpu.hbm_gbps * 1e9), 2 * act_bytes / (gpu.hbm_gbps * 1e9))
+            comm = collective_time("reduce_scatter" if lay.tp > 1 else "all_reduce", act_bytes, lay.tp, link)
+            extra.add("tp_comm", comm, collective_time("all_gather", act_bytes / lay.tp, lay.tp, link))
+            costs = costs.merged(extra)
+        if st == stages - 1:
+            extra = _Costs()
+            logits = gemm_time(t, vocab_local, h, gpu=gpu, peak_tflops=peak)
+            extra.add("gemm", logits, 2 * logits)
+            ce = t * vocab_local * (elem + 12) / (gpu.hbm_gbps * 1e9)  # logits, fp32 softmax, its gradient
+            extra.add("memory_bound", ce, ce)
+            comm = collective_time("all_gather", act_bytes / lay.tp, lay.tp, link)
+            extra.add("tp_comm", comm, collective_time("reduce_scatter", act_bytes, lay.tp, link))
+            costs = costs.merged(extra)
+        out.append(costs)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule_order(name: str, pp: int, vp: int, microbatches: int):
+    schedule = build_schedule(name, pp=pp, vp=vp, microbatches=microbatches)
+    return [[a.key for a in actions] for actions in schedule.ranks], schedule.num_stages, schedule.placement
+
+
+def pipeline_time(name: str, *, pp: int, vp: int, microbatches: int, fwd, bwd, p2p: float):
+    """(makespan, busy seconds per rank) of the schedule ``name`` by parallel/pipeline/simulate.py's
+    dataflow model (:func:`simulate` without its validation pass: ``build_schedule``'s schedules are
+    validated by their own tests, and validating costs 20x the simulation at hundreds of micro-batches)."""
+    order, num_stages, placement = _schedule_order(name, pp, vp, microbatches)
+    times = dataflow_times(order, pp=pp, num_stages=num_stages, fwd=tuple(fwd), bwd=tuple(bwd), wgt=None,
+                           latency=float(p2p), placement=placement)
+    makespan = max(ts[-1][1] for ts in times if ts)
+    busy = [sum(e - b for b, e in ts) for ts in times]
+    return makespan, busy
+
+
+def predict(model, lay: Layout, tr: Training, cluster: Cluster, *, steady_state: bool = True) -> Prediction:
+    """The prediction of one layout (ValueError: the layout is illegal; the message says why).
+    ``steady_state=False`` walks and simulates every micro-batch (slow; the tests compare the two)."""
+    if lay.ep != 1:
+        raise ValueError(f"ep={lay.ep}: the planner does not model expert parallelism yet (the token all-to-all, "
+                         "the experts' memory per ep rank, edp gradient reduction); plan with --ep 1")
+    world = lay.tp * lay.pp * lay.cp * lay.dp
+    dtype = "fp32" if tr.precision == "fp32" else "bf16"
+    cfg = model.run_config(tp=lay.tp, pp=lay.pp, vp=lay.vp, dp=lay.dp, cp=lay.cp, mbs=lay.mbs,
+                           gbs=tr.global_batch_size, seq=tr.seq_length, recompute=tr.recompute, zero=tr.zero,
+                           dtype=dtype, fp8=tr.precision == "fp8")
+    model.config.check_tensor_parallel(lay.tp)
+    m = cfg.num_microbatches(lay.dp)
+    # Past the warm-up, each further micro-batch repeats the steady state: the peak memory and the in-flight
+    # count are reached within m_sim = pp * (vp + 3) micro-batches (above every rank's warm-up, 1F1B's and
+    # interleaved 1F1B's), and each micro-batch beyond adds one forward and backward of the busiest rank's
+    # stages. Simulating m_sim keeps plans of thousands of micro-batches fast; tests/engine/test_planner.py
+    # checks both against the full schedule.
+    m_sim = min(m, lay.pp * (lay.vp + 3)) if steady_state else m
+    if m_sim != m:
+        cfg = model.run_config(tp=lay.tp, pp=lay.pp, vp=lay.vp, dp=lay.dp, cp=lay.cp, mbs=lay.mbs,
+                               gbs=m_sim * lay.dp * lay.mbs, seq=tr.seq_length, recompute=tr.recompute,
+                               zero=tr.zero, dtype=dtype, fp8=tr.precision == "fp8")
+    memory = predict_memory(cfg, model.hook, world=world, device=cluster.device)
+    costs = stage_costs(model, lay, tr, cluster)
+    fwd = [sum(cs.fwd.values()) for cs in costs]
+    bwd = [sum(cs.bwd.values()) for cs in costs]
+    elem = 4 if dtype == "fp32" else 2
+    sp_r = lay.tp if lay.tp > 1 else 1
+    p2p = collective_time("send", elem * lay.mbs * tr.seq_length // lay.cp * model.config.hidden_size // sp_r, 2,
+                          cluster.link(lay.tp * lay.cp * lay.pp)) if lay.pp > 1 else 0.0
+    makespan, busy = pipeline_time(cfg.parallel.schedule, pp=lay.pp, vp=lay.vp, microbatches=m_sim, fwd=fwd,
+                                   bwd=bwd, p2p=p2p)
+    per_mb = [b / m_sim for b in busy]
+    makespan += (m - m_sim) * max(per_mb)
+    busy = [b * m for b in per_mb]
+    # the busiest pipeline rank: its stages' work over all micro-batches, by kind
+    rank_of = [st % lay.pp for st in range(lay.pp * lay.vp)]
+    busiest = max(range(lay.pp), key=lambda r: busy[r])
+    kinds: dict = {}
+    for st, cs in enumerate(costs):
+        if rank_of[st] != busiest:
+            continue
+        for d in (cs.fwd, cs.bwd):
+            for k, v in d.items():
+                kinds[k] = kinds.get(k, 0.0) + v * m
+    # data parallel: bytes of the rank's gradient buffer (engine/memory.py's padded layout)
+    big = memory.ranks[busiest]
+    total = big.grads // 4 if tr.zero < 2 or lay.dp == 1 else big.grads * lay.dp // 4
+    link = cluster.link(world)
+    rank_fwd = sum(fwd[st] for st in range(len(fwd)) if rank_of[st] == busiest)
+    rank_bwd = sum(bwd[st] for st in range(len(bwd)) if rank_of[st] == busiest)
+    dp_hidden = dp_exposed = 0.0
+    if lay.dp > 1:
+        if tr.zero == 0:
+            grad = collective_time("all_reduce", 4 * total, lay.dp, link)
+            gather, gather_room = 0.0, 0.0
+        else:
+            grad = collective_time("reduce_scatter", 4 * total, lay.dp, link)
+            gather = collective_time("all_gather", elem * total // lay.dp, lay.dp, link)
+            gather_room = rank_fwd
+            if tr.zero == 3:  # parameters gathered in every forward and backward, under the layers' compute
+                gather *= 2 * m
+                gather_room = m * (rank_fwd + rank_bwd)
+        dp_hidden = min(grad, rank_bwd) + min(gather, gather_room)
+        dp_exposed = max(0.0, grad - rank_bwd) + max(0.0, gather - gather_room)
+    owned = total // lay.dp if tr.zero >= 1 else total
+    optimizer = owned * (28 + elem) / (cluster.gpu.hbm_gbps * 1e9)  # read grad, master, moments; write back
+    step = makespan + dp_exposed + optimizer
+    kinds.update(pp_bubble_and_p2p=makespan - busy[busiest], dp_comm_exposed=dp_exposed,
+                 dp_comm_overlapped=dp_hidden, optimizer=optimizer)
+    spec = flops_spec(model.config)
+    gbs, s = tr.global_batch_size, tr.seq_length
+    flops = model_flops_per_step(spec, batch_size=gbs, seq_length=s)
+    causal = model_flops_per_step(spec, batch_size=gbs, seq_length=s, causal=True)
+    peak = cluster.gpu.peak_tflops(tr.precision) * 1e12
+    tflops = flops / step / world
+    fits = memory.largest.total <= cluster.capacity_bytes
+    return Prediction(layout=lay, memory=memory, step_time_s=step, tflops_per_gpu=tflops / 1e12, mfu=tflops / peak,
+                      mfu_causal=causal / step / world / peak, fits=fits, breakdown=kinds)

@@ -1,0 +1,72 @@
+"""The ``[outer]`` section: DiLoCo / Streaming DiLoCo outer optimisation over the data-parallel replicas
+(parallel/data_parallel/outer.py, docs/decentralised.md). ``method = "none"`` (the default) is plain data
+parallelism and every other key of the section must keep its default: a key either works or is refused.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from engine.config._fields import Section
+from engine.config.sections import check_choice, check_min, check_positive
+from parallel.data_parallel.outer import OUTER_COMPRESSIONS, OUTER_METHODS
+
+
+@dataclass(kw_only=True, frozen=True)
+class OuterConfig(Section):
+    """``method``: none | diloco | streaming_diloco. Every replica runs ``inner_steps`` (H) local AdamW
+    steps (no dp traffic), then the averaged pseudo-gradient takes an outer SGD step of ``lr`` with
+    ``momentum`` (Nesterov when ``nesterov``). Streaming DiLoCo syncs ``fragments`` parameter groups at
+    staggered steps, each reduction overlapping the next inner step, mixing the arriving weights in with
+    weight ``mix`` (1: replace the local ones). ``compression`` of the pseudo-gradient: none | bf16 | int8 |
+    topk (``topk_fraction`` of the entries, with error feedback)."""
+
+    SECTION = "outer"
+
+    method: str = "none"
+    inner_steps: int = 10
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    fragments: int = 1
+    mix: float = 1.0
+    compression: str = "none"
+    topk_fraction: float = 0.01
+
+    def _validate(self) -> None:
+        check_choice(self, "method", OUTER_METHODS)
+        check_choice(self, "compression", OUTER_COMPRESSIONS)
+        if self.method == "none":
+            changed = [f.name for f in dataclasses.fields(self)
+                       if f.name != "method" and getattr(self, f.name) != f.default]
+            if changed:
+                raise ValueError(f"outer.{changed[0]} is set but outer.method='none' (plain data parallelism) does "
+                                 "not read it; set outer.method='diloco' or 'streaming_diloco', or remove "
+                                 + ", ".join(f"outer.{k}" for k in changed))
+            return
+        if isinstance(self.inner_steps, bool) or self.inner_steps < 1:
+            raise ValueError(f"outer.inner_steps={self.inner_steps} must be >= 1 (H, the inner steps between "
+                             "synchronisations; 1 syncs every step)")
+        check_positive(self, "lr")
+        check_min(self, "momentum", 0.0)
+        if self.momentum >= 1.0:
+            raise ValueError(f"outer.momentum={self.momentum} must be in [0, 1); DiLoCo uses 0.9")
+        if self.nesterov and self.momentum == 0.0:
+            raise ValueError("outer.nesterov=true needs outer.momentum > 0; set outer.nesterov=false for plain "
+                             "outer SGD")
+        if self.fragments < 1:
+            raise ValueError(f"outer.fragments={self.fragments} must be >= 1")
+        if self.method == "diloco" and self.fragments != 1:
+            raise ValueError(f"outer.fragments={self.fragments} splits the sync of outer.method='streaming_diloco'; "
+                             "set outer.method='streaming_diloco' or outer.fragments=1")
+        if self.fragments > self.inner_steps:
+            raise ValueError(f"outer.fragments={self.fragments} exceeds outer.inner_steps={self.inner_steps}: each "
+                             "fragment syncs at its own step of the H-step cycle; raise inner_steps or lower fragments")
+        if not 0.0 < self.mix <= 1.0:
+            raise ValueError(f"outer.mix={self.mix} must be in (0, 1]: the weight of the arriving outer weights "
+                             "(1 replaces the local ones; Streaming DiLoCo uses 0.5)")
+        if not 0.0 < self.topk_fraction <= 1.0:
+            raise ValueError(f"outer.topk_fraction={self.topk_fraction} must be in (0, 1], e.g. 0.01")
+        if self.compression != "topk" and self.topk_fraction != 0.01:
+            raise ValueError(f"outer.topk_fraction is read only with outer.compression='topk' (it is "
+                             f"{self.compression!r}); remove outer.topk_fraction or set outer.compression='topk'")

@@ -1,0 +1,337 @@
+"""DiLoCo and Streaming DiLoCo: an outer optimizer over data-parallel replicas that train locally.
+
+With DiLoCo (Douillard et al., 2023) every data-parallel replica (itself any TP x PP group) runs
+``inner_steps`` (H) AdamW steps on its own gradients (``DataParallel(local_grads=True)``: no dp
+traffic per step, inner optimizer state local). Then the pseudo-gradient ``delta = anchor - theta``
+(the replica's progress since the last synchronisation, fp32) is averaged over the dp group and an
+outer SGD step with (Nesterov) momentum moves the shared weights:
+
+    m      <- momentum * m + mean(delta)
+    update <- mean(delta) + momentum * m   (nesterov)   or   m
+    global <- anchor - lr * update ;  anchor <- global
+    theta  <- (1 - mix) * theta + mix * global          (mix = 1: every replica continues from global)
+
+Streaming DiLoCo (Douillard et al., 2025) cuts the parameters into ``fragments`` contiguous groups
+(whole parameters, in layer order, about equal sizes) synchronised at staggered steps: fragment ``f``
+sends its pseudo-gradient after step ``t`` when ``t % H == ((f + 1) * H // F) % H``; its reduction
+overlaps the next inner step and is applied (outer step + ``mix``) after it. With ``F = 1`` and
+``method="diloco"`` the reduction is waited for and applied at once.
+
+The averaged pseudo-gradient travels compressed (``compression``): ``none`` (fp32 all-reduce), ``bf16``
+and ``int8`` (a reduce-scatter as an all-to-all of the compressed vector, fp32 sums locally, the reduced
+shard re-compressed and all-gathered; int8 with one fp32 absmax scale per ``chunk`` elements: exactly
+``(1 + 4 / chunk) / 4`` of the fp32 bytes, ``1/2`` for bf16, on the padded length), or ``topk`` (each
+rank all-gathers the ``topk_fraction`` largest entries of its pseudo-gradient plus error feedback, as
+fp32 values and int32 indices; what was not sent is kept and added next time).
+
+Everything operates on the fp32 masters of :class:`parallel.data_parallel.DistributedOptimizer`
+(``zero_stage=0``: every rank owns whole buckets), as one flat vector in bucket order, so the bytes of
+a full synchronisation equal the DDP all-reduce of one step (same buckets, padding included).
+All collectives go over ``dp_group`` through :mod:`parallel.comm` (counted by the ledger).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from parallel import comm
+from parallel.comm import Group
+
+OUTER_METHODS = ("none", "diloco", "streaming_diloco")
+OUTER_COMPRESSIONS = ("none", "bf16", "int8", "topk")
+DEFAULT_INT8_CHUNK = 1024
+
+
+def _pad_to(n: int, q: int) -> int:
+    return -(-n // q) * q
+
+
+@dataclass
+class _Pending:
+    """A fragment's reduction in flight: started after step ``sent``, applied after step ``due``."""
+
+    fragment: int
+    due: int
+    finish: object  # () -> averaged pseudo-gradient (fp32, the fragment's length)
+    result: torch.Tensor | None = None
+
+
+class OuterOptimizer:
+    """DiLoCo / Streaming DiLoCo over the masters of ``dist_opt`` (a DistributedOptimizer with zero_stage 0
+    whose DataParallel has ``local_grads=True``). Call :meth:`step` after every inner step.
+
+    ``counts(param) -> bool``: whether this rank's copy of a parameter counts in the (global) outer-step
+    norm (engine.optim.counts_in_norm); ``norm_groups``: the groups its sum of squares is added over (tp, pp).
+    """
+
+    def __init__(self, dist_opt, *, dp_group: Group, method: str = "diloco", inner_steps: int = 10,
+                 lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True, fragments: int = 1, mix: float = 1.0,
+                 compression: str = "none", topk_fraction: float = 0.01, chunk: int = DEFAULT_INT8_CHUNK,
+                 counts=None, norm_groups: tuple[Group | None, ...] = ()):
+        if method not in ("diloco", "streaming_diloco"):
+            raise ValueError(f"outer.method={method!r}: the outer optimizer runs 'diloco' or 'streaming_diloco'")
+        if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
+            raise ValueError(f"outer.inner_steps={inner_steps!r} must be an integer >= 1 (H, inner steps per sync)")
+        if method == "diloco" and fragments != 1:
+            raise ValueError(f"outer.fragments={fragments} needs outer.method='streaming_diloco'")
+        if not 1 <= fragments <= inner_steps:
+            raise ValueError(f"outer.fragments={fragments} must be in [1, outer.inner_steps={inner_steps}] (each "
+                             "fragment syncs at its own step of the H-step cycle)")
+        if compression not in OUTER_COMPRESSIONS:
+            raise ValueError(f"outer.compression={compression!r}; choose one of {', '.join(OUTER_COMPRESSIONS)}")
+        ddp = dist_opt.ddp
+        if ddp.sharded or not ddp.local_grads:
+            raise ValueError("the outer optimizer needs DataParallel(local_grads=True, zero_stage=0): DiLoCo's "
+                             "replicas step on their own gradients; set optim.distributed=false")
+        self.dist = dist_opt
+        self.group = dp_group
+        self.method, self.H, self.lr, self.momentum, self.nesterov = method, inner_steps, lr, momentum, nesterov
+        self.F, self.mix, self.compression, self.topk_fraction, self.chunk = (fragments, mix, compression,
+                                                                             topk_fraction, chunk)
+        self.masters = [master for _, _, master, _, _, _ in dist_opt.owned]  # fp32 views, whole buckets
+        self.numel = sum(m.numel() for m in self.masters)
+        device = self.masters[0].device
+        # Where each parameter ends in the flat vector: fragment cuts fall on these boundaries.
+        ends, mask_parts, cursor = [], [], 0
+        for _, b, master, _, _, _ in dist_opt.owned:
+            keep = torch.zeros(master.numel(), dtype=torch.float32, device=device)
+            for p, (s, e) in zip(b.params, b.ranges):
+                ends.append(cursor + e)
+                if counts is None or counts(p):
+                    keep[s:e] = 1.0
+            mask_parts.append(keep)
+            cursor += master.numel()
+            ends[-1] = cursor  # the bucket's padding goes with its last parameter
+        self._norm_mask = torch.cat(mask_parts)  # (numel,)
+        self.norm_groups = tuple(g for g in norm_groups if g is not None)
+        self.bounds = self._cut(sorted(set(ends)))
+        self.anchor = self._read(0, self.numel).clone()  # (numel,) fp32
+        self.mom = torch.zeros_like(self.anchor) if momentum > 0 else None
+        self.error = torch.zeros_like(self.anchor) if compression == "topk" else None
+        self.pending: list[_Pending] = []
+        self.syncs = 0  # fragment synchronisations applied
+
+    # -- layout ----------------------------------------------------------------------------------------
+    def _cut(self, ends: list[int]) -> list[tuple[int, int]]:
+        """``F`` contiguous ranges of about ``numel / F`` elements each, cut at parameter ends."""
+        if self.F > len(ends):
+            raise ValueError(f"outer.fragments={self.F} exceeds the {len(ends)} parameters of this rank's model "
+                             "chunks; lower outer.fragments")
+        cuts, start = [], 0
+        for f in range(1, self.F):
+            target = self.numel * f / self.F
+            left = [e for e in ends if e > start and len(ends) - ends.index(e) - 1 >= self.F - f]
+            best = min(left, key=lambda e: abs(e - target))
+            cuts.append(best)
+            start = best
+        edges = [0, *cuts, self.numel]
+        return [(edges[i], edges[i + 1]) for i in range(self.F)]
+
+    def _read(self, lo: int, hi: int) -> torch.Tensor:
+        """The masters' elements ``[lo, hi)`` of the flat vector, as a new fp32 tensor."""
+        parts, cursor = [], 0
+        for m in self.masters:
+            a, z = max(lo, cursor), min(hi, cursor + m.numel())
+            if a < z:
+                parts.append(m[a - cursor:z - cursor])
+            cursor += m.numel()
+        return torch.cat(parts)
+
+    def _write(self, lo: int, hi: int, values: torch.Tensor) -> None:
+        cursor = 0
+        for m in self.masters:
+            a, z = max(lo, cursor), min(hi, cursor + m.numel())
+            if a < z:
+                m[a - cursor:z - cursor].copy_(values[a - lo:z - lo])
+            cursor += m.numel()
+
+    def phase(self, fragment: int) -> int:
+        """The step residue (mod H) after which ``fragment`` sends its pseudo-gradient."""
+        return ((fragment + 1) * self.H // self.F) % self.H
+
+    # -- compressed averaging ----------------------------------------------------------------------------
+    def _start_average(self, delta: torch.Tensor, lo: int, hi: int):
+        """Launch the dp average of ``delta`` (the fragment ``[lo, hi)``); returns ``finish() -> mean``."""
+        p, g, n = self.group.size, self.group, delta.numel()
+        if p == 1:
+            if self.error is not None:  # top-k still drops what it does not send, even alone
+                return self._topk_local(delta, lo, hi)
+            return lambda: delta
+        if self.compression == "none":
+            work = comm.all_reduce(delta, g, async_op=True)
+            return lambda: (comm.wait(work, g), delta.div_(p))[1]
+        if self.compression in ("bf16", "int8"):
+            q = p if self.compression == "bf16" else p * self.chunk
+            x = torch.zeros(_pad_to(n, q), dtype=torch.float32, device=delta.device)
+            x[:n] = delta
+            payload = self._encode(x)  # tensors, each dim 0 divisible by p
+            started = [comm.all_to_all(t, g, async_op=True) for t in payload]
+
+            def finish():
+                comm.wait([w for _, w in started], g)
+                pieces = [out.view(p, -1) for out, _ in started]  # each (p, shard) from every rank
+                shard = sum(self._decode([pc[r] for pc in pieces]) for r in range(p))  # fp32 (n_pad / p,)
+                gathered = [comm.all_gather(t, g) for t in self._encode(shard)]
+                full = torch.cat([self._decode([t.view(p, -1)[r] for t in gathered]) for r in range(p)])
+                return full[:n].div_(p)
+            return finish
+        return self._topk(delta, lo, hi)
+
+    def _encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.compression == "bf16":
+            return [x.to(torch.bfloat16)]
+        chunks = x.view(-1, self.chunk)  # (n / chunk, chunk)
+        scale = chunks.abs().amax(dim=1).clamp(min=1e-30) / 127.0  # (n / chunk,)
+        q = torch.round(chunks / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8).view(-1)  # (n,)
+        return [q, scale]
+
+    def _decode(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        if self.compression == "bf16":
+            return parts[0].to(torch.float32)
+        q, scale = parts
+        return (q.view(-1, self.chunk).to(torch.float32) * scale.unsqueeze(1)).view(-1)  # (n,)
+
+    def _topk_select(self, delta: torch.Tensor, lo: int, hi: int):
+        err = self.error[lo:hi]
+        err.add_(delta)  # pseudo-gradient + error feedback
+        k = max(1, math.ceil(self.topk_fraction * err.numel()))
+        idx = torch.topk(err.abs(), k, sorted=False).indices  # (k,)
+        idx = idx.sort().values  # a deterministic order for the sum
+        vals = err[idx].clone()  # (k,)
+        err[idx] = 0.0  # sent: nothing left to feed back
+        return vals, idx
+
+    def _topk_local(self, delta, lo, hi):
+        vals, idx = self._topk_select(delta, lo, hi)
+        out = torch.zeros_like(delta)
+        out[idx] = vals
+        return lambda: out
+
+    def _topk(self, delta: torch.Tensor, lo: int, hi: int):
+        p, g = self.group.size, self.group
+        vals, idx = self._topk_select(delta, lo, hi)
+        gv, wv = comm.all_gather(vals, g, async_op=True)  # (p * k,)
+        gi, wi = comm.all_gather(idx.to(torch.int32), g, async_op=True)  # (p * k,)
+
+        def finish():
+            comm.wait([wv, wi], g)
+            out = torch.zeros_like(delta)
+            for r in range(p):  # rank order: every replica adds in the same order
+                k = vals.numel()
+                out.index_add_(0, gi[r * k:(r + 1) * k].long(), gv[r * k:(r + 1) * k])
+            return out.div_(p)
+        return finish
+
+    # -- the step --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, step: int) -> dict[str, float]:
+        """After inner step ``step`` (1-based, counted by the trainer, applied or not): apply the fragments
+        that are due, launch the ones whose turn it is. Returns metrics: ``outer_step_norm`` (global L2 of
+        the change of the shared weights, over the fragments applied now) and ``outer_syncs``; {} when idle."""
+        applied_sq = None
+        for pend in [pd for pd in self.pending if pd.due <= step]:
+            sq = self._apply(pend)
+            applied_sq = sq if applied_sq is None else applied_sq + sq
+            self.pending.remove(pend)
+        for f in range(self.F):
+            if step % self.H != self.phase(f):
+                continue
+            lo, hi = self.bounds[f]
+            delta = self.anchor[lo:hi] - self._read(lo, hi)  # (hi - lo,) fp32 pseudo-gradient
+            pend = _Pending(fragment=f, due=step + (1 if self.method == "streaming_diloco" else 0),
+                            finish=self._start_average(delta, lo, hi))
+            if pend.due <= step:
+                sq = self._apply(pend)
+                applied_sq = sq if applied_sq is None else applied_sq + sq
+            else:
+                self.pending.append(pend)
+        if applied_sq is None:
+            return {}
+        self.dist.refresh_params()  # masters -> parameters (bf16 casts)
+        for g in self.norm_groups:
+            comm.all_reduce(applied_sq, g)
+        return {"outer_step_norm": float(applied_sq.sqrt()), "outer_syncs": float(self.syncs)}
+
+    def _apply(self, pend: _Pending) -> torch.Tensor:
+        lo, hi = self.bounds[pend.fragment]
+        avg = pend.result if pend.result is not None else pend.finish()  # (hi - lo,)
+        if self.mom is not None:
+            m = self.mom[lo:hi]
+            m.mul_(self.momentum).add_(avg)
+            update = avg.add(m, alpha=self.momentum) if self.nesterov else m.clone()
+        else:
+            update = avg
+        change = update.mul(self.lr)  # global - anchor = -change
+        self.anchor[lo:hi].sub_(change)
+        theta = self._read(lo, hi)
+        if self.mix != 1.0:
+            theta.mul_(1.0 - self.mix).add_(self.anchor[lo:hi], alpha=self.mix)
+        else:
+            theta.copy_(self.anchor[lo:hi])
+        self._write(lo, hi, theta)
+        self.syncs += 1
+        return (change.square() * self._norm_mask[lo:hi]).sum().reshape(1)  # (1,)
+
+    # -- state (checkpoints) -----------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Wait for reductions in flight and keep their results (before a checkpoint): the values and the
+        step they are applied at do not change, so a resume continues bitwise."""
+        for pend in self.pending:
+            if pend.result is None:
+                pend.result = pend.finish()
+
+    def state_dict(self) -> dict:
+        self.settle()
+        return {"syncs": self.syncs, "pending": [{"fragment": p.fragment, "due": p.due} for p in self.pending]}
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors (fixed shapes, so a load can allocate them before reading): the anchor,
+        momentum, error feedback, the results in flight (``pending``, at their fragments' ranges) and, as
+        replicas differ between synchronisations, the replica's own inner state: fp32 masters and Adam
+        moments. Call :meth:`state_dict` first (it settles the reductions in flight)."""
+        out = {"anchor": self.anchor}
+        if self.mom is not None:
+            out["momentum"] = self.mom
+        if self.error is not None:
+            out["error"] = self.error
+        if self.method == "streaming_diloco":
+            pending = torch.zeros_like(self.anchor)
+            for pend in self.pending:
+                lo, hi = self.bounds[pend.fragment]
+                pending[lo:hi] = pend.result
+            out["pending"] = pending
+        out["local.master"] = self._read(0, self.numel)
+        out["local.exp_avg"] = torch.cat([m for _, _, _, m, _, _ in self.dist.owned])
+        out["local.exp_avg_sq"] = torch.cat([v for _, _, _, _, v, _ in self.dist.owned])
+        return out
+
+    def load_state(self, state: dict | None, tensors: dict[str, torch.Tensor] | None) -> None:
+        """Restore from :meth:`state_dict` / :meth:`state_tensors` (fresh copies); ``None`` (a checkpoint
+        written without the outer optimizer): start the outer loop from the loaded weights."""
+        if state is None or tensors is None:
+            self.anchor.copy_(self._read(0, self.numel))
+            for t in (self.mom, self.error):
+                if t is not None:
+                    t.zero_()
+            self.pending, self.syncs = [], 0
+            return
+        self.syncs = int(state["syncs"])
+        self.anchor.copy_(tensors["anchor"])
+        if self.mom is not None:
+            self.mom.copy_(tensors["momentum"])
+        if self.error is not None:
+            self.error.copy_(tensors["error"])
+        self.pending = []
+        for p in state["pending"]:
+            lo, hi = self.bounds[int(p["fragment"])]
+            self.pending.append(_Pending(fragment=int(p["fragment"]), due=int(p["due"]), finish=None,
+                                         result=tensors["pending"][lo:hi].clone()))
+        self._write(0, self.numel, tensors["local.master"])
+        cursor = 0
+        for _, _, _, m, v, _ in self.dist.owned:
+            m.copy_(tensors["local.exp_avg"][cursor:cursor + m.numel()])
+            v.copy_(tensors["local.exp_avg_sq"][cursor:cursor + v.numel()])
+            cursor += m.numel()
+        self.dist.refresh_params()

@@ -100,6 +100,7 @@ class StageParam:
     local_shape: tuple[int, ...]
     partition: tuple[int, int] | None  # (dim, stride) when split over TP
     shared_embedding: bool
+    expert: bool = False  # a routed expert's weight (split over ep, replicated over edp)
 
     def stand_in(self, dtype: torch.dtype, data: torch.Tensor | None = None) -> torch.Tensor:
         """``data`` (or an empty meta tensor of the local shape) carrying the TP attributes."""
@@ -109,14 +110,27 @@ class StageParam:
             t.partition_dim, t.partition_stride = self.partition
         if self.shared_embedding:
             t.shared_embedding = True
+        if self.expert:
+            t.expert = True
         return t
 
 
 def stage_params(cfg: TransformerConfig, *, tp_rank: int, tp_size: int, layer_range: tuple[int, int],
-                 pre_process: bool, post_process: bool, padded_vocab: int) -> list[StageParam]:
-    """The parameters a :func:`models.build_model` stage would hold, without building it."""
+                 pre_process: bool, post_process: bool, padded_vocab: int, ep_rank: int = 0,
+                 ep_size: int = 1) -> list[StageParam]:
+    """The parameters a :func:`models.build_model` stage would hold, without building it. With expert
+    parallelism (``ep_size`` > 1) only ep rank ``ep_rank``'s experts ``[r E/ep, (r+1) E/ep)``, as
+    :class:`parallel.expert_parallel.MoELayer` holds them."""
     cfg.check_tensor_parallel(tp_size)
-    assert 0 <= tp_rank < tp_size
+    assert 0 <= tp_rank < tp_size and 0 <= ep_rank < ep_size
+    if ep_size > 1:
+        from parallel.expert_parallel.router import check_routing
+
+        if not cfg.num_experts:
+            raise ValueError(f"ep={ep_size} splits experts over ranks, but the {cfg.model_type} model has none; "
+                             "use ep=1")
+        check_routing(num_experts=cfg.num_experts, top_k=cfg.moe_top_k, ep=ep_size)
+    experts_per_rank = cfg.num_experts // ep_size if cfg.num_experts else 1
     entries = family(cfg.model_type).hf_entries(cfg, layers=range(*layer_range), pre_process=pre_process,
                                                 post_process=post_process)
     tied = cfg.tie_word_embeddings
@@ -124,22 +138,28 @@ def stage_params(cfg: TransformerConfig, *, tp_rank: int, tp_size: int, layer_ra
     for e in entries:
         if e.name == "output_layer.weight" and tied and pre_process:
             continue  # one stage holds both ends: the output layer uses the embedding itself
+        expert = ".mlp.experts." in e.name
+        if expert and int(e.name.split(".mlp.experts.")[1].split(".")[0]) // experts_per_rank != ep_rank:
+            continue  # another ep rank's expert
         full = tessel_full_shape(e, cfg, padded_vocab=padded_vocab)
         part = e.partition(len(full))
-        local = list(full)
+        local_shape = list(full)
         if part is not None:
-            local[part[0]] //= tp_size
+            local_shape[part[0]] //= tp_size
         shared = tied and (e.name == "output_layer.weight" or (e.name == TIED_EMBEDDING and not post_process))
-        out.append(StageParam(name=e.name, entry=e, full_shape=tuple(full), local_shape=tuple(local),
-                              partition=part, shared_embedding=shared))
+        out.append(StageParam(name=e.name, entry=e, full_shape=tuple(full), local_shape=tuple(local_shape),
+                              partition=part, shared_embedding=shared, expert=expert))
     return out
 
 
-def placements(param: StageParam, *, tp_rank: int, tp_size: int, dtype: torch.dtype, data: torch.Tensor | None = None):
+def placements(param: StageParam, *, tp_rank: int, tp_size: int, dtype: torch.dtype, data: torch.Tensor | None = None,
+               replica_rank: int = 0):
     """The ShardedTensors (key ``model.<name>``) of ``param`` on TP rank ``tp_rank``: views of ``data``
-    (the local shard) or meta placeholders. Placement by :func:`engine.checkpoint.param_layout`."""
+    (the local shard) or meta placeholders. Placement by :func:`engine.checkpoint.param_layout`.
+    ``replica_rank``: the dp position of a layout written with expert parallelism (dp = ep): the
+    ranks past the first hold replicas of everything but their own experts."""
     t = param.stand_in(dtype, data)
-    ctx = ShardingContext(tp_rank=tp_rank, tp_size=tp_size)
+    ctx = ShardingContext(tp_rank=tp_rank, tp_size=tp_size, replica_rank=replica_rank, expert_replica_rank=0)
     layout = param_layout(param.name, t, ctx=ctx, spec=model_param_spec(param.name, t))
     return layout.sharded(t, prefix=MODEL_PREFIX)
 

@@ -141,6 +141,8 @@ class ModelHook:
     cp_comm: str = "ring"  # parallel.cp_comm: how attention spans the cp group (docs/context_parallel.md)
     recompute: str = "none"  # activation recompute: none | selective | full (models/transformer.py)
     recompute_num_layers: int | None = None  # full only: the first N layers of each stage
+    moe_dispatcher: str = "alltoall"  # parallel.moe_dispatcher: how MoE tokens reach their experts' ep ranks
+    moe_bias_update_rate: float = 0.0  # parallel.moe_bias_update_rate: aux-loss-free balancing (0: off)
 
     @classmethod
     def from_hf(cls, hf_config: Mapping[str, Any], **kw) -> "ModelHook":
@@ -162,7 +164,14 @@ class ModelHook:
                            fp8_amax_history=cfg.model.fp8_amax_history, fp8_margin=cfg.model.fp8_margin,
                            tp_overlap=cfg.parallel.tp_overlap, cp_comm=cfg.parallel.cp_comm,
                            recompute=cfg.train.activation_checkpointing,
-                           recompute_num_layers=cfg.train.recompute_num_layers)
+                           recompute_num_layers=cfg.train.recompute_num_layers,
+                           moe_dispatcher=cfg.parallel.moe_dispatcher,
+                           moe_bias_update_rate=cfg.parallel.moe_bias_update_rate)
+        if cfg.parallel.moe_bias_update_rate and not hook.config.num_experts:
+            raise ValueError(f"parallel.moe_bias_update_rate={cfg.parallel.moe_bias_update_rate} balances experts, but "
+                             f"the {hook.config.model_type} model has none; remove it")
+        if cfg.parallel.ep > 1:
+            hook.check_expert_parallel(cfg.parallel.ep)
         n = cfg.train.recompute_num_layers
         if n is not None and n > hook.num_layers:
             raise ValueError(f"train.recompute_num_layers={n} exceeds the model's {hook.num_layers} layers; set at "
@@ -179,6 +188,17 @@ class ModelHook:
             raise ValueError(f"train.seq_length={cfg.train.seq_length} exceeds {where} = {positions}; set "
                              f"model.max_position_embeddings >= {cfg.train.seq_length} or shorten train.seq_length")
         return hook
+
+    def check_expert_parallel(self, ep: int) -> None:
+        """Before any process group: ``parallel.ep`` > 1 needs a mixture-of-experts model whose expert
+        count it divides (top-k <= experts is checked when the config is read)."""
+        from parallel.expert_parallel.router import check_routing
+
+        c = self.config
+        if ep > 1 and not c.num_experts:
+            raise ValueError(f"parallel.ep={ep} splits experts over ranks, but the {c.model_type} model has none; "
+                             "set parallel.ep=1, or train a mixture-of-experts family (mixtral, qwen2_moe, qwen3_moe)")
+        check_routing(num_experts=c.num_experts, top_k=c.moe_top_k, ep=ep)
 
     def fp8_linears(self, *, tp: int) -> dict[str, tuple[int, int]]:
         """The TP-local (out, in) weight shape of each layer-relative linear model.fp8 may convert."""
@@ -224,7 +244,13 @@ class ModelHook:
                             recompute=self.recompute, recompute_num_layers=self.recompute_num_layers,
                             cp_group=getattr(mesh, "cp", None), cp_comm=self.cp_comm,
                             cp_subgroups=(mesh.cp_a2a, mesh.cp_ring) if self.cp_comm == "hybrid" else None,
-                            ep_group=getattr(mesh, "ep", None))
+                            ep_group=getattr(mesh, "ep", None), moe_dispatcher=self.moe_dispatcher)
+        if self.moe_bias_update_rate:  # aux-loss-free balancing (DeepSeek-V3): a bias per router, docs/moe.md
+            from parallel.expert_parallel import MoELayer
+
+            for m in stage.modules():
+                if isinstance(m, MoELayer):
+                    m.router.enable_bias_balancing(self.moe_bias_update_rate)
         if self.fp8 != "none":
             apply_fp8(stage, self.fp8, exclude=self.fp8_exclude, history_len=self.fp8_amax_history,
                       margin=self.fp8_margin)

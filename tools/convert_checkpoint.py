@@ -1,6 +1,6 @@
 """Convert Hugging Face model directories to Tessel checkpoints at any TP x PP layout, and back.
 
-    python tools/convert_checkpoint.py hf-to-tessel --hf HF_DIR --out CKPT_DIR --tp 2 --pp 2 [--dtype keep]
+    python tools/convert_checkpoint.py hf-to-tessel --hf HF_DIR --out CKPT_DIR --tp 2 --pp 2 [--ep 2] [--dtype keep]
     python tools/convert_checkpoint.py tessel-to-hf --ckpt CKPT_DIR --out HF_DIR [--dtype keep] [--max-shard-size 2GB]
     python tools/convert_checkpoint.py lora-to-peft --ckpt CKPT_DIR --out ADAPTER_DIR
     python tools/convert_checkpoint.py lora-to-peft --ckpt CKPT_DIR --out HF_DIR --merge [--base BASE_CKPT]
@@ -176,10 +176,13 @@ def _resolver(src, fam):
 
 
 def _write_rank(src, resolve, cfg, *, rank: int, tp_rank: int, tp: int, layer_range, pre_process: bool,
-                post_process: bool, padded_vocab: int, out_dtype, step_dir: Path) -> tuple[list[dict], dict | None]:
-    """Write virtual rank ``rank``'s file; returns (piece descriptions, file record or None)."""
+                post_process: bool, padded_vocab: int, out_dtype, step_dir: Path, ep_rank: int = 0,
+                ep: int = 1) -> tuple[list[dict], dict | None]:
+    """Write virtual rank ``rank``'s file; returns (piece descriptions, file record or None). With
+    ``ep`` > 1 the rank holds ep rank ``ep_rank``'s experts (dp = ep: its other tensors are replicas
+    unless ``ep_rank`` is 0)."""
     params = stage_params(cfg, tp_rank=tp_rank, tp_size=tp, layer_range=layer_range, pre_process=pre_process,
-                          post_process=post_process, padded_vocab=padded_vocab)
+                          post_process=post_process, padded_vocab=padded_vocab, ep_rank=ep_rank, ep_size=ep)
     fname = rank_filename(rank)
     jobs = []
     for p in params:
@@ -190,7 +193,7 @@ def _write_rank(src, resolve, cfg, *, rank: int, tp_rank: int, tp: int, layer_ra
     descs, plan, names, used = [], [], [], set()
     for p, dtype in jobs:
         mine = []
-        for st in placements(p, tp_rank=tp_rank, tp_size=tp, dtype=dtype):
+        for st in placements(p, tp_rank=tp_rank, tp_size=tp, dtype=dtype, replica_rank=ep_rank):
             d = st.describe()
             d["file"] = d["name"] = None
             name = None
@@ -215,7 +218,8 @@ def _write_rank(src, resolve, cfg, *, rank: int, tp_rank: int, tp: int, layer_ra
             local = read_shard(p.entry, src, resolve, ndim=len(p.local_shape), rank=tp_rank, size=tp, cfg=cfg,
                                local_rows=p.local_shape[0]).to(dtype)
             assert tuple(local.shape) == p.local_shape, (p.name, tuple(local.shape), p.local_shape)
-            for st, name in zip(placements(p, tp_rank=tp_rank, tp_size=tp, dtype=dtype, data=local), mine):
+            for st, name in zip(placements(p, tp_rank=tp_rank, tp_size=tp, dtype=dtype, data=local,
+                                           replica_rank=ep_rank), mine):
                 if name is not None:
                     writer.write(name, st.data)
             del local
@@ -228,16 +232,21 @@ def _write_rank(src, resolve, cfg, *, rank: int, tp_rank: int, tp: int, layer_ra
 
 def hf_to_tessel(hf_dir: str | os.PathLike, out: str | os.PathLike, *, tp: int = 1, pp: int = 1, dtype: str = "keep",
                  pipeline_layout: list[int] | None = None, make_vocab_size_divisible_by: int = 128,
-                 force: bool = False) -> Path:
-    """Convert a Hugging Face directory into a Tessel checkpoint written at the TP x PP layout; returns ``out``."""
+                 force: bool = False, ep: int = 1) -> Path:
+    """Convert a Hugging Face directory into a Tessel checkpoint written at the TP x PP layout; returns ``out``.
+    ``ep`` > 1 (mixture-of-experts families): the layout ep x tp x pp with dp = ep, each ep rank writing
+    its own experts (the checkpoint loads at any other layout all the same: keys are global)."""
     hf_dir = Path(hf_dir)
-    for name, v in (("tp", tp), ("pp", pp)):
+    for name, v in (("tp", tp), ("pp", pp), ("ep", ep)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"--{name}={v!r} must be an integer >= 1")
     out_dtype = _out_dtype(dtype)
     config, src = open_hf_dir(hf_dir)
     cfg = config_from_hf(config)
     cfg.check_tensor_parallel(tp)
+    if ep > 1:  # before reading anything: experts divisible by ep (stage_params says how)
+        stage_params(cfg, tp_rank=0, tp_size=tp, layer_range=(0, 0), pre_process=False, post_process=False,
+                     padded_vocab=cfg.vocab_size, ep_rank=0, ep_size=ep)
     check_hf_tensors(cfg, src, where=str(hf_dir))
     ranges = stage_layer_ranges(cfg.num_layers, pp, pipeline_layout)
     padded = cfg.padded_vocab_size(tp=tp, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
@@ -245,23 +254,25 @@ def hf_to_tessel(hf_dir: str | os.PathLike, out: str | os.PathLike, *, tp: int =
     model_config = dict(config)
     if out_dtype is not None:
         _set_config_dtype(model_config, out_dtype)
-    world = tp * pp
+    world = ep * tp * pp
     with one_torch_thread(), staged_output(out, force=force, inputs=(hf_dir,)) as tmp:
         step_dir = tmp / step_dirname(0)
         step_dir.mkdir()
         per_rank, files = [], {}
         for rank in range(world):
-            pp_rank, tp_rank = divmod(rank, tp)  # the mesh's default order dp-pp-cp-tp, dp = cp = 1
+            # The mesh's default order dp-pp-cp-tp with cp = 1 and dp = ep (ep rank = dp rank).
+            ep_rank, in_pipeline = divmod(rank, pp * tp)
+            pp_rank, tp_rank = divmod(in_pipeline, tp)
             descs, rec = _write_rank(src, resolve, cfg, rank=rank, tp_rank=tp_rank, tp=tp, layer_range=ranges[pp_rank],
                                      pre_process=pp_rank == 0, post_process=pp_rank == pp - 1, padded_vocab=padded,
-                                     out_dtype=out_dtype, step_dir=step_dir)
+                                     out_dtype=out_dtype, step_dir=step_dir, ep_rank=ep_rank, ep=ep)
             per_rank.append(descs)
             if rec is not None:
                 files[rank_filename(rank)] = rec
         meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "step": 0,
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "world_size": world, "model_config": model_config,
-                "layout": {"dp": 1, "pp": pp, "tp": tp, "cp": 1, "ep": 1, "vp": 1, "order": "dp-pp-cp-tp",
+                "layout": {"dp": ep, "pp": pp, "tp": tp, "cp": 1, "ep": ep, "vp": 1, "order": "dp-pp-cp-tp",
                            "zero": False, "world_size": world},
                 "trainer_state": {"converted_from": {"format": "huggingface", "path": str(hf_dir.absolute()),
                                                      "dtype": dtype, "pipeline_layers": [list(r) for r in ranges]}},
@@ -428,6 +439,12 @@ def tessel_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str 
     if verify:
         _verify(step_dir, meta)
     saved = meta["tensors"]
+    biased = sorted(k for k in saved if k.startswith("moe.") and k.endswith("router.expert_bias"))
+    if biased:  # the exported model would route without them: other experts, other logits
+        raise ValueError(f"checkpoint {step_dir} routes with aux-loss-free balancing biases ({biased[0]}, ...; "
+                         f"parallel.moe_bias_update_rate), which the {cfg.model_type} Hugging Face format has no "
+                         "tensor for: the export would route differently. Evaluate it with tools/evaluate.py, or "
+                         "train with parallel.moe_bias_update_rate=0 to export")
     items = []
     for e, key, shape in _export_entries(cfg, saved, where=str(step_dir), adapters=transform is not None):
         src_dtype = dtype_from_name(saved[key]["dtype"])
@@ -499,6 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--out", required=True, help="checkpoint directory to create")
     a.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the written layout")
     a.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the written layout")
+    a.add_argument("--ep", type=int, default=1, help="expert-parallel size of the written layout (MoE families; "
+                                                     "dp = ep, each ep rank writes its experts)")
     a.add_argument("--pipeline-layout", type=_layout_arg, default=None,
                    help="layers per pipeline stage, e.g. 8,8,7,7 (default: even, remainder first)")
     a.add_argument("--dtype", default="keep", help="keep | bf16 | fp16 | fp32 (default keep)")
@@ -537,8 +556,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "hf-to-tessel":
             out = hf_to_tessel(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
                                pipeline_layout=args.pipeline_layout,
-                               make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, force=args.force)
-            print(f"wrote Tessel checkpoint {out} (tp={args.tp}, pp={args.pp}); Hugging Face files in {out / HF_SUBDIR}")
+                               make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, force=args.force,
+                               ep=args.ep)
+            print(f"wrote Tessel checkpoint {out} (ep={args.ep}, tp={args.tp}, pp={args.pp}); Hugging Face files in "
+                  f"{out / HF_SUBDIR}")
         elif args.command == "lora-to-peft":
             from tools.lora_export import lora_to_peft
 

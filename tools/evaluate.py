@@ -4,9 +4,12 @@
     torchrun --nproc-per-node 4 tools/evaluate.py --ckpt CKPT --set parallel.tp=2 --set parallel.pp=2 --data PREFIX
     torchrun --nproc-per-node 4 tools/evaluate.py --ckpt CKPT --tp 2 --pp 2 --tokens ids.json --dump-logits out.safetensors
     torchrun --nproc-per-node 4 tools/evaluate.py --ckpt CKPT --cp 4 --text FILE [--set parallel.cp_comm=a2a]
+    torchrun --nproc-per-node 8 tools/evaluate.py --ckpt MOE_CKPT --ep 2 --tp 2 --pp 2 --tokens ids.json
 
 The checkpoint (written by tools/convert_checkpoint.py or by the trainer, any layout) is resharded into
-the launch layout (world size = tp * pp * cp; dp = 1). ``--cp`` splits every sequence over cp ranks
+the launch layout (world size = tp * pp * cp * ep; dp = ep). ``--ep`` (mixture-of-experts models,
+docs/moe.md) splits each MoE layer's experts over ep ranks that run the same samples, so only the
+experts' memory is divided; ``parallel.moe_dispatcher`` by ``--set``. ``--cp`` splits every sequence over cp ranks
 (context parallelism, docs/context_parallel.md; ``parallel.cp_comm`` / ``parallel.cp_a2a_size`` by
 ``--set``): sequences are right-padded to a multiple of 2*cp (padding predicts nothing) and each rank
 takes its zigzag share; sums and dumped logits are gathered over cp. Forward only: a forward-only schedule through the
@@ -49,6 +52,7 @@ from parallel.pipeline.runtime import run_schedule  # noqa: E402
 
 # --set keys this tool reads (the rest of the training config does not apply to evaluation)
 SET_KEYS = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.cp": "cp", "parallel.cp_comm": "cp_comm",
+            "parallel.ep": "ep", "parallel.moe_dispatcher": "moe_dispatcher",
             "parallel.cp_a2a_size": "cp_a2a_size", "parallel.pipeline_layout": "pipeline_layout",
             "train.seq_length": "seq_length", "train.micro_batch_size": "batch_size", "model.dtype": "dtype",
             "model.make_vocab_size_divisible_by": "make_vocab_size_divisible_by", "data.paths": "data",
@@ -67,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (or --set parallel.tp=N)")
     p.add_argument("--pp", type=int, default=None, help="pipeline-parallel size (or --set parallel.pp=N)")
     p.add_argument("--cp", type=int, default=None, help="context-parallel size (or --set parallel.cp=N)")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel size, MoE models (or --set parallel.ep=N)")
     p.add_argument("--pipeline-layout", default=None, help="layers per stage, e.g. 8,8,7,7 (default: even)")
     p.add_argument("--seq-length", type=int, default=None, help="tokens per window (default min(1024, positions))")
     p.add_argument("--batch-size", type=int, default=None, help="windows per forward (default 1)")
@@ -87,7 +92,7 @@ def resolve_options(args: argparse.Namespace) -> dict:
     """Merge --set overrides (parsed with the training config's types) under the explicit flags."""
     from engine.config.loader import apply_overrides
 
-    opts = {"tp": 1, "pp": 1, "cp": 1, "cp_comm": "ring", "cp_a2a_size": None, "pipeline_layout": None,
+    opts = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "moe_dispatcher": "alltoall", "cp_comm": "ring", "cp_a2a_size": None, "pipeline_layout": None,
             "seq_length": None, "batch_size": 1, "dtype": "fp32",
             "make_vocab_size_divisible_by": 128, "data": None, "tokenizer": None}
     parsed = apply_overrides({}, list(args.overrides))  # validates SECTION.KEY and value types
@@ -101,7 +106,8 @@ def resolve_options(args: argparse.Namespace) -> dict:
         if len(opts["data"]) != 1:
             raise ValueError(f"--set data.paths={opts['data']}: evaluate.py scores one dataset; give one prefix")
         opts["data"] = opts["data"][0]
-    for name in ("tp", "pp", "cp", "seq_length", "batch_size", "dtype", "make_vocab_size_divisible_by", "tokenizer"):
+    for name in ("tp", "pp", "cp", "ep", "seq_length", "batch_size", "dtype", "make_vocab_size_divisible_by",
+                 "tokenizer"):
         if getattr(args, name) is not None:
             opts[name] = getattr(args, name)
     if args.pipeline_layout is not None:
@@ -112,12 +118,13 @@ def resolve_options(args: argparse.Namespace) -> dict:
                              "e.g. 8,8,7,7") from None
     if args.data is not None:
         opts["data"] = args.data
-    for name in ("tp", "pp", "cp", "batch_size"):
+    for name in ("tp", "pp", "cp", "ep", "batch_size"):
         if not isinstance(opts[name], int) or opts[name] < 1:
             raise ValueError(f"{name}={opts[name]!r} must be an integer >= 1")
     from engine.config.sections import ParallelConfig
 
-    ParallelConfig(cp=opts["cp"], cp_comm=opts["cp_comm"], cp_a2a_size=opts["cp_a2a_size"])  # the training rules
+    ParallelConfig(cp=opts["cp"], cp_comm=opts["cp_comm"], cp_a2a_size=opts["cp_a2a_size"], ep=opts["ep"],
+                   moe_dispatcher=opts["moe_dispatcher"])  # the training rules
     if opts["dtype"] not in DTYPES:
         raise ValueError(f"dtype={opts['dtype']!r} must be one of {', '.join(DTYPES)}")
     if sum(x is not None for x in (args.text, opts["data"], args.tokens)) != 1:
@@ -215,7 +222,13 @@ def build_stage(model_config: dict, mesh: Mesh, opts: dict, *, device):
     pp, pp_rank = mesh.dims.pp, mesh.coords["pp"]
     ranges = stage_layer_ranges(cfg.num_layers, pp, opts["pipeline_layout"])
     cp_comm = opts.get("cp_comm", "ring")
-    stage = build_model(model_config, tp_group=mesh.tp, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
+    ep = opts.get("ep", 1)
+    if ep > 1:  # before the model allocates: experts divisible by ep (the message names the fix)
+        from models.convert import stage_params
+        stage_params(cfg, tp_rank=0, tp_size=1, layer_range=(0, 0), pre_process=False, post_process=False,
+                     padded_vocab=cfg.vocab_size, ep_size=ep)
+    stage = build_model(model_config, tp_group=mesh.tp, ep_group=mesh.ep if ep > 1 else None,
+                        moe_dispatcher=opts.get("moe_dispatcher", "alltoall"), pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
                         layer_range=ranges[pp_rank], dtype=DTYPES[opts["dtype"]], device=device,
                         make_vocab_size_divisible_by=opts["make_vocab_size_divisible_by"], cp_group=mesh.cp,
                         cp_comm=cp_comm, cp_subgroups=(mesh.cp_a2a, mesh.cp_ring) if cp_comm == "hybrid" else None)
@@ -245,16 +258,16 @@ def run_evaluate(argv: list[str] | None = None) -> dict:
         raise ValueError(f"a sequence of {max(too_long)} tokens exceeds max_position_embeddings="
                          f"{cfg.max_position_embeddings}; lower --seq-length or split the --tokens lists")
     nll, count, logits = forward_all(stage, mesh, samples, opts, device=device, want_logits=bool(args.dump_logits))
-    result = {"checkpoint": str(step_dir), "tp": tp, "pp": pp, "cp": cp, "sequences": len(samples),
+    result = {"checkpoint": str(step_dir), "tp": tp, "pp": pp, "cp": cp, "ep": opts["ep"], "sequences": len(samples),
               "tokens": int(count),
               "loss": nll / count if count else float("nan"),
               "perplexity": math.exp(min(nll / count, 700.0)) if count else float("nan")}
-    writer = mesh.coords["pp"] == pp - 1 and mesh.coords["tp"] == 0 and mesh.coords["cp"] == 0
+    writer = mesh.coords["pp"] == pp - 1 and mesh.coords["tp"] == 0 and mesh.coords["cp"] == 0 and mesh.coords["dp"] == 0
     if args.dump_logits and writer:
         _write_logits(args.dump_logits, logits, flat=flat)
     if mesh.rank == 0:
         print(f"evaluate: {result['tokens']} tokens in {result['sequences']} sequences: loss {result['loss']:.6f}, "
-              f"perplexity {result['perplexity']:.4f} (tp={tp}, pp={pp}, cp={cp}, {step_dir})")
+              f"perplexity {result['perplexity']:.4f} (tp={tp}, pp={pp}, cp={cp}, ep={opts['ep']}, {step_dir})")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
@@ -264,17 +277,20 @@ def run_evaluate(argv: list[str] | None = None) -> dict:
 
 
 def launch_mesh(opts: dict, *, what: str) -> tuple[Mesh, torch.device]:
-    """The process group and the tp x pp (x cp) mesh (dp = 1) of a forward-only tool, and this rank's device."""
+    """The process group and the tp x pp (x cp) mesh (dp = ep, 1 without experts) of a forward-only tool, and
+    this rank's device."""
     init_distributed()
     world = dist.get_world_size() if dist.is_initialized() else 1
-    tp, pp, cp = opts["tp"], opts["pp"], opts.get("cp", 1)
-    if world != tp * pp * cp:
+    tp, pp, cp, ep = opts["tp"], opts["pp"], opts.get("cp", 1), opts.get("ep", 1)
+    if world != tp * pp * cp * ep:
         names, sizes = ("tp*pp", f"{tp}*{pp}") if cp == 1 else ("tp*pp*cp", f"{tp}*{pp}*{cp}")
-        raise ValueError(f"world size {world} != {names} = {sizes}; launch {tp * pp * cp} processes (torchrun "
-                         f"--nproc-per-node) or change --tp/--pp/--cp ({what} runs with dp=1)")
+        if ep > 1:
+            names, sizes = names + "*ep", sizes + f"*{ep}"
+        raise ValueError(f"world size {world} != {names} = {sizes}; launch {tp * pp * cp * ep} processes (torchrun "
+                         f"--nproc-per-node) or change --tp/--pp/--cp/--ep ({what} runs with dp={ep})")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     a2a = opts.get("cp_a2a_size") if opts.get("cp_comm") == "hybrid" else None
-    return Mesh.build(ParallelDims(dp=1, pp=pp, tp=tp, cp=cp), cp_a2a_size=a2a), device
+    return Mesh.build(ParallelDims(dp=ep, pp=pp, tp=tp, cp=cp, ep=ep), cp_a2a_size=a2a), device
 
 
 def checkpoint_model_config(ckpt: str, config_path: str | None) -> tuple[Path, dict, dict]:
@@ -311,9 +327,28 @@ def load_weights(stage, mesh: Mesh, step_dir: Path, meta: dict, *, base: str | N
         if base is not None:
             parts = [(resolve_checkpoint(base), "frozen"), (step_dir, "trainable")]
     ctx = ShardingContext.from_mesh(mesh)
+    biases = _routing_biases(stage, meta)
     for path, params in parts:
         tensors = module_sharded_tensors(stage, ctx=ctx, hook=select_params(model_param_spec, params))
+        if params != "frozen":
+            tensors += biases
         load_checkpoint(path, tensors=tensors, group=mesh.world, strict=True, verify=verify, allow_dtype_cast=True)
+
+
+def _routing_biases(stage, meta: dict) -> list:
+    """A checkpoint trained with aux-loss-free balancing (``moe.<layer>.router.expert_bias``): the stage's
+    routers get their bias buffers and these load them (routing uses them; the update rate is unused here)."""
+    from engine.checkpoint.sharded import ShardedTensor
+    from parallel.expert_parallel import MoELayer
+
+    saved = meta.get("tensors") or {}
+    out = []
+    for name, m in stage.named_modules():
+        key = f"moe.{name}.router.expert_bias"
+        if isinstance(m, MoELayer) and key in saved:
+            m.router.enable_bias_balancing(1.0)
+            out.append(ShardedTensor.replicated(key, m.router.expert_bias, replica_id=1))  # read only
+    return out
 
 
 @torch.no_grad()

@@ -26,11 +26,15 @@ class ShardingContext:
 
     ``replica_rank`` numbers the ranks that hold identical model-parallel shards (position in the
     dp x cp block); only replica 0 writes. Build it with :meth:`from_mesh` in a trainer.
+    ``expert_replica_rank`` numbers the copies of an expert parameter (``p.expert``): under expert
+    parallelism the ep ranks of a dp block hold different experts, so the copies of one expert are the
+    edp ranks (position ``edp * cp + cp``); None: the same as ``replica_rank`` (no expert parallelism).
     """
 
     tp_rank: int = 0
     tp_size: int = 1
     replica_rank: int = 0
+    expert_replica_rank: int | None = None
 
     def __post_init__(self):
         if not (self.tp_size >= 1 and 0 <= self.tp_rank < self.tp_size):
@@ -42,7 +46,8 @@ class ShardingContext:
     @classmethod
     def from_mesh(cls, mesh) -> "ShardingContext":
         c, d = mesh.coords, mesh.dims
-        return cls(tp_rank=c["tp"], tp_size=d.tp, replica_rank=c["dp"] * d.cp + c["cp"])
+        return cls(tp_rank=c["tp"], tp_size=d.tp, replica_rank=c["dp"] * d.cp + c["cp"],
+                   expert_replica_rank=c.get("edp", c["dp"]) * d.cp + c["cp"])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,7 +203,10 @@ def param_layout(name: str, param: torch.Tensor, *, ctx: ShardingContext, spec: 
     # and hook-declared extra copies. Mixed-radix index: 0 only for the one copy that writes.
     tp_copies, tp_replica = (1, 0) if sharded else (ctx.tp_size, ctx.tp_rank)
     tp_replica_id = spec.extra_replica * tp_copies + tp_replica
-    replica_id = tp_replica_id + ctx.replica_rank * tp_copies * (spec.extra_replica + 1)
+    replica_rank = ctx.replica_rank
+    if getattr(param, "expert", False) and ctx.expert_replica_rank is not None:
+        replica_rank = ctx.expert_replica_rank  # the ep ranks hold different experts: edp ranks are the copies
+    replica_id = tp_replica_id + replica_rank * tp_copies * (spec.extra_replica + 1)
     return ParamLayout(name=name, local_shape=shape, parts=tuple(parts), replica_id=replica_id,
                        tp_replica_id=tp_replica_id, allow_shape_mismatch=spec.allow_shape_mismatch)
 

@@ -24,7 +24,10 @@ Dropless by default; ``capacity_factor`` keeps at most ceil(factor * T * k / E) 
 this rank's T tokens, by ``drop_policy`` ("probs": the highest weights; "position": the earliest).
 
 After each forward, ``last_stats`` holds the layer's :class:`RouterStats`, ``last_aux_loss`` and
-``last_z_loss`` (fp32 scalars), ``last_dropped_fraction`` the share of choices dropped. In training,
+``last_z_loss`` (fp32 scalars), ``last_dropped_fraction`` the share of choices dropped. Training forwards
+also add into ``step_load`` (fp64, (E + 4,): tokens per expert, the aux loss, dropped and routed choices,
+forwards),
+which :class:`parallel.expert_parallel.metrics.MoEMetrics` reduces and resets once per step. In training,
 ``aux_loss_coef * aux + z_loss_coef * z`` receives gradient ``aux_loss_scale`` through
 :class:`AuxLossInjector`.
 """
@@ -151,6 +154,8 @@ class MoELayer(nn.Module):
         self.dispatcher = make_dispatcher(dispatcher, num_experts=num_experts, ep_group=ep_group)
         self.last_stats = self.last_aux_loss = self.last_z_loss = None
         self.last_dropped_fraction = 0.0
+        self.layer_name = name_prefix.rstrip(".")  # "layers.{i}.mlp" (global index): the metrics' key
+        self.step_load: torch.Tensor | None = None  # (E + 4,) fp64, see the module docstring
 
     def _run_experts(self, rows: torch.Tensor, counts: list) -> torch.Tensor:
         """This rank's experts over ``rows`` sorted by local expert; TP-reduced output rows (n, h).
@@ -177,6 +182,7 @@ class MoELayer(nn.Module):
         tokens = x.reshape(s * b, h)  # (T, h)
         routing = self.router(tokens)
         self.last_stats = self.router.stats(routing)  # before dropping: the aux loss sees the router's choice
+        dropped = 0
         if self.capacity_factor is not None:
             routing, dropped = drop_over_capacity(routing, num_experts=self.num_experts,
                                                   capacity_factor=self.capacity_factor, policy=self.drop_policy)
@@ -187,6 +193,12 @@ class MoELayer(nn.Module):
             out = out + torch.sigmoid(F.linear(tokens, self.shared_expert_gate.weight)) * shared
         self.last_aux_loss = load_balancing_loss([self.last_stats], num_experts=self.num_experts)
         self.last_z_loss = z_loss(routing.logits)
+        if self.training:  # the step's load (metrics); a recomputed forward adds again, ratios stay exact
+            extra = torch.tensor([0.0, float(dropped), float(routing.indices.numel()), 1.0], dtype=torch.float64,
+                                 device=x.device)
+            extra[0] = self.last_aux_loss.detach().double()
+            row = torch.cat([self.last_stats.counts.detach().double(), extra])  # (E + 4,)
+            self.step_load = row if self.step_load is None else self.step_load + row
         if torch.is_grad_enabled() and (self.aux_loss_coef or self.z_loss_coef):
             loss = self.aux_loss_coef * self.last_aux_loss + self.z_loss_coef * self.last_z_loss
             out = AuxLossInjector.apply(out, loss, self.aux_loss_scale)

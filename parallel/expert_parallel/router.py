@@ -81,7 +81,13 @@ def z_loss(logits: torch.Tensor) -> torch.Tensor:
 
 
 class TopKRouter(nn.Module):
-    """``weight`` (E, h), replicated on every rank. ``forward(x (T, h)) -> Routing``."""
+    """``weight`` (E, h), replicated on every rank. ``forward(x (T, h)) -> Routing``.
+
+    Aux-loss-free balancing (DeepSeek-V3, :meth:`enable_bias_balancing`): a per-expert ``expert_bias``
+    buffer (E,) fp32 is added to the scores for the top-k *selection* only (the combine weights stay the
+    unbiased scores of the chosen experts); after every step :meth:`update_bias` moves it by ``rate`` toward
+    balance, ``b_e += rate * sign(mean load - load_e)``, from the global batch's load (every replica gets
+    the same counts, so the biases stay identical)."""
 
     def __init__(self, hidden_size: int, num_experts: int, *, top_k: int, score_func: str = "softmax",
                  norm_topk_prob: bool = True, dtype=None, device=None):
@@ -92,6 +98,23 @@ class TopKRouter(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.norm_topk_prob = score_func, norm_topk_prob
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device))
+        self.bias_update_rate = 0.0
+        self.register_buffer("expert_bias", None)  # (E,) fp32 once enable_bias_balancing() is called
+
+    def enable_bias_balancing(self, rate: float) -> None:
+        """Aux-loss-free balancing with step size ``rate`` (> 0; DeepSeek-V3 uses 1e-3); the bias starts at 0."""
+        if isinstance(rate, bool) or not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
+            raise ValueError(f"bias update rate={rate!r} must be a finite number > 0 (e.g. 1e-3), or leave the "
+                             "balancing off")
+        self.bias_update_rate = float(rate)
+        self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32,
+                                                        device=self.weight.device))
+
+    @torch.no_grad()
+    def update_bias(self, counts: torch.Tensor) -> None:
+        """One balancing step from ``counts`` (E,): the (token, choice) pairs each expert got in the step."""
+        counts = counts.to(self.expert_bias.device, torch.float32)  # (E,)
+        self.expert_bias.add_(torch.sign(counts.mean() - counts), alpha=self.bias_update_rate)
 
     def forward(self, x: torch.Tensor) -> Routing:
         logits = F.linear(x, self.weight)  # (T, E)
@@ -99,7 +122,11 @@ class TopKRouter(nn.Module):
             probs = torch.softmax(logits.float(), dim=-1)  # (T, E)
         else:
             probs = torch.sigmoid(logits.float())
-        top, indices = torch.topk(probs, self.top_k, dim=-1)  # (T, k)
+        if self.expert_bias is not None:  # biased selection, unbiased weights
+            indices = torch.topk(probs + self.expert_bias, self.top_k, dim=-1).indices  # (T, k)
+            top = probs.gather(-1, indices)  # (T, k)
+        else:
+            top, indices = torch.topk(probs, self.top_k, dim=-1)  # (T, k)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
         return Routing(indices=indices, weights=top.to(x.dtype), probs=probs, logits=logits)
@@ -111,7 +138,7 @@ class TopKRouter(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, score={self.score_func}, "
-                f"norm_topk_prob={self.norm_topk_prob}")
+                f"norm_topk_prob={self.norm_topk_prob}, bias_update_rate={self.bias_update_rate}")
 
 
 def expert_capacity(num_tokens: int, *, num_experts: int, top_k: int, capacity_factor: float) -> int:

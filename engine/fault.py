@@ -1,8 +1,8 @@
 """Fault tolerance at start-up and at the end of a run: what protects a run directory and its data.
 
-* :func:`check_run_dir` (tools/pretrain.py, before any process group exists): a non-empty directory
-  that is not a Tessel run is refused (its files are never overwritten); a run directory holding a
-  complete checkpoint is a resume, and a launch whose config changes what the checkpoint depends on
+* :func:`check_run_dir` (tools/pretrain.py and tools/posttrain.py, before any process group exists): a
+  non-empty directory that is not a Tessel run is refused (its files are never overwritten); a run
+  directory holding a complete checkpoint is a resume, and a launch whose config changes what the checkpoint depends on
   (the model, the data, the global batch, the sequence length, the seed) is refused with one line
   naming the keys and the way out.
 * :func:`remove_stale_saves`: the temporary directories of saves that never committed
@@ -31,6 +31,10 @@ EXIT_HUNG = 4  # the exit status of a rank whose hang watchdog fired (fault.hang
 # model.hf_config and one given by explicit fields compare alike.
 RESUME_KEYS = ("model.dtype", "data.paths", "data.weights", "data.split", "train.global_batch_size",
                "train.seq_length", "train.seed")
+# Post-training resumes depend on the base model, the records and how they are packed, not on data.paths.
+POSTTRAIN_RESUME_KEYS = ("model.dtype", "train.global_batch_size", "train.seq_length", "train.seed",
+                         "posttrain.method", "posttrain.data", "posttrain.pack", "posttrain.truncate",
+                         "posttrain.chat_template", "posttrain.lora.rank", "posttrain.lora.targets")
 # Entries a Tessel run directory may hold besides config.json (for the message only).
 RUN_FILES = ("config.json", "model_config.json", "metrics.jsonl", "tensorboard", "checkpoints")
 
@@ -88,15 +92,15 @@ def architecture_changes(saved: dict | None, new: dict) -> list[str]:
             for k in keys if saved.get(k) != new.get(k)]
 
 
-def check_run_dir(cfg, run_dir: str, *, model_config: dict | None = None) -> str | None:
+def check_run_dir(cfg, run_dir: str, *, model_config: dict | None = None, keys=RESUME_KEYS) -> str | None:
     """Refuse a launch into ``run_dir`` that would destroy or corrupt something (no communication).
 
     * ``run_dir`` exists, is not empty and holds no Tessel config.json: not a Tessel run, refused.
     * It holds a complete checkpoint (under ``checkpoint.dir`` or ``run_dir/checkpoints``): this launch
       resumes it, so the saved config (``run_dir/config.json``, else the checkpoint's own) and model
       (``run_dir/model_config.json``, else the checkpoint's) must agree with ``cfg`` and ``model_config``
-      on the model, :data:`RESUME_KEYS`; steps, the LR schedule, logging, the layout and the rest may
-      change. Refused otherwise, in one line naming the keys and the way out.
+      on the model and ``keys`` (:data:`RESUME_KEYS`; tools/posttrain.py: :data:`POSTTRAIN_RESUME_KEYS`);
+      steps, the LR schedule, logging, the layout and the rest may change. Refused otherwise, in one line naming the keys and the way out.
 
     Returns the checkpoint that will be resumed (None: a fresh start). ValueError on refusal.
     """
@@ -111,7 +115,16 @@ def check_run_dir(cfg, run_dir: str, *, model_config: dict | None = None) -> str
                              "config.json): refusing to write into it; choose a new or empty directory with "
                              "--run-dir or --set train.run_dir=DIR")
     root = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
-    complete = list_checkpoints(root)
+    if cfg.checkpoint.peer_replica and os.path.isfile(config_json) and os.path.isfile(
+            os.path.join(run_dir, "model_config.json")):
+        # A restart that may load the peers' replicas opens no file of the checkpoint directory: the newest
+        # commit by listing and stat (the saved configs above are the run directory's, not the checkpoint's).
+        from engine.checkpoint.peer import newest_committed
+
+        found = newest_committed(root)
+        complete = [] if found is None else [found]
+    else:
+        complete = list_checkpoints(root)
     if not complete:
         return None
     latest = complete[-1][1]
@@ -121,7 +134,7 @@ def check_run_dir(cfg, run_dir: str, *, model_config: dict | None = None) -> str
         meta = _read_json(str(latest / METADATA_FILE)) or {}
         saved_cfg = saved_cfg or (meta.get("trainer_state") or {}).get("config")
         saved_model = saved_model or meta.get("model_config")
-    changes = config_changes(saved_cfg or {}, cfg.to_dict())
+    changes = config_changes(saved_cfg or {}, cfg.to_dict(), keys=keys)
     if model_config is not None:
         changes = architecture_changes(saved_model, model_config) + changes
     if not changes:
@@ -132,6 +145,14 @@ def check_run_dir(cfg, run_dir: str, *, model_config: dict | None = None) -> str
     raise ValueError(f"run directory {run_dir!r} holds checkpoint {latest.name}, and this launch would resume it "
                      f"with changes that break the run: {', '.join(changes)}; {way_out}, or launch with the "
                      "saved values to resume")
+
+
+def check_peer_replica(cfg, world: int) -> None:
+    """``checkpoint.peer_replica`` needs a peer: refused with one rank, before any process group exists."""
+    if cfg.checkpoint.peer_replica and world < 2:
+        raise ValueError(f"checkpoint.peer_replica=true with a world of {world} rank: the replica of a rank's shard "
+                         "is held by another rank; launch with torchrun --nproc-per-node >= 2, or set "
+                         "checkpoint.peer_replica=false")
 
 
 def remove_stale_saves(root: str | os.PathLike) -> list[Path]:

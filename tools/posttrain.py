@@ -10,7 +10,9 @@ by the model being trained (engine/posttrain/rollout.py). The base weights come 
 supplies the architecture (``model.hf_config``), the tokenizer (``data.tokenizer``) and the chat
 template unless the config names them. The run directory holds what pretraining's holds; its
 checkpoints keep the base's ``hf/`` files, so ``tessel-to-hf`` exports a model that chats the same way.
-A run directory that already holds a complete checkpoint resumes from it.
+A run directory that already holds a complete checkpoint resumes from it; as in tools/pretrain.py, a
+non-empty directory that is not a Tessel run, and a resume that changes the model, the records, the global
+batch or the sequence length, are refused before anything starts (engine/fault.py).
 """
 from __future__ import annotations
 
@@ -238,8 +240,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     def checked():
+        from engine.fault import POSTTRAIN_RESUME_KEYS, check_run_dir
+
         cfg = load_config(args.config, args.config_overrides or [], defaults=base_defaults)
-        return cfg, prepare(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
+        prep = prepare(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
+        # A foreign directory is never written into; a resume must not change what its checkpoint depends on.
+        check_run_dir(cfg, args.run_dir or cfg.train.run_dir, model_config=prep.model.hf_config,
+                      keys=POSTTRAIN_RESUME_KEYS)
+        return cfg, prep
     return launch("posttrain.py", checked, lambda p, world: run_posttrain(p[0], p[1], args.run_dir, world=world),
                   timeout_s=lambda p: p[0].fault.collective_timeout_s)
 

@@ -34,9 +34,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     def prepare():
-        from engine.fault import check_run_dir
+        from engine.fault import check_peer_replica, check_run_dir
 
         cfg = config_from_args(args)
+        check_peer_replica(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         model, plan, tok = plan_run(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
         # A foreign directory is never written into; a resume must not change what its checkpoint depends on.
         check_run_dir(cfg, args.run_dir or cfg.train.run_dir, model_config=model.hf_config)
@@ -64,7 +65,12 @@ def launch(prog: str, prepare: Callable[[], Any], run: Callable[[Any, int], Any]
         if os.environ.get("RANK", "0") == "0":
             print(f"{prog}: {e}", file=sys.stderr)
         return 2
-    rank, world = init_distributed(timeout_s=timeout_s(prepared))
+    try:
+        rank, world = init_distributed(timeout_s=timeout_s(prepared))
+    except ValueError as e:  # a launch that cannot restart safely (parallel.mesh.attempt_store), before any rendezvous
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{prog}: {e}", file=sys.stderr)
+        return 2
     try:
         run(prepared, world)
         return 0
@@ -112,7 +118,10 @@ def run_training(cfg, model, plan, run_dir: str | None, *, world: int, tokenizer
     run = build_run(cfg, model=model, run_dir=run_dir or cfg.train.run_dir, world=world, plan=plan,
                     tokenizer=tokenizer)
     run.resume()
-    return run.train()
+    history = run.train()
+    if run.checkpointer is not None:
+        run.checkpointer.close()  # a clean exit: the peer replicas in /dev/shm go (checkpoint.peer_replica)
+    return history
 
 
 def train_from_config(cfg, run_dir: str | None, *, rank: int, world: int):

@@ -11,6 +11,11 @@ Checks before anything is read, raised on every rank: the path (missing, foreign
 tensors the checkpoint lacks (listed), global shape and dtype mismatches (named, saved vs
 expected). With ``verify=True`` the sha256 of every file that is read is checked first; each file
 is hashed by one rank only (the lowest rank that needs it).
+
+A peer replica (``checkpoint.peer_replica``, :mod:`engine.checkpoint.peer`) is loaded through the same plan:
+``path`` is then a :class:`~engine.checkpoint.peer.ReplicaSource`, whose metadata and files come from the
+ranks' node-local copies over the process group, and no file of the checkpoint directory is opened
+(``LoadResult.files_opened`` counts the checkpoint files this rank opened: 0 then).
 """
 from __future__ import annotations
 
@@ -49,6 +54,8 @@ class LoadResult:
     rank_state: dict | None
     missing: list[str] = field(default_factory=list)
     metadata: dict = field(default_factory=dict, repr=False)
+    files_opened: int = 0  # checkpoint files this rank opened (metadata, hashed and read shards); 0 from a replica
+    source: str = "disk"   # "disk" or "peer replica"
 
 
 @dataclass(frozen=True)
@@ -152,8 +159,9 @@ def _plan_reads(meta: dict, tensors: Sequence[ShardedTensor], missing: list[str]
     return reads
 
 
-def _verify_files(step_dir: Path, meta: dict, needed: set[str], group: Group | None) -> None:
-    """sha256 of every needed file, each hashed by the lowest rank needing it; raises on every rank."""
+def _verify_files(step_dir: Path, meta: dict, needed: set[str], group: Group | None) -> int:
+    """sha256 of every needed file, each hashed by the lowest rank needing it; raises on every rank.
+    Returns the number of files this rank hashed (opened)."""
     all_needed = _dist.all_gather_json(sorted(needed), group)
     rank = _dist.group_rank(group)
     mine = [f for f in sorted(needed) if min(r for r, n in enumerate(all_needed) if f in n) == rank]
@@ -161,6 +169,7 @@ def _verify_files(step_dir: Path, meta: dict, needed: set[str], group: Group | N
     errors = [e for errs in _dist.all_gather_json(errors, group) for e in errs]
     if errors:
         raise CheckpointError("; ".join(errors))
+    return len(mine)
 
 
 def _box_index(lo, hi, origin) -> tuple[slice, ...]:
@@ -223,20 +232,44 @@ def _pread_into(fd: int, view: torch.Tensor, offset: int, path: Path) -> None:
     pread_exact(fd, memoryview(view.reshape(-1).view(torch.uint8).numpy()), offset, what=f"cannot read {path}")
 
 
-def _execute(step_dir: Path, reads: list[_Read]) -> None:
-    """Fill every target region. A region that is one contiguous run in the file and in a contiguous
-    CPU target of the same dtype is read straight into the target (one ``preadv``, no copy);
-    anything else goes through ``safe_open(...).get_slice``."""
+class _MemoryFile:
+    """A safetensors file held in memory (a peer replica), read with the same slicing as ``safe_open``."""
+
+    def __init__(self, data):
+        from safetensors.torch import load as load_bytes
+
+        self._tensors = load_bytes(bytes(data))
+
+    def get_slice(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+
+def _execute(step_dir: Path, reads: list[_Read], memory: dict | None = None) -> int:
+    """Fill every target region; returns the number of files opened. A region that is one contiguous run in
+    the file and in a contiguous CPU target of the same dtype is read straight into the target (one
+    ``preadv``, no copy); anything else goes through ``safe_open(...).get_slice``. ``memory`` (file name ->
+    bytes, a peer replica): every region is cut from those bytes and no file is opened."""
     by_file: dict[str, list[_Read]] = {}
     for r in reads:
         if not r.file:  # padding rows the checkpoint does not have
             _target_view(r).zero_()
             continue
         by_file.setdefault(r.file, []).append(r)
+    if memory is not None:
+        for fname, rs in sorted(by_file.items()):
+            f = _MemoryFile(memory[fname])
+            for r in rs:
+                _target_view(r).copy_(_read_source(f, r))
+        return 0
+    opened = 0
     for fname, rs in sorted(by_file.items()):
         p = step_dir / fname
         try:
             fd = os.open(p, os.O_RDONLY)
+            opened += 1
             try:
                 base, header = read_safetensors_header(fd, p)
                 slow = []
@@ -251,6 +284,7 @@ def _execute(step_dir: Path, reads: list[_Read]) -> None:
             finally:
                 os.close(fd)
             if slow:
+                opened += 1
                 with safe_open(str(p), framework="pt", device="cpu") as f:
                     for r, view in slow:
                         view.copy_(_read_source(f, r))
@@ -258,6 +292,7 @@ def _execute(step_dir: Path, reads: list[_Read]) -> None:
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointError(f"cannot read {p}: {e}") from e
+    return opened
 
 
 def load_checkpoint(path: str | os.PathLike, *, tensors: Sequence[ShardedTensor] = (), group: Group | None = None,
@@ -271,13 +306,21 @@ def load_checkpoint(path: str | os.PathLike, *, tensors: Sequence[ShardedTensor]
     when ``strict`` (they keep their current values and are listed in ``LoadResult.missing``). Raises
     CheckpointError on every rank for the problems listed in the module docstring.
     """
-    step_dir = _resolve_everywhere(path, group)
+    from engine.checkpoint.peer import ReplicaSource
+
+    replica = path if isinstance(path, ReplicaSource) else None
+    step_dir = replica.path if replica is not None else _resolve_everywhere(path, group)
     problems: list[str] = []
     missing: list[str] = []
     reads: list[_Read] = []
     meta: dict = {}
+    opened = 0
     try:
-        meta = read_metadata(step_dir)
+        if replica is not None:
+            meta = replica.meta
+        else:
+            opened += 1
+            meta = read_metadata(step_dir)
         missing, problems = _check_targets(meta, tensors, strict=strict, allow_dtype_cast=allow_dtype_cast,
                                            path=step_dir, optional=optional)
         if not problems:
@@ -290,11 +333,17 @@ def load_checkpoint(path: str | os.PathLike, *, tensors: Sequence[ShardedTensor]
         mine = everyone[rank]
         others = [f"rank {r}: {'; '.join(p)}" for r, p in enumerate(everyone) if p and r != rank]
         raise CheckpointError("; ".join(mine) if mine else "load aborted: " + " | ".join(others))
-    if verify:
-        _verify_files(step_dir, meta, {r.file for r in reads if r.file}, group)
+    memory = None
+    if replica is not None:  # the needed files from the peers' copies, sha256-checked against the metadata
+        memory = replica.fetch({r.file for r in reads if r.file})
+        if memory is None:  # every rank agrees (fetch says why, once): the disk checkpoint it stands for
+            return load_checkpoint(step_dir, tensors=tensors, group=group, layout=layout, strict=strict,
+                                   verify=verify, allow_dtype_cast=allow_dtype_cast, optional=optional)
+    elif verify:
+        opened += _verify_files(step_dir, meta, {r.file for r in reads if r.file}, group)
     error = None
     try:
-        _execute(step_dir, reads)
+        opened += _execute(step_dir, reads, memory)
     except CheckpointError as e:
         error = str(e)
     errors = [e for e in _dist.all_gather_json(error, group) if e]
@@ -306,4 +355,5 @@ def load_checkpoint(path: str | os.PathLike, *, tensors: Sequence[ShardedTensor]
     rank_state = from_json_state(rank_states[rank]) if same_layout and rank < len(rank_states) else None
     return LoadResult(path=step_dir, step=meta["step"], trainer_state=from_json_state(meta.get("trainer_state")),
                       model_config=meta.get("model_config"), layout=meta.get("layout"), rank_state=rank_state,
-                      missing=missing, metadata=meta)
+                      missing=missing, metadata=meta, files_opened=opened,
+                      source="disk" if replica is None else "peer replica")

@@ -12,7 +12,8 @@ Protocol (all ranks call :func:`save_checkpoint` with their own ShardedTensors, 
 3. ``finalize()`` (collective) gathers every rank's write result (file, sha256, size). Only when all
    ranks succeeded does rank 0 write ``metadata.json``, fsync it and the directory, rename the
    directory to ``step_<step>``, fsync the root, and then replace the ``latest`` pointer. Keep-last-k
-   retention runs after that and only ever removes older complete checkpoints.
+   retention runs after that and only ever removes older complete checkpoints, never a milestone
+   (a step that is a multiple of ``keep_every``).
 
 A crash at any point leaves either the previous checkpoints untouched plus an ignored temporary
 directory, or the new complete checkpoint. A failed save raises on every rank and deletes nothing.
@@ -107,10 +108,11 @@ class SaveHandle:
 
     def __init__(self, *, root: Path, step: int, group: Group | None, tmp_dir: Path, meta: dict,
                  keep_last: int | None, writer: BackgroundWrite | None, result: WriteResult | None,
-                 error: BaseException | None, staged: list | None = None, pool: StagingPool | None = None):
+                 error: BaseException | None, staged: list | None = None, pool: StagingPool | None = None,
+                 keep_every: int | None = None):
         self.root, self.step, self.group = root, step, group
         self.path = root / step_dirname(step)
-        self._tmp_dir, self._meta, self._keep_last = tmp_dir, meta, keep_last
+        self._tmp_dir, self._meta, self._keep_last, self._keep_every = tmp_dir, meta, keep_last, keep_every
         self._writer, self._result, self._error = writer, result, error
         self._staged, self._pool = staged, pool
         self._async = writer is not None
@@ -194,11 +196,14 @@ class SaveHandle:
             shutil.rmtree(trash, ignore_errors=True)
         if self._keep_last is not None:
             apply_retention(self.root, keep_last=self._keep_last, protect=self.path,
-                            background=self._async)
+                            background=self._async, keep_every=self._keep_every)
 
 
-def apply_retention(root: Path, *, keep_last: int, protect: Path, background: bool = False) -> list[Path]:
-    """Delete complete checkpoints beyond the newest ``keep_last`` (by step); never ``protect``.
+def apply_retention(root: Path, *, keep_last: int, protect: Path, background: bool = False,
+                    keep_every: int | None = None) -> list[Path]:
+    """Delete complete checkpoints beyond the newest ``keep_last`` (by step); never ``protect``, and never a
+    milestone: a checkpoint whose step is a multiple of ``keep_every`` (kept beside the newest ``keep_last``,
+    which count every checkpoint, milestones included).
 
     Incomplete directories and temporary ones are never touched. Each victim is first renamed to a
     trash name (atomic), so a crash mid-delete cannot leave a half-deleted "complete" checkpoint;
@@ -206,7 +211,8 @@ def apply_retention(root: Path, *, keep_last: int, protect: Path, background: bo
     saves) unlinks the trash in a daemon thread, off the training loop.
     """
     complete = list_checkpoints(root)
-    victims = [p for _, p in complete[:max(0, len(complete) - keep_last)] if p.resolve() != protect.resolve()]
+    victims = [p for step, p in complete[:max(0, len(complete) - keep_last)]
+               if p.resolve() != protect.resolve() and not (keep_every and step % keep_every == 0)]
     trash = [p for p in root.iterdir() if p.name.startswith(TRASH_PREFIX)]
     for p in victims:
         t = root / f"{TRASH_PREFIX}{p.name}_{uuid.uuid4().hex[:8]}"
@@ -227,11 +233,22 @@ def apply_retention(root: Path, *, keep_last: int, protect: Path, background: bo
     return victims
 
 
+def check_keep_every(keep_every, keep_last) -> None:
+    """ValueError unless ``keep_every`` is None or an int >= 1 used beside ``keep_last``."""
+    if keep_every is None:
+        return
+    if isinstance(keep_every, bool) or not isinstance(keep_every, int) or keep_every < 1:
+        raise ValueError(f"keep_every={keep_every!r} must be an int >= 1 (the milestone interval in steps), or None")
+    if keep_last is None:
+        raise ValueError(f"keep_every={keep_every} without keep_last: every checkpoint is kept already; set "
+                         "keep_last to bound the recent ones, or leave keep_every unset")
+
+
 def save_checkpoint(root: str | os.PathLike, *, step: int, tensors: Sequence[ShardedTensor], group: Group | None = None,
                     model_config: dict | None = None, layout: dict | None = None, trainer_state: dict | None = None,
                     rank_state: dict | None = None, keep_last: int | None = None,
                     async_save: bool = False, staging: StagingPool | None = None,
-                    side_files: dict[str, str] | None = None) -> SaveHandle:
+                    side_files: dict[str, str] | None = None, keep_every: int | None = None) -> SaveHandle:
     """Save ``tensors`` (this rank's ShardedTensors) as checkpoint ``<root>/step_<step>`` (collective).
 
     ``group`` spans every rank taking part (``None``: a single process). ``model_config``,
@@ -247,6 +264,7 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, tensors: Sequence[Sha
         raise ValueError(f"step={step!r} must be an int >= 0")
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last={keep_last!r} must be an int >= 1, or None to keep every checkpoint")
+    check_keep_every(keep_every, keep_last)
     root = Path(root)
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"checkpoint root {root} exists and is not a directory; choose another checkpoint.dir")
@@ -318,7 +336,7 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, tensors: Sequence[Sha
         except OSError as e:
             error = e
     handle = SaveHandle(root=root, step=step, group=group, tmp_dir=tmp_dir, meta=meta, keep_last=keep_last,
-                        writer=writer, result=result, error=error,
+                        keep_every=keep_every, writer=writer, result=result, error=error,
                         staged=[h for h, (_, t) in zip(hosts, writes) if h.data_ptr() != t.data.data_ptr()]
                         if entries else None, pool=staging)
     if not async_save:

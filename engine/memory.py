@@ -9,8 +9,10 @@ tests that assert them against what torch allocates):
   norm and the loss): the bytes kept until its backward, and the transients of its forward and backward;
 * :func:`predict_memory`: every pipeline rank of a run: parameters, gradients and optimizer state
   from the data-parallel buffer layout and ZeRO stage, the pipeline's in-flight micro-batches by
-  walking the schedule's action lists, and the transients of the step (gradient reduction, parameter
-  all-gather, optimizer).
+  walking the schedule's action lists (its placement: loop, or the V of zbv/dualpipev; split backward's
+  weight-gradient queues held from ``B`` to ``W``, :func:`wgrad_queue_bytes`), context parallelism's
+  per-shard activations and attention buffers (:func:`cp_attention_transients`), and the transients of
+  the step (gradient reduction over dp x cp, parameter all-gather, optimizer).
 
 Measured: :class:`PeakMemory` (a block's peak above its entry, from the allocator) and
 :func:`state_bytes` (the run's persistent tensors). On CUDA :class:`PeakMemory` reads the caching
@@ -44,7 +46,7 @@ import torch
 
 from parallel.data_parallel.buffers import bucket_size_elements, plan_buckets
 from parallel.pipeline import build_schedule
-from parallel.pipeline.actions import FORWARD
+from parallel.pipeline.actions import FORWARD, rank_stages
 from parallel.pipeline.split import split_layers
 
 MB = 1e6
@@ -125,17 +127,83 @@ def layer_saved_bytes(shape: LayerShape, *, s: int, b: int, tp: int = 1, sp: boo
 class StageMemory:
     """One micro-batch of one pipeline stage on one rank: ``saved`` is kept from its forward until its
     backward; ``forward`` and ``backward`` are the transients on top (``saved`` counted) at the peak of
-    each."""
+    each. Split backward (zb-h1, zbv, dualpipev): ``wgrad`` is what the weight-gradient queue keeps from
+    ``B`` to ``W`` (each deferred linear's input and output gradient), ``wgrad_step`` the transient of
+    ``W`` (the weight gradients it computes, all alive until they are accumulated)."""
 
     saved: int
     forward: int
     backward: int
+    wgrad: int = 0
+    wgrad_step: int = 0
+
+
+def cp_attention_transients(shape: LayerShape, *, s: int, b: int, tp: int = 1, cp: int = 1, comm: str = "ring",
+                            a2a_size: int | None = None, elem: int = 4) -> tuple[int, int]:
+    """``(forward, backward)`` bytes one context-parallel attention holds on top of the saved activations, on
+    one rank (``s`` its local tokens, ``s_full / cp``), from parallel/context_parallel (docs/memory.md):
+
+    * ring: the packed K/V block in hand and the one arriving (forward and backward), the dK/dV accumulator
+      in hand and the one arriving (backward), a q-sized copy and output (forward; dq in backward), and one
+      block's score-sized temporaries, ``(b, heads, L, L)`` with ``L = s_full / (2 cp)`` the chunk: 3 in
+      forward (scores, shifted scores, probabilities), 5 in backward (with dP, dP - delta, dS);
+    * a2a: q, k and v packed for the all-to-all, received, and put back in natural order (3 copies);
+    * hybrid: the all-to-all's received q, k, v, then the ring over the ``cp / a2a_size`` groups with
+      ``1 / a2a_size`` of the heads.
+    Score temporaries and the dK/dV accumulators are in the compute dtype (fp32 for bf16). Counts read off
+    the code and checked against the allocator at one shape (docs/memory.md)."""
+    if cp <= 1:
+        return 0, 0
+    cdt = max(elem, 4)
+    heads, kv = shape.num_heads // tp, shape.num_kv_heads // tp
+    d = shape.head_dim
+    qkv = s * b * (heads + 2 * kv) * d * elem  # the local q, k and v
+
+    def ring(tokens, h, g, chunk):
+        kvu, qu, blk = tokens * b * g * d, tokens * b * h * d, b * h * chunk * chunk
+        return (3 * blk * cdt + 4 * kvu * elem + 2 * qu * cdt,
+                5 * blk * cdt + 8 * kvu * cdt + 2 * qu * cdt)
+    chunk = s // 2  # s_full / (2 cp)
+    if comm == "a2a":
+        return 3 * qkv, 3 * qkv
+    if comm == "hybrid":
+        a = a2a_size or 1
+        f, bw = ring(s * a, heads // a, kv // a, chunk)
+        return qkv + f, qkv + bw
+    return ring(s, heads, kv, chunk)
+
+
+def wgrad_queue_bytes(shape: LayerShape, *, s: int, b: int, layers: int, tp: int = 1, sp: bool = False,
+                      post_process: bool = False, vocab_local: int = 0, elem: int = 4,
+                      fused_ce: bool = False) -> tuple[int, int]:
+    """``(queued, w_step)`` bytes of one micro-batch of a stage under split backward
+    (parallel/tensor_parallel/wgrad.py): ``queued`` is what ``B`` leaves for ``W`` — per deferred linear
+    its input (``qkv`` and ``fc1``: the norm's output, all-gathered again in ``B`` under SP; ``out``: the
+    context; ``fc2``: the gated product) and its output gradient (column linears: their ``1/tp`` slice;
+    ``out`` and ``fc2``: the full ``(s, b, h)``, all-gathered under SP) — and on the last stage the output
+    layer's (the final norm's output and the logits' gradient; not deferred with fused linear + CE).
+    ``w_step``: ``W`` computes every deferred weight gradient of the stage before accumulating them."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    n, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    width = (2 if shape.gated else 1) * f
+    sb = s * b
+    per_layer = (sb * h + sb * (n + 2 * kv) // tp  # qkv: input, output gradient
+                 + sb * n // tp + sb * h  # out
+                 + sb * h + sb * width // tp  # fc1
+                 + sb * f // tp + sb * h)  # fc2
+    weights = layers * (h * (n + 2 * kv) + n * h + h * width + f * h) // tp
+    queued = layers * per_layer
+    if post_process and not fused_ce:
+        queued += sb * h + sb * vocab_local
+        weights += vocab_local * h
+    return elem * queued, elem * weights
 
 
 def stage_memory(shape: LayerShape, *, s: int, b: int, layers: int, tp: int = 1, sp: bool = False,
                  recompute: str = "none", recompute_layers: int | None = None, pre_process: bool = False,
                  post_process: bool = False, vocab_local: int = 0, elem: int = 4, fused_ce: bool = False,
-                 attention: str | None = None) -> StageMemory:
+                 attention: str | None = None, cp: int = 1, cp_comm: str = "ring",
+                 cp_a2a_size: int | None = None) -> StageMemory:
     """:class:`StageMemory` of a stage with ``layers`` layers (the first ``recompute_layers`` of them
     fully recomputed when ``recompute='full'``; None: all). Beyond the layers: the rope tables (Hugging
     Face's expanded cos and sin, shared by the layers), the embedding's masked ids, the final norm and
@@ -173,23 +241,42 @@ def stage_memory(shape: LayerShape, *, s: int, b: int, layers: int, tp: int = 1,
             saved += 4 * sb * vocab_local + 10 * sb  # fp32 softmax, target ids (int64), two masks (bool)
             forward = elem * sb * vocab_local  # the logits, alive while their fp32 copy is made
             backward = max(backward, elem * (vocab_local * h + sb * h))  # output weight and input gradients
-    return StageMemory(saved=saved, forward=forward, backward=backward)
+    if layers and cp > 1:  # context-parallel attention's buffers (``s`` is the local share): while the
+        # attention runs, its layer's MLP activations are not held (forward: not made yet; backward: freed)
+        att_f, att_b = cp_attention_transients(shape, s=s, b=b, tp=tp, cp=cp, comm=cp_comm, a2a_size=cp_a2a_size,
+                                               elem=elem)
+        mlp = elem * ((4 if shape.gated else 2) * sb * shape.ffn_hidden_size // tp)
+        forward, backward = max(forward, att_f - mlp), max(backward, att_b - mlp)
+    queued, w_step = wgrad_queue_bytes(shape, s=s, b=b, layers=layers, tp=tp, sp=sp, post_process=post_process,
+                                       vocab_local=vocab_local, elem=elem, fused_ce=fused_ce)
+    return StageMemory(saved=saved, forward=forward, backward=backward, wgrad=queued, wgrad_step=w_step)
 
 
-def pipeline_peak(actions, stages: dict[int, StageMemory], *, after_first_backward: int = 0) -> tuple[int, int, int]:
+def pipeline_peak(actions, stages: dict[int, StageMemory], *, after_first_backward: int = 0,
+                  split_backward: bool = False) -> tuple[int, int, int]:
     """Walk one rank's action list: ``(peak bytes above the step's start, saved activation bytes at
     that moment, micro-batches in flight then)``. ``after_first_backward``: bytes that appear with the
-    rank's first backward and stay (ZeRO-2's gradient buckets)."""
+    rank's first backward and stay (ZeRO-2's gradient buckets). ``split_backward``: a ``B`` frees its
+    micro-batch's activations but leaves its weight-gradient queue (``StageMemory.wgrad``), held until its
+    ``W``; a micro-batch counts in flight (and its queue as saved bytes) from ``F`` to ``W``, as the
+    simulator's ``peak_inflight`` counts it."""
     live = extra = peak = at_saved = at_count = 0
     count = 0
     for a in actions:
-        if a.op == "W":  # split backward: activations are counted up to B (W's queued inputs are not)
-            continue
         m = stages[a.stage]
-        if a.op == FORWARD:
+        if a.op == "W":
+            top = live + extra + m.wgrad_step
+            saved_now, count_now = live, count
+            live, count = live - m.wgrad, count - 1
+        elif a.op == FORWARD:
             top = live + extra + m.saved + m.forward
             saved_now, count_now = live + m.saved, count + 1
             live, count = live + m.saved, count + 1
+        elif split_backward:
+            extra = after_first_backward
+            top = live + extra + max(m.backward, m.wgrad - m.saved)  # the queue grows as the activations go
+            saved_now, count_now = live, count
+            live = live - m.saved + m.wgrad
         else:
             extra = after_first_backward
             top = live + extra + m.backward
@@ -284,6 +371,7 @@ def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_samp
     p, t, o = cfg.parallel, cfg.train, cfg.optim
     dp = cfg.validate_world(world)
     cp = getattr(p, "cp", 1)
+    dpr = dp * cp  # DataParallel's group (mesh.dp_cp): gradients reduce, and ZeRO shards, over dp x cp
     zero = o.zero_stage if o.distributed else 0
     elem = 2 if cfg.model.dtype == "bf16" else 4
     num_stages = p.pp * p.vp
@@ -301,39 +389,41 @@ def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_samp
     notes = []
     if cfg.model.fp8 != "none":
         notes.append("FP8 scales and casts")
-    if cp > 1:
-        notes.append("context-parallel attention buffers")
     if getattr(model.config, "qk_norm", False) or getattr(model.config, "sliding_windows", ()):
         notes.append("q/k norms and sliding-window masks")
     ranks = []
     for r in range(p.pp):
-        mine = [st for st in range(num_stages) if st % p.pp == r]
+        mine = rank_stages(r, pp=p.pp, vp=p.vp, placement=schedule.placement)  # chunk order
         sizes = [(c, name, n, shared) for c, st in enumerate(mine)
                  for name, n, shared in model.stage_param_sizes(tp=p.tp, layer_range=ranges[st], pre_process=st == 0,
                                                                 post_process=st == num_stages - 1)]
-        total, layer, root = _padded_numel(sizes, dp=dp, bucket=bucket, zero=zero)
-        params = total * elem if zero < 3 else total // dp * elem
-        grads = total * 4 if zero < 2 else total // dp * 4
-        owned = total // dp if zero >= 1 else total
+        total, layer, root = _padded_numel(sizes, dp=dpr, bucket=bucket, zero=zero)
+        params = total * elem if zero < 3 else total // dpr * elem
+        grads = total * 4 if zero < 2 else total // dpr * 4
+        owned = total // dpr if zero >= 1 else total
         optimizer = owned * (8 + (4 if elem != 4 else 0))
         per_stage = {}
         for st in mine:
             sm = stage_memory(shape, s=s, b=b, layers=ranges[st][1] - ranges[st][0], tp=p.tp, sp=sp,
                               recompute=t.activation_checkpointing, recompute_layers=t.recompute_num_layers,
                               pre_process=st == 0, post_process=st == num_stages - 1, vocab_local=vocab_local,
-                              elem=elem, fused_ce=fused, attention=shape.attention_path(device))
-            if zero == 3 and dp > 1:  # one layer's fp32 gradient bucket (and, on gloo, its reduce-scatter copy)
+                              elem=elem, fused_ce=fused, attention=shape.attention_path(device), cp=cp,
+                              cp_comm=p.cp_comm, cp_a2a_size=p.cp_a2a_size)
+            if zero == 3 and dpr > 1:  # one layer's fp32 gradient bucket (and, on gloo, its reduce-scatter copy)
                 sm = StageMemory(sm.saved, sm.forward, sm.backward + layer * 4 * (2 if device == "cpu" else 1)
-                                 + layer // dp * 4)
+                                 + layer // dpr * 4, sm.wgrad, sm.wgrad_step)
             per_stage[st] = sm
         buckets = total * 4 if zero == 2 and m > 1 else 0  # lazy fp32 buckets live from the first backward on
-        pipe, saved, inflight = pipeline_peak(schedule.ranks[r], per_stage, after_first_backward=buckets)
-        if zero == 3 and dp > 1:  # the chunks' other parameters stay gathered; a layer and its prefetch
+        pipe, saved, inflight = pipeline_peak(schedule.ranks[r], per_stage, after_first_backward=buckets,
+                                              split_backward=schedule.split_backward)
+        if zero == 3 and dpr > 1:  # the chunks' other parameters stay gathered; a layer and its prefetch
             pipe += (root + 2 * layer) * elem
         step = owned * 4 if adam == "foreach" else 0  # foreach AdamW's denominator
-        if dp > 1 and zero in (1, 2):
-            reduce = total // dp * 4 + (total * 4 if device == "cpu" else 0)  # gloo reduce-scatters a copy
-            step = max(step, reduce + (total * 4 if zero == 2 else 0), total * elem)  # ... then gathers
+        if dpr > 1 and zero in (1, 2):
+            reduce = total // dpr * 4 + (total * 4 if device == "cpu" else 0)  # gloo reduce-scatters a copy
+            # ... then gathers the parameters (on gloo into a copy too: measured at dp x cp = 2, where the
+            # halved activations leave the step as the peak)
+            step = max(step, reduce + (total * 4 if zero == 2 else 0), total * elem * (2 if device == "cpu" else 1))
         phase = "pipeline" if pipe >= step else "step"
         ranks.append(RankMemory(pp_rank=r, params=params, grads=grads, optimizer=optimizer,
                                 activations=saved if pipe >= step else 0,

@@ -165,6 +165,21 @@ class Schedule:
         return "\n".join(lines)
 
 
+def placement_of(schedule: str) -> str:
+    """The stage placement a schedule name runs with: ``"v"`` for ``zbv`` and ``dualpipev`` (two chunks
+    per rank folded into a V), ``"loop"`` (Megatron's ``stage % pp``) for the others."""
+    return "v" if schedule in ("zbv", "dualpipev") else "loop"
+
+
+def rank_stages(rank: int, *, pp: int, vp: int, placement: str = "loop") -> list[int]:
+    """The virtual stages pipeline ``rank`` holds, in chunk order (``[rank, 2 pp - 1 - rank]`` under the
+    V placement; ``rank, rank + pp, ...`` under the loop placement)."""
+    if placement == "v":
+        assert vp == 2, f"the V placement has two chunks per rank, not vp={vp}"
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + c * pp for c in range(vp)]
+
+
 def stage_rank(stage: int, *, pp: int, placement: str = "loop") -> int:
     """The pipeline rank holding virtual ``stage``: ``stage % pp`` ("loop"), or the V fold ("v")."""
     if placement == "loop":

@@ -50,6 +50,7 @@ ForwardStep = Callable[[int, "torch.Tensor | None", int], torch.Tensor]
 class PipelineResult:
     losses: list[float] = field(default_factory=list)  # per microbatch, last-stage ranks only (undivided)
     peak_live: int = 0  # most (stage, microbatch) activations held at once on this rank
+    executed: list[tuple[str, int, int]] = field(default_factory=list)  # (op, stage, mb) in the order computed
 
 
 def _run_backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
@@ -157,6 +158,7 @@ def run_schedule(schedule: Schedule, *, rank: int, pp_group: Group, forward_step
 
     for i, a in enumerate(actions):
         boundary(i)
+        result.executed.append(a.key)
         chunk = schedule.chunk_of(a.stage)
         key = (a.stage, a.microbatch)
         if a.op == FORWARD:
@@ -216,11 +218,13 @@ def run_schedule(schedule: Schedule, *, rank: int, pp_group: Group, forward_step
 def allreduce_tied_embedding_grads(params: list[torch.nn.Parameter], embedding_group: Group) -> None:
     """Sum the gradients of the tied input embedding (first stage) and lm-head (last stage) copies.
 
-    ``params`` are this rank's copies (empty on middle stages). Both copies then step identically
-    and stay equal. Gradients are read from ``main_grad`` when data parallelism keeps one.
+    ``params`` are this rank's copies: none on middle stages; one on the first and on the last rank
+    of the loop placement, summed over ``embedding_group``; both on pp rank 0 under the V placement
+    (zbv, dualpipev: the first and the last stage share that rank), summed in place with no collective
+    (the mesh's embedding group is then this rank alone). Both copies then step identically and stay
+    equal. Gradients are read from ``main_grad`` when data parallelism keeps one.
     """
-    if embedding_group.size == 1:
-        return
+    grads = []
     for p in params:
         g = getattr(p, "main_grad", None)
         if g is None:
@@ -228,4 +232,14 @@ def allreduce_tied_embedding_grads(params: list[torch.nn.Parameter], embedding_g
         if g is None:
             g = torch.zeros_like(p)
             p.grad = g
+        grads.append(g)
+    if len(grads) > 1:  # both copies on this rank (V placement): the in-rank sum
+        total = torch.stack(grads).sum(dim=0)  # (vocab_local, h): the two copies' gradients added
+        for g in grads:
+            g.copy_(total)
+        grads = grads[:1]
+        assert embedding_group.size == 1, "both tied copies on one rank, but an embedding group spans ranks"
+    if embedding_group.size == 1:
+        return
+    for g in grads:
         comm.all_reduce(g, embedding_group)

@@ -10,7 +10,8 @@ import bisect
 import math
 
 from parallel.pipeline.actions import (ACTIVATION, BACKWARD, FORWARD, GRADIENT, RECV,
-                                       SCHEDULE_NAMES, SEND, WEIGHT, Action, P2P, Schedule, stage_rank)
+                                       SCHEDULE_NAMES, SEND, WEIGHT, Action, P2P, Schedule, rank_stages,
+                                       stage_rank)
 from parallel.pipeline.simulate import dataflow_times
 
 # Costs of the ideal timeline used to place receives. Equal costs make a blocking runtime match the
@@ -240,19 +241,28 @@ def interleaved_1f1b(p: int, v: int, m: int, *, group_size: int | None = None) -
                            microbatch_group_size=n)
 
 
-def forward_only(p: int, v: int, m: int) -> Schedule:
+def forward_only(p: int, v: int, m: int, *, placement: str = "loop") -> Schedule:
     """Forward passes only (evaluation), pipelined across microbatches: every rank runs its forwards
     in the interleaved forward order (groups of ``p`` microbatches through its ``v`` chunks; plain
-    microbatch order for ``v == 1``). Any ``m >= 1``; nothing is held for a backward."""
+    microbatch order for ``v == 1``). Any ``m >= 1``; nothing is held for a backward.
+
+    ``placement="v"`` (the stages of ``zbv`` and ``dualpipev``, ``v == 2``): rank ``r`` runs chunk 0
+    (stage ``r``) then chunk 1 (stage ``2 p - 1 - r``) over each group of ``p`` microbatches, the same
+    table; the validator proves it (tests/parallel/test_zero_bubble_trainer.py)."""
+    if placement not in ("loop", "v"):
+        raise ValueError(f"placement={placement!r} must be 'loop' or 'v'")
     _check_int("pp", p, minimum=1, fix="use at least one pipeline rank")
     _check_int("vp", v, minimum=1, fix="use vp >= 1 model chunks per rank")
     _check_int("microbatches", m, minimum=1, fix="use at least one microbatch")
     if p == 1 and v > 1:
         raise ValueError(f"vp={v} model chunks on a single pipeline rank: consecutive stages would live on the "
                          "same rank; use vp=1 when pp=1")
+    if placement == "v" and v != 2:
+        raise ValueError(f"the V placement has two chunks per rank; got vp={v}")
     table = interleaved_table(m, v, p)
-    order = [[(FORWARD, chunk * p + r, mb) for mb, chunk in table] for r in range(p)]
-    return attach_messages("forward", order, pp=p, vp=v, microbatches=m, forward_only=True)
+    order = [[(FORWARD, rank_stages(r, pp=p, vp=v, placement=placement)[chunk], mb) for mb, chunk in table]
+             for r in range(p)]
+    return attach_messages("forward", order, pp=p, vp=v, microbatches=m, forward_only=True, placement=placement)
 
 
 def build_schedule(name: str, *, pp: int, vp: int = 1, microbatches: int,

@@ -28,6 +28,7 @@ from engine.trainer import StepStats, Trainer
 from parallel.data_parallel import DataParallel
 from parallel.mesh import Mesh, ParallelDims
 from parallel.pipeline import build_schedule, forward_only
+from parallel.pipeline.actions import placement_of, rank_stages
 from parallel.pipeline.split import split_layers
 
 
@@ -91,11 +92,12 @@ def _bytes_per_param(dtype: str, *, zero_stage: int, dp: int, frozen: bool = Fal
             + state / (dp if zero_stage >= 1 else 1))
 
 
-def _largest_rank_numel(model, *, tp: int, pp: int, vp: int, layout) -> int:
+def _largest_rank_numel(model, *, tp: int, pp: int, vp: int, layout, placement: str = "loop") -> int:
     stages = pp * vp
     ranges = split_layers(model.num_layers, stages, layout)
     return max(sum(model.stage_numel(tp=tp, layer_range=ranges[s], pre_process=s == 0,
-                                     post_process=s == stages - 1) for s in range(r, stages, pp))
+                                     post_process=s == stages - 1)
+                   for s in rank_stages(r, pp=pp, vp=vp, placement=placement))
                for r in range(pp))
 
 
@@ -118,7 +120,8 @@ def memory_plan(cfg: TesselConfig, model, *, world: int, available: int | None =
     derives parameter counts without building). ``available`` overrides the measured bytes per rank."""
     p, o = cfg.parallel, cfg.optim
     dp = cfg.validate_world(world)
-    numel = _largest_rank_numel(model, tp=p.tp, pp=p.pp, vp=p.vp, layout=p.pipeline_layout)
+    numel = _largest_rank_numel(model, tp=p.tp, pp=p.pp, vp=p.vp, layout=p.pipeline_layout,
+                                placement=placement_of(p.schedule))
     source = "given"
     if available is None:
         available, source = _available_bytes(world)
@@ -180,15 +183,30 @@ class Run:
         base always comes from ``checkpoint.load`` and a checkpoint of the run restores the adapters."""
         from engine.checkpoint.trainer_state import load_trainer
 
-        latest = self.checkpointer.latest() if self.checkpointer is not None else None
+        # checkpoint.peer_replica: the newest commit as the peers hold it in RAM (None: from disk, said why)
+        replica = (self.checkpointer.replica(layout=self.trainer.layout(), log=self.trainer.logger.info)
+                   if self.checkpointer is not None else None)
+        latest = replica or (self.checkpointer.latest() if self.checkpointer is not None else None)
         if self.lora and self.cfg.checkpoint.load:
             self.load_base()
         if latest is not None:
-            load_trainer(self.trainer, latest, group=self.mesh.world, loader=self.train_loader,
-                         params="trainable" if self.lora else "all")
+            import time
+
+            t0 = time.perf_counter()
+            result = load_trainer(self.trainer, latest, group=self.mesh.world, loader=self.train_loader,
+                                  params="trainable" if self.lora else "all")
             self.trainer.logger.rewind(self.trainer.step)  # the steps after the checkpoint run again
-            self.trainer.logger.info(f"tessel: resumed from {latest} at step {self.trainer.step}")
-            return str(latest)
+            if self.checkpointer.peer is not None:  # what the restart read: the files it opened, every rank
+                from engine.checkpoint._dist import all_gather_json
+
+                opened = all_gather_json(result.files_opened, self.checkpointer.group)
+                self.trainer.logger.info(f"tessel: loaded step {result.step} from the {result.source} in "
+                                         f"{time.perf_counter() - t0:.3f} s; checkpoint files opened per rank: {opened}")
+                import sys
+
+                sys.audit("tessel.resumed", result.source, result.files_opened)  # for an audit hook (the tests)
+            self.trainer.logger.info(f"tessel: resumed from {result.path} at step {self.trainer.step}")
+            return str(result.path)
         self.trainer.logger.rewind(0)  # a fresh start in a run directory whose run never saved
         if self.cfg.checkpoint.load:
             if not self.lora:
@@ -241,7 +259,7 @@ def build_mesh(cfg: TesselConfig, *, world: int | None = None) -> Mesh:
     dp = cfg.validate_world(world)
     return Mesh.build(ParallelDims(dp=dp, pp=p.pp, cp=p.cp, tp=p.tp, ep=p.ep), order=p.order,
                       cp_a2a_size=p.cp_a2a_size if p.cp_comm == "hybrid" else None,
-                      timeout_s=cfg.fault.collective_timeout_s)
+                      timeout_s=cfg.fault.collective_timeout_s, placement=placement_of(p.schedule))
 
 
 def build_loaders(cfg: TesselConfig, mesh: Mesh, *, train_data=None, valid_data=None, collate_fn=None):
@@ -282,13 +300,16 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
     included). Post-training (tools/posttrain.py) passes its ``objective`` (the step's loss,
     engine/posttrain/objectives.py), ``rows_per_sample`` (a preference pair is 2 rows of the micro-batch)
     and the datasets' ``collate_fn``. Collective: every rank calls it with the same arguments."""
+    if cfg.parallel.ep > 1:  # experts divisible by ep, top-k: before any group exists (models/hook.py)
+        model.check_expert_parallel(cfg.parallel.ep)
     mesh = build_mesh(cfg, world=world)
     p, t, o = cfg.parallel, cfg.train, cfg.optim
 
-    # Model chunks: this rank's virtual stages s = pp_rank, pp_rank + pp, ...
+    # Model chunks: this rank's virtual stages s = pp_rank, pp_rank + pp, ... (loop placement), or
+    # pp_rank and 2 pp - 1 - pp_rank (the V of zbv and dualpipev), in chunk order.
     num_stages = p.pp * p.vp
     ranges = split_layers(model.num_layers, num_stages, p.pipeline_layout)
-    stages = [s for s in range(num_stages) if s % p.pp == mesh.coords["pp"]]
+    stages = rank_stages(mesh.coords["pp"], pp=p.pp, vp=p.vp, placement=placement_of(p.schedule))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(t.seed)
     chunks = torch.nn.ModuleList([
@@ -301,11 +322,18 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
 
         apply_lora(chunks, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets, seed=t.seed)
 
+    from parallel.data_parallel.compression import build_grad_compressor  # docs/decentralised.md
+
     ddp = DataParallel(chunks, dp_group=mesh.dp_cp, tp_group=mesh.tp,
                        zero_stage=o.zero_stage if o.distributed else 0, bucket_size_mb=o.bucket_size_mb,
                        overlap_grad_reduce=o.overlap_grad_reduce,
-                       overlap_param_gather=o.overlap_param_gather and o.distributed, chunks=True)
-    optimizer = Optimizer.from_config(ddp, o, total_steps=t.steps, tp_group=mesh.tp, pp_group=mesh.pp)
+                       overlap_param_gather=o.overlap_param_gather and o.distributed, chunks=True,
+                       expert_group=mesh.edp if p.ep > 1 else None,  # expert gradients reduce over edp
+                       local_grads=cfg.outer.method != "none",  # DiLoCo: inner steps without dp traffic
+                       grad_compressor=build_grad_compressor(o.grad_compression, dp_group=mesh.dp_cp,
+                                                             rank=o.powersgd_rank, seed=t.seed))
+    optimizer = Optimizer.from_config(ddp, o, total_steps=t.steps, tp_group=mesh.tp, pp_group=mesh.pp,
+                                      ep_group=mesh.ep if p.ep > 1 else None)
     m = cfg.num_microbatches(mesh.dims.dp)
     if m < p.pp:
         raise ValueError(f"train.global_batch_size={t.global_batch_size} gives each of the dp={mesh.dims.dp} ranks "
@@ -313,7 +341,7 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
                          f"parallel.pp={p.pp}: a pipeline needs at least one per stage; raise "
                          f"train.global_batch_size to >= {p.pp * mesh.dims.dp * t.micro_batch_size}")
     schedule = build_schedule(p.schedule, pp=p.pp, vp=p.vp, microbatches=m)
-    eval_schedule = forward_only(p.pp, p.vp, m)
+    eval_schedule = forward_only(p.pp, p.vp, m, placement=schedule.placement)
 
     train_loader = valid_loader = None
     if data:
@@ -326,7 +354,8 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
         from engine.checkpoint import Checkpointer
 
         checkpointer = Checkpointer(ck.dir or os.path.join(run_dir, "checkpoints"), group=mesh.world,
-                                    keep_last=ck.keep_last, async_save=ck.async_save)
+                                    keep_last=ck.keep_last, keep_every=ck.keep_every, async_save=ck.async_save,
+                                    peer_replica=ck.peer_replica)
         if mesh.rank == 0:  # saves that never committed (a crash): rank 0 alone creates them, none is in flight
             from engine.fault import remove_stale_saves
 
@@ -354,9 +383,22 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
                                  model.hidden_size),
                       flops_per_step=M.model_flops_per_step(model.flops, batch_size=t.global_batch_size * rows_per_sample,
                                                             seq_length=t.seq_length),
+                      flops_per_step_causal=M.model_flops_per_step(
+                          model.flops, batch_size=t.global_batch_size * rows_per_sample, seq_length=t.seq_length,
+                          causal=True), run_dir=run_dir,
                       logger=logger, peak=M.peak_tflops(override=cfg.logging.peak_tflops, dtype=dtype),
                       param_spec=model.param_spec, plan_line=plan.line() if plan is not None else None,
                       objective=objective, rows_per_sample=rows_per_sample, memory=memory)
+    if cfg.outer.method != "none":  # DiLoCo / Streaming DiLoCo over the dp replicas (docs/decentralised.md)
+        from engine.optim import counts_in_norm
+        from parallel.data_parallel.outer import OuterOptimizer
+
+        u = cfg.outer
+        trainer.outer = OuterOptimizer(optimizer.dist, dp_group=mesh.dp_cp, method=u.method, inner_steps=u.inner_steps,
+                                       lr=u.lr, momentum=u.momentum, nesterov=u.nesterov, fragments=u.fragments,
+                                       mix=u.mix, compression=u.compression, topk_fraction=u.topk_fraction,
+                                       counts=lambda q: counts_in_norm(q, tp_group=mesh.tp),
+                                       norm_groups=(mesh.tp, mesh.pp))
     if cfg.fault.hang_timeout_s is not None:  # the flight recorder (fed by parallel/comm) and the hang watchdog
         from engine.watchdog import Watchdog
         from parallel.flight import FlightRecorder

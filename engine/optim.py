@@ -260,20 +260,28 @@ def counts_in_norm(param: torch.nn.Parameter, *, tp_group: Group | None) -> bool
 
 def global_grad_norm(entries: Iterable[tuple[torch.nn.Parameter, torch.Tensor]], *, tp_group: Group | None = None,
                      pp_group: Group | None = None, shard_group: Group | None = None,
-                     device: torch.device | str = "cpu") -> torch.Tensor:
+                     device: torch.device | str = "cpu", ep_group: Group | None = None) -> torch.Tensor:
     """L2 norm of the whole model's gradient; the same fp32 scalar tensor on every rank.
 
     ``entries`` are (parameter, gradient) pairs of what this rank holds: full gradients, or with a
     sharded optimizer this rank's shard (then pass the dp group as ``shard_group``: the sums of
     squares are added over it). Sums of squares are added over ``tp_group`` and ``pp_group`` too.
     ``device`` holds the result when this rank has nothing to count (the collectives need it there).
+    ``ep_group`` (expert parallelism): the ep ranks hold different experts (``p.expert``), so the expert
+    gradients' sums of squares are added over it too; every other parameter is an ep replica.
     """
-    grads = [g for p, g in entries if g.numel() and counts_in_norm(p, tp_group=tp_group)]
-    if grads:
-        sq = torch.stack(torch._foreach_norm(grads)).float().square().sum()
-    else:
-        sq = torch.zeros((), dtype=torch.float32, device=device)
-    sq = sq.reshape(1)  # (1,): a tensor the collectives accept
+    def sum_sq(grads):
+        if not grads:
+            return torch.zeros(1, dtype=torch.float32, device=device)
+        return torch.stack(torch._foreach_norm(grads)).float().square().sum().reshape(1)  # (1,)
+
+    entries = [(p, g) for p, g in entries if g.numel() and counts_in_norm(p, tp_group=tp_group)]
+    split = ep_group is not None and ep_group.size > 1
+    sq = sum_sq([g for p, g in entries if not (split and getattr(p, "expert", False))])  # (1,)
+    if split:
+        expert_sq = sum_sq([g for p, g in entries if getattr(p, "expert", False)])  # (1,)
+        comm.all_reduce(expert_sq, ep_group)
+        sq = sq + expert_sq
     for g in (shard_group, tp_group, pp_group):
         if g is not None:
             comm.all_reduce(sq, g)
@@ -342,7 +350,7 @@ class Optimizer:
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, clip_grad: float = 1.0,
                  nonfinite: str = "skip", no_decay_on: Sequence[str] = NO_DECAY_GROUPS,
                  no_decay_patterns: Sequence[str] = (), tp_group: Group | None = None,
-                 pp_group: Group | None = None, impl: str = "auto"):
+                 pp_group: Group | None = None, impl: str = "auto", ep_group: Group | None = None):
         if not isinstance(ddp, DataParallel):
             raise ValueError(f"Optimizer needs a parallel.data_parallel.DataParallel (got {type(ddp).__name__}); "
                              "wrap the model first (dp_group=Group.trivial('dp') for one process)")
@@ -360,6 +368,7 @@ class Optimizer:
         self.clip_grad = float(clip_grad)
         self.nonfinite = nonfinite
         self.tp_group, self.pp_group = tp_group, pp_group
+        self.ep_group = ep_group  # expert parallelism: expert gradients differ over it (the grad norm sums them)
         with ddp.full_shapes():  # ZeRO-3: groups go by shape (matrices decay, vectors not)
             self.param_groups = build_param_groups(ddp.module, weight_decay=weight_decay, no_decay_on=no_decay_on,
                                                    no_decay_patterns=no_decay_patterns)
@@ -371,13 +380,13 @@ class Optimizer:
 
     @classmethod
     def from_config(cls, ddp: DataParallel, cfg, *, total_steps: int, tp_group: Group | None = None,
-                    pp_group: Group | None = None) -> "Optimizer":
+                    pp_group: Group | None = None, ep_group: Group | None = None) -> "Optimizer":
         """Build from an ``optim`` config section (fields of ``engine.config`` OptimConfig)."""
         schedule = LRSchedule(lr=cfg.lr, min_lr=cfg.min_lr, total_steps=total_steps, warmup_steps=cfg.warmup_steps,
                               decay_style=cfg.decay_style, wsd_decay_fraction=cfg.wsd_decay_fraction)
         return cls(ddp, schedule=schedule, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                    clip_grad=cfg.clip_grad, nonfinite=cfg.nonfinite, no_decay_on=tuple(cfg.no_decay_on),
-                   tp_group=tp_group, pp_group=pp_group)
+                   tp_group=tp_group, pp_group=pp_group, ep_group=ep_group)
 
     @property
     def step_count(self) -> int:
@@ -390,7 +399,7 @@ class Optimizer:
         """Global gradient norm of the reduced gradients (call after the reduction finished)."""
         return global_grad_norm(((pc.param, pc.grad) for pc in self.dist.pieces), tp_group=self.tp_group,
                                 pp_group=self.pp_group, shard_group=self.ddp.dp_group if self.ddp.sharded else None,
-                                device=self.device)
+                                device=self.device, ep_group=self.ep_group)
 
     def step(self) -> StepResult:
         """Finish the gradient reduction, measure, check, clip and apply one scheduled AdamW update."""

@@ -34,6 +34,7 @@ from engine.optim import NonFiniteGradError, Optimizer
 from parallel import comm
 from parallel.context_parallel import shard_micro_batch
 from parallel.data_parallel import DataParallel
+from parallel.expert_parallel.metrics import MoEMetrics
 from parallel.mesh import Mesh
 from parallel.pipeline import Schedule
 from parallel.pipeline.runtime import allreduce_tied_embedding_grads, check_stage_shapes, run_schedule
@@ -50,6 +51,7 @@ class StepStats:
     seconds: float
     comm_bytes: dict[str, float] | None = None  # bytes this rank sent during the step, per mesh axis
     comm_exposed: dict[str, float] | None = None  # seconds blocked in communication (nothing computed under it), per axis
+    outer: dict[str, float] | None = None  # DiLoCo: the outer step's norm and sync count on steps that synced
     extra: dict[str, float] | None = None  # the objective's step metrics (post-training: rewards, margins, ...)
 
     @property
@@ -65,7 +67,8 @@ class Trainer:
                  eval_schedule: Schedule,
                  act_shape: tuple[int, int, int], flops_per_step: float, logger: M.MetricsLogger,
                  peak: tuple[float, str], param_spec: Callable | None = None, plan_line: str | None = None,
-                 objective=None, rows_per_sample: int = 1, memory=None):
+                 objective=None, rows_per_sample: int = 1, memory=None,
+                 flops_per_step_causal: float | None = None, run_dir: str | None = None):
         self.cfg = cfg
         self.mesh = mesh
         self.dp = mesh.dims.dp
@@ -81,6 +84,9 @@ class Trainer:
         self.num_micro = schedule.microbatches
         self.act_shape = act_shape
         self.flops_per_step = flops_per_step
+        # causal attention counted as half (Megatron-Core's count): the logged mfu_causal (docs/metrics.md)
+        self.flops_per_step_causal = flops_per_step if flops_per_step_causal is None else flops_per_step_causal
+        self.run_dir = run_dir  # logging.profile_steps writes its traces under it (engine/profiling.py)
         self.logger = logger
         self.peak_tflops, self.peak_source = peak
         self.param_spec = param_spec  # checkpoint keys of the chunks' parameters (from models/)
@@ -105,6 +111,8 @@ class Trainer:
         for mod in chunks.modules():
             if hasattr(mod, "aux_loss_scale"):
                 mod.aux_loss_scale = 1.0 / self.num_micro
+        # Per MoE layer: expert load, aux loss and dropped share in metrics.jsonl (None: no MoE layer anywhere).
+        self.moe_metrics = MoEMetrics.maybe(chunks, pp_group=mesh.pp, dp_group=mesh.dp_cp, device=self.device)
         # A rank receives activations if any of its virtual stages is not stage 0 (with vp > 1,
         # pipeline rank 0 also runs stage pp, fed by the last rank).
         receives = any(s > 0 for s in stages)
@@ -117,6 +125,8 @@ class Trainer:
         self._nonfinite_streak = False  # fault.nan_replay: the current run of non-finite steps was replayed
         self.nonfinite_report: dict | None = None  # the last replay's findings (engine/nan_locate.py)
         self.straggler = None  # fault.straggler_ratio: per-rank step and compute times, compared every log step
+        self.outer = None  # parallel.data_parallel.outer.OuterOptimizer (outer.method != 'none'): set by engine.assembly
+        self._outer_last: dict[str, float] = {}  # the latest sync's metrics, logged at every log step
         if cfg.fault.straggler_ratio is not None:
             from engine.straggler import StragglerMonitor
 
@@ -260,8 +270,13 @@ class Trainer:
             self._localise_nonfinite(micro, finite=False)
             raise
         update_fp8(self.chunks, (self.mesh.tp, self.mesh.dp_cp))  # delayed scaling: one amax all-reduce per axis
+        outer = self.outer.step(self.step + 1) if self.outer is not None else None  # DiLoCo: sync when due
+        if outer:
+            self._outer_last = outer
         loss = self._global_mean_loss(losses)
         extra = self._objective_metrics()
+        if self.moe_metrics is not None:  # one all-reduce over pp and one over dp of the layers' step load
+            extra = {**(extra or {}), **self.moe_metrics.step()}
         self._localise_nonfinite(micro, finite=math.isfinite(loss) and math.isfinite(result.grad_norm))
         self.step += 1
         self.consumed_samples += self.cfg.train.global_batch_size
@@ -270,7 +285,7 @@ class Trainer:
         return StepStats(step=self.step, loss=loss, lr=result.lr, grad_norm=result.grad_norm,
                          applied=result.applied, seconds=time.perf_counter() - t0, comm_bytes=comm_bytes,
                          comm_exposed={a: v - blocked_before.get(a, 0.0) for a, v in self.mesh.ledger.blocked_s.items()},
-                         extra=extra)
+                         extra=extra, outer=outer or None)
 
     def _localise_nonfinite(self, micro, *, finite: bool) -> None:
         """``fault.nan_replay``: the first step of each run of non-finite steps (the loss or the gradient norm,
@@ -415,8 +430,13 @@ class Trainer:
         max_steps = c.steps
         if c.max_tokens:
             max_steps = min(max_steps, math.ceil(c.max_tokens / tokens_per_step))
+        from engine.profiling import StepProfiler
+
+        profiler = StepProfiler(self.cfg.logging.profile_steps, run_dir=self.run_dir or self.cfg.train.run_dir,
+                                rank=self.rank, chunks=self.chunks, device=self.device)
         while self.step < max_steps:
-            st = self._measured_step(train_loader) if self.memory is not None else self.train_step(train_loader)
+            with profiler.step(self.step + 1):
+                st = self._measured_step(train_loader) if self.memory is not None else self.train_step(train_loader)
             history.append(st)
             if self.watchdog is not None:
                 self.watchdog.beat(self.step)
@@ -428,11 +448,13 @@ class Trainer:
                 self.logger.log({"step": st.step, "loss": st.loss, "lr": st.lr, "grad_norm": st.grad_norm,
                                  "tokens_per_s": tokens_per_step / st.seconds, "tflops_per_device": tflops,
                                  "mfu": tflops / self.peak_tflops, "precision": self.precision,
+                                 "mfu_causal": self.flops_per_step_causal / st.seconds / self.mesh.world_size / 1e12
+                                 / self.peak_tflops,
                                  "mem_bytes": M.memory_bytes(),
                                  "step_time_s": st.seconds, "comm_exposed_s": st.comm_exposed_s,
                                  **{f"comm_exposed_s_{a}": v for a, v in sorted((st.comm_exposed or {}).items())},
                                  "skipped": 0 if st.applied else 1,
-                                 "consumed_samples": self.consumed_samples, **(st.extra or {}),
+                                 "consumed_samples": self.consumed_samples, **(st.extra or {}), **self._outer_last,
                                  **{f"comm_bytes_{axis}": b for axis, b in sorted((st.comm_bytes or {}).items())},
                                  **slow})
             skipped = 0 if st.applied else skipped + 1
@@ -456,6 +478,7 @@ class Trainer:
                 self.logger.info(f"tessel: stopping after step {self.step} on {name}"
                                  + (" (checkpoint saved)" if save is not None else ""))
                 break
+        profiler.close()
         self.ddp.finish_param_sync()
         self.logger.close()
         return history

@@ -15,8 +15,8 @@ Groups provided (all :class:`parallel.comm.Group`, sharing the mesh's :class:`Le
   block), and ``cp_ring`` linking the ranks with the same position in every block (the ring across).
   Without ``cp_a2a_size``, ``cp_a2a`` is this rank alone and ``cp_ring`` is the cp group.
 * ``embedding``: first and last pipeline stage of this rank's pipeline (tied embedding /
-  lm-head gradients are all-reduced over it); just this rank when pp == 1, and on middle stages
-  (which hold neither copy).
+  lm-head gradients are all-reduced over it); just this rank when pp == 1, on middle stages
+  (which hold neither copy), and under the V placement (both copies on pp rank 0).
 * ``ep`` and ``edp``: expert parallelism carves ``ep`` out of dp: the dp ranks are split into
   blocks of ``ep`` consecutive dp indices (``ep`` group), and ``edp`` links the ranks with the same
   position in every block (expert-data-parallel gradient reduction).
@@ -113,12 +113,13 @@ class Mesh:
 
     @classmethod
     def build(cls, dims: ParallelDims, *, order: str = DEFAULT_ORDER, cp_a2a_size: int | None = None,
-              timeout_s: float | None = None) -> "Mesh":
+              timeout_s: float | None = None, placement: str = "loop") -> "Mesh":
         """Create every group (a collective call: all ranks must call it with the same arguments).
         ``cp_a2a_size``: the all-to-all block of hybrid context parallelism (divides ``dims.cp``).
         ``timeout_s``: how long a collective of the new groups waits for a missing peer before it raises
         (``fault.collective_timeout_s``; None: torch's default, 30 min for gloo; the world group keeps
-        the timeout of :func:`init_distributed`)."""
+        the timeout of :func:`init_distributed`). ``placement``: the pipeline's stage placement ("loop", or
+        "v" for zbv/dualpipev), which decides the ``embedding`` group."""
         check_cp_a2a_size(cp_a2a_size, dims.cp)
         if not dist.is_initialized():
             if dims.world_size == 1:
@@ -134,7 +135,7 @@ class Mesh:
         groups: dict[str, Group] = {}
         made: dict[tuple[int, ...], object] = {}  # identical rank lists share one process group
         for name in _GROUP_AXES:
-            for ranks in group_rank_lists(name, dims, order, cp_a2a_size=cp_a2a_size):
+            for ranks in group_rank_lists(name, dims, order, cp_a2a_size=cp_a2a_size, placement=placement):
                 # new_group is collective over the whole world: every rank creates every group,
                 # in the same order.
                 key = tuple(ranks)
@@ -219,8 +220,13 @@ def rank_of(coords: dict[str, int], dims: ParallelDims, order: str = DEFAULT_ORD
 
 
 def group_rank_lists(name: str, dims: ParallelDims, order: str = DEFAULT_ORDER, *,
-                     cp_a2a_size: int | None = None) -> list[list[int]]:
-    """Every group of kind ``name`` as a list of global ranks (each list in group-rank order)."""
+                     cp_a2a_size: int | None = None, placement: str = "loop") -> list[list[int]]:
+    """Every group of kind ``name`` as a list of global ranks (each list in group-rank order).
+    ``placement`` ("loop" or "v") places the pipeline stages: under the V placement (zbv, dualpipev) the
+    first and the last stage both live on pp rank 0, so the ``embedding`` group is that rank alone (the
+    tied copies are summed in-rank, parallel.pipeline.runtime.allreduce_tied_embedding_grads)."""
+    if placement not in ("loop", "v"):
+        raise ValueError(f"placement={placement!r} must be 'loop' or 'v'")
     if name in ("cp_a2a", "cp_ring"):
         a = cp_a2a_size or 1
         check_cp_a2a_size(a, dims.cp)
@@ -244,7 +250,7 @@ def group_rank_lists(name: str, dims: ParallelDims, order: str = DEFAULT_ORDER, 
     if name == "embedding":
         for combo in itertools.product(*(range(getattr(dims, a)) for a in ("dp", "cp", "tp"))):
             c = dict(zip(("dp", "cp", "tp"), combo))
-            stages = sorted({0, dims.pp - 1})
+            stages = sorted({0, dims.pp - 1}) if placement == "loop" else [0]
             out.append([rank_of({**c, "pp": s}, dims, order) for s in stages])
         return out
     if name in ("ep", "edp"):
@@ -273,9 +279,8 @@ def init_distributed(*, backend: str | None = None, timeout_s: float = 600.0) ->
 
     Picks nccl when CUDA is available and gloo otherwise, and binds each rank to its local GPU.
     Returns (rank, world_size). A single process without torchrun's variables stays uninitialised.
+    Under torchrun each restart attempt rendezvouses under its own store prefix (:func:`attempt_store`).
     """
-    import datetime
-
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -284,8 +289,44 @@ def init_distributed(*, backend: str | None = None, timeout_s: float = 600.0) ->
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = attempt_store(timeout)
+    if store is None:  # no agent store (plain env://, or torchrun told not to share it): torch's own path
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
     return dist.get_rank(), dist.get_world_size()
+
+
+def attempt_store(timeout: datetime.timedelta):
+    """The key-value store of this torchrun attempt: the agent's TCPStore seen through ``tessel/attempt_<n>/``.
+
+    Why (issue 22): torchrun (torch >= 2.4) hosts one TCPStore in its agent and keeps it, on the same
+    MASTER_PORT, across restarts (``TORCHELASTIC_USE_AGENT_STORE=True``); torch's ``env://`` path connects the
+    workers of every attempt to it without a prefix ("we create a new TCPStore for every retry", a stale comment
+    in torch/distributed/rendezvous.py). The new workers then find the previous attempt's keys -- gloo's
+    per-rank addresses of the default group, the sub-groups' keys -- and a rank that reads a dead peer's
+    address before the new peer overwrote it fails in ``connectFullMesh: connection refused`` (4 ranks: every
+    restart, 4 of 4 tries). A prefix per attempt makes every attempt's keys new. ``TORCHELASTIC_RESTART_COUNT``
+    numbers the attempts on one node only: on several nodes an agent whose workers are restarted because
+    another node failed does not count it, so there the prefix could differ between nodes; a multi-node job
+    that may restart must launch with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (each attempt's rank 0 then
+    hosts a new store on a new port: no stale keys; tools/pretrain.sbatch sets it) and is refused otherwise.
+
+    Returns None when torchrun's agent store is not in use (torch's own ``env://`` path is right then).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    if nodes > 1 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        raise ValueError(f"torchrun --max-restarts on {nodes} nodes with the agent's shared store: a restart would "
+                         "reuse the previous attempt's rendezvous keys; export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                         "before torchrun (as tools/pretrain.sbatch does), or launch with --max-restarts 0")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"tessel/attempt_{attempt}", store)  # keys: tessel/attempt_<n>/<key>
 
 
 def num_groups(name: str, dims: ParallelDims) -> int:
@@ -293,5 +334,5 @@ def num_groups(name: str, dims: ParallelDims) -> int:
     return len(group_rank_lists(name, dims))
 
 
-__all__ = ["AXES", "DEFAULT_ORDER", "ParallelDims", "Mesh", "coords_of", "rank_of", "group_rank_lists",
-           "init_distributed", "num_groups"]
+__all__ = ["AXES", "DEFAULT_ORDER", "ParallelDims", "Mesh", "attempt_store", "coords_of", "rank_of",
+           "group_rank_lists", "init_distributed", "num_groups"]

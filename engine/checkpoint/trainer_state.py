@@ -94,6 +94,11 @@ def trainer_tensors(trainer, *, hook: Callable | None = None, optimizer: bool = 
         name = re.sub(r"^\d+\.", "", name)
         for buf, t in state.state_dict().items():
             out.append(ShardedTensor.replicated(f"fp8.{name}.{buf}", t, replica_id=replica))
+    # Aux-loss-free balancing biases of MoE routers (docs/moe.md): identical on every replica, keyed by the
+    # router's global name (optional on load: a checkpoint without them starts the biases at zero).
+    for name, t in trainer.chunks.named_buffers():
+        if name.endswith("router.expert_bias"):
+            out.append(ShardedTensor.replicated("moe." + re.sub(r"^\d+\.", "", name), t, replica_id=replica))
     if optimizer:
         for buf in trainer.optimizer.state_shards():
             placements = [(layouts[n], s, e) for n, s, e in buf["placements"] if n in layouts]
@@ -125,6 +130,25 @@ def _zero3_param_shards(ddp, layouts: dict) -> dict[str, list[ShardedTensor]]:
     return out
 
 
+def _local_components(trainer) -> list[tuple[str, object]]:
+    """Per-rank state beside the layout-independent keys (docs/decentralised.md): DiLoCo's outer optimizer
+    (anchor, momentum, error feedback, and the replica's own masters and moments, which differ between
+    synchronisations) and a gradient compressor's error feedback. Keyed by global rank: it resumes into
+    the same layout only."""
+    out = []
+    if getattr(trainer, "outer", None) is not None:
+        out.append(("outer", trainer.outer))
+    if getattr(trainer.ddp, "grad_compressor", None) is not None:
+        out.append(("grad_compression", trainer.ddp.grad_compressor))
+    return out
+
+
+def _local_tensors(trainer, name: str, tensors: dict, *, fresh: bool) -> dict[str, ShardedTensor]:
+    rank = trainer.mesh.rank
+    return {k: ShardedTensor.replicated(f"{name}.rank{rank}.{k}", t.detach().clone() if fresh else t.detach(),
+                                        replica_id=0) for k, t in tensors.items()}
+
+
 def save_trainer(checkpointer: Checkpointer, trainer, *, loader=None, model_config: dict | None = None,
                  hook: Callable | None = None, side_files: dict[str, str] | None = None,
                  params: str = "all") -> SaveHandle:
@@ -144,6 +168,9 @@ def save_trainer(checkpointer: Checkpointer, trainer, *, loader=None, model_conf
     if lora is not None:
         state["lora"] = lora.to_json(adapters_only=params == "trainable")
     tensors = trainer_tensors(trainer, hook=hook, params=params)
+    for name, comp in _local_components(trainer):
+        state[name] = comp.state_dict()  # first: the outer optimizer settles reductions in flight
+        tensors.extend(_local_tensors(trainer, name, comp.state_tensors(), fresh=True).values())
     return checkpointer.save(step=trainer.step, tensors=tensors, model_config=model_config,
                              layout=trainer.layout(), trainer_state=state, rank_state=trainer.rng_state(),
                              side_files=side_files)
@@ -164,11 +191,15 @@ def load_trainer(trainer, path: str | os.PathLike, *, group: Group | None, loade
     if group is not None and group.size == 1:
         group = None  # one process: no collectives
     tensors = trainer_tensors(trainer, hook=hook, optimizer=not model_only, params=params)
+    local = {} if model_only else {name: _local_tensors(trainer, name, comp.state_tensors(), fresh=True)
+                                   for name, comp in _local_components(trainer)}
+    tensors = tensors + [st for d in local.values() for st in d.values()]
     # A checkpoint written without FP8 delayed scaling (or by another recipe) starts fresh histories.
     # Model-only loads start a fine-tune: a checkpoint of another precision (an fp32 conversion into a
     # bf16 run) is cast, as loading a Hugging Face model in another dtype would.
     result = load_checkpoint(path, tensors=tensors, group=group, layout=trainer.layout(), strict=strict,
-                             verify=verify, optional=("fp8.",), allow_dtype_cast=model_only)
+                             verify=verify, optional=("fp8.", "moe.", *(f"{n}.rank" for n in local)),
+                             allow_dtype_cast=model_only)
     if model_only:
         trainer.optimizer.reset_masters_from_params()
         return result
@@ -185,4 +216,11 @@ def load_trainer(trainer, path: str | os.PathLike, *, group: Group | None, loade
         loader.load_state_dict(state.get("loader") or {"consumed_samples": trainer.consumed_samples})
     if result.rank_state is not None:
         trainer.load_rng_state(result.rank_state)
+    for name, comp in _local_components(trainer):
+        saved = state.get(name)
+        if saved is not None and result.rank_state is None:
+            raise ValueError(f"checkpoint {result.path} holds per-rank {name} state (DiLoCo / gradient compression) "
+                             "written in another parallel layout; resume it with the layout it was saved in")
+        found = saved is not None and not any(st.key in result.missing for st in local[name].values())
+        comp.load_state(saved if found else None, {k: st.data for k, st in local[name].items()} if found else None)
     return result

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config._fields import coerce, unknown_key_error
+from engine.config.outer import OuterConfig
 from engine.config.posttrain import PosttrainConfig
 from engine.config.sections import (CheckpointConfig, DataConfig, FaultConfig, LoggingConfig, ModelConfig,
                                     OptimConfig, ParallelConfig, TrainConfig)
@@ -29,6 +30,7 @@ SECTIONS: dict[str, type] = {
     "logging": LoggingConfig,
     "fault": FaultConfig,
     "posttrain": PosttrainConfig,
+    "outer": OuterConfig,
 }
 # Provenance fields of the root: written to JSON, not settable from TOML or --set.
 METADATA = ("source", "overrides")
@@ -56,6 +58,7 @@ class TesselConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     posttrain: PosttrainConfig = field(default_factory=PosttrainConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
     source: str | None = None
     overrides: list[str] = field(default_factory=list)
 
@@ -76,7 +79,9 @@ class TesselConfig:
         self._check_sequence_split()
         self._check_overlap()
         self._check_zero3()
+        self._check_expert_parallel()
         self._check_batch()
+        self._check_outer()
 
     # ----------------------------------------------------------------------------------------
     # cross-section checks
@@ -165,12 +170,32 @@ class TesselConfig:
             raise ValueError(f"parallel.tp_overlap={par.tp_overlap!r} with model.fp8={self.model.fp8!r}: FP8 ring "
                              "collective matmuls are not implemented; set one of them to 'none'")
 
+    def _check_expert_parallel(self) -> None:
+        p, o = self.parallel, self.optim
+        if p.ep > 1 and o.distributed:
+            raise ValueError(f"parallel.ep={p.ep} with optim.distributed=true: ZeRO sharding of the expert "
+                             "parameters over their edp group is not built; set optim.distributed=false (expert "
+                             "gradients are all-reduced over edp, the rest over dp) or parallel.ep=1")
+        if p.ep > 1 and o.grad_compression != "none":
+            raise ValueError(f"parallel.ep={p.ep} with optim.grad_compression={o.grad_compression!r}: the compressed "
+                             "reduction runs over dp, but expert gradients must reduce over edp; set "
+                             "optim.grad_compression='none' or parallel.ep=1")
+        outer = getattr(self, "outer", None)
+        if p.ep > 1 and outer is not None and outer.method != "none":
+            raise ValueError(f"parallel.ep={p.ep} with outer.method={outer.method!r}: DiLoCo's outer step averages "
+                             "every parameter over dp, but the ep ranks hold different experts; set "
+                             "outer.method='none' or parallel.ep=1")
+        if p.ep > 1 and self.posttrain.lora.rank:
+            raise ValueError(f"parallel.ep={p.ep} with posttrain.lora.rank > 0: LoRA adapters on experts are not "
+                             "built; set parallel.ep=1")
+
     def _check_zero3(self) -> None:
         o, post = self.optim, self.posttrain
         if not (o.distributed and o.zero_stage == 3):
             return
-        if self.parallel.schedule == "zb-h1":
-            raise ValueError("parallel.schedule='zb-h1' defers weight gradients to W actions, after ZeRO-3 has "
+        if self.parallel.schedule in ("zb-h1", "zbv", "dualpipev"):
+            raise ValueError(f"parallel.schedule='{self.parallel.schedule}' defers weight gradients to W actions, "
+                             "after ZeRO-3 has "
                              "released the layer's gathered parameters and reduce-scattered its micro-batch; "
                              "split backward does not compose with ZeRO-3: use optim.zero_stage 1 or 2, or "
                              "parallel.schedule='1f1b'")
@@ -179,6 +204,28 @@ class TesselConfig:
                              "weights to copy in and out of the parameters, which ZeRO-3 shards; use "
                              "posttrain.lora.rank > 0 (the base is the reference), kl_beta=0, or optim.zero_stage "
                              "1 or 2")
+
+    def _check_outer(self) -> None:
+        """DiLoCo and gradient compression replace the per-step dp reduction (docs/decentralised.md)."""
+        o, method, par = self.optim, self.outer.method, self.parallel
+        what = (f"outer.method={method!r}" if method != "none" else
+                f"optim.grad_compression={o.grad_compression!r}" if o.grad_compression != "none" else None)
+        if what is None:
+            return
+        if method != "none" and o.grad_compression != "none":
+            raise ValueError(f"{what} with optim.grad_compression={o.grad_compression!r}: DiLoCo's inner steps have "
+                             "no dp gradient reduction to compress; compress the pseudo-gradient with "
+                             "outer.compression instead, and set optim.grad_compression='none'")
+        if o.distributed:
+            raise ValueError(f"{what} with ZeRO (optim.distributed=true): the sharded optimizer is built on the "
+                             "per-step dp reduction it replaces; set optim.distributed=false")
+        if par.cp > 1 or par.ep > 1:
+            raise ValueError(f"{what} with parallel.cp={par.cp}, parallel.ep={par.ep}: context- and expert-parallel "
+                             "gradients still need their per-step reduction, which is not separated from the dp one "
+                             "yet; set parallel.cp=1 and parallel.ep=1")
+        if self.posttrain.method != "none":
+            raise ValueError(f"{what} is for pretraining; set it to 'none' for posttrain.method="
+                             f"{self.posttrain.method!r}")
 
     def _check_batch(self) -> None:
         train = self.train

@@ -15,6 +15,7 @@ from engine.ops import BACKENDS
 from engine.ops.fp8_linear import RECIPES as FP8_RECIPES
 from engine.optim import DECAY_STYLES, NO_DECAY_GROUPS, NONFINITE_ACTIONS as NONFINITE
 from parallel.context_parallel import CP_COMM
+from parallel.expert_parallel.dispatch import DISPATCHERS as MOE_DISPATCHERS
 from parallel.mesh import AXES as MESH_AXES
 from parallel.pipeline.actions import SCHEDULE_NAMES as SCHEDULES
 from parallel.tensor_parallel.overlap import TP_OVERLAP
@@ -205,7 +206,7 @@ class ParallelConfig(Section):
     so one preset can scale from tp=1 upwards; ``sequence_parallel_active`` says whether it acts.
     ``vp > 1`` and ``schedule="interleaved"`` go together. ``schedule="zb-h1"`` splits each backward
     into input and weight gradients (docs/pipeline.md, zero-bubble schedules; not with ZeRO-3);
-    "zbv" and "dualpipev" are named here but refused until the trainer places V stages. ``tp_overlap``: "none", or "ring" to run
+    "zbv" and "dualpipev" split it too, with two chunks per rank in a V (``vp=2``). ``tp_overlap``: "none", or "ring" to run
     the sequence-parallel linears as ring collective matmuls, communication under the GEMMs
     (docs/overlap.md; needs tp >= 2 and sequence_parallel); "symm_mem" is refused (not built).
     ``p2p_early_recv``: post each pipeline receive one action ahead and let sends complete in the
@@ -214,6 +215,11 @@ class ParallelConfig(Section):
     ``cp_comm`` says how attention spans them: "ring" (K/V rotate by p2p), "a2a" (all-to-all over heads;
     the heads after tp must divide by cp) or "hybrid" (all-to-all inside blocks of ``cp_a2a_size`` cp
     ranks, ring across the blocks; ``cp_a2a_size`` is read by "hybrid" only).
+    ``ep`` (docs/moe.md): each MoE layer's experts are split over ``ep`` consecutive dp ranks; expert
+    gradients reduce over the dp ranks holding the same experts. ``moe_dispatcher``: "alltoall" (tokens
+    travel to their experts' ranks) or "allgather" (every rank gathers the ep group's tokens; small ep).
+    ``moe_bias_update_rate`` > 0: aux-loss-free load balancing (DeepSeek-V3), a per-expert router bias for
+    the top-k selection moved by that step toward balance after every step (0: off).
     """
 
     SECTION = "parallel"
@@ -226,6 +232,8 @@ class ParallelConfig(Section):
     cp_comm: str = "ring"
     cp_a2a_size: int | None = None
     ep: int = 1
+    moe_dispatcher: str = "alltoall"
+    moe_bias_update_rate: float = 0.0
     sequence_parallel: bool = False
     order: str = "dp-pp-cp-tp"
     pipeline_layout: list[int] | None = None
@@ -251,11 +259,13 @@ class ParallelConfig(Section):
         elif self.cp_a2a_size is not None:
             raise ValueError(f"parallel.cp_a2a_size={self.cp_a2a_size} is read by parallel.cp_comm='hybrid' only "
                              f"(cp_comm is {self.cp_comm!r}); remove it or set parallel.cp_comm='hybrid'")
-        # Accepted keys must work: these degrees arrive with their capabilities.
-        if self.ep > 1:
-            raise ValueError(f"parallel.ep={self.ep}: expert parallelism is not implemented yet in the trainer (the "
-                             "MoE layer has it, docs/moe.md, but expert gradients are not reduced over edp nor "
-                             "experts checkpointed per ep rank); set parallel.ep=1")
+        check_choice(self, "moe_dispatcher", MOE_DISPATCHERS)
+        check_min(self, "moe_bias_update_rate", 0, why="0 turns aux-loss-free balancing off; DeepSeek-V3 uses 1e-3")
+        if self.ep > 1 and self.cp > 1:
+            # The mesh carves ep out of dp only; the expert gradients would need an edp x cp group.
+            raise ValueError(f"parallel.ep={self.ep} with parallel.cp={self.cp}: expert parallelism together with "
+                             "context parallelism is not built (expert gradients would reduce over edp x cp); "
+                             "set parallel.cp=1 or parallel.ep=1")
         if self.dp != -1 and self.dp < 1:
             raise ValueError(f"parallel.dp={self.dp} is not valid; set parallel.dp=-1 to infer it "
                              "from the world size, or a degree >= 1")
@@ -265,13 +275,13 @@ class ParallelConfig(Section):
                              "interleaved across pipeline ranks); set parallel.vp=1 or "
                              "parallel.pp >= 2")
         if self.schedule in ("zbv", "dualpipev"):
-            # The schedule library, the simulator and run_schedule handle the V placement; the training
-            # engine does not place V stages yet (assembly, tied-embedding group, evaluation, memory report).
-            raise ValueError(f"parallel.schedule='{self.schedule}' (two chunks per rank in a V) runs in "
-                             "parallel.pipeline.runtime.run_schedule and tools/pipeline_schedule.py, but the "
-                             "trainer does not build V-placed stages yet; use parallel.schedule='zb-h1' (zero-bubble "
-                             "with one chunk per rank) or 'interleaved'")
-        if self.vp > 1 and self.schedule != "interleaved":
+            # Two chunks per rank folded into a V (stages r and 2 pp - 1 - r): docs/pipeline.md.
+            if self.pp < 2 or self.vp != 2:
+                raise ValueError(f"parallel.schedule='{self.schedule}' places two model chunks per pipeline rank "
+                                 f"in a V and needs parallel.vp=2 and parallel.pp >= 2 (got vp={self.vp}, "
+                                 f"pp={self.pp}); set parallel.vp=2 and parallel.pp >= 2, or use "
+                                 "parallel.schedule='zb-h1' (one chunk per rank)")
+        elif self.vp > 1 and self.schedule != "interleaved":
             raise ValueError(f"parallel.vp={self.vp} needs parallel.schedule='interleaved' (got "
                              f"'{self.schedule}'); set parallel.schedule=interleaved or "
                              "parallel.vp=1")
@@ -395,6 +405,9 @@ class OptimConfig(Section):
     no_decay_on: list[str] = field(default_factory=lambda: ["norms", "biases", "embeddings"])
     nonfinite: str = "skip"
     max_skipped_steps: int | None = 10
+    # Compressed data-parallel gradients (parallel/data_parallel/compression.py, docs/decentralised.md).
+    grad_compression: str = "none"
+    powersgd_rank: int = 4
 
     def _validate(self) -> None:
         check_positive(self, "lr")
@@ -436,6 +449,16 @@ class OptimConfig(Section):
         check_choice(self, "nonfinite", NONFINITE)
         check_min(self, "max_skipped_steps", 0, why="0 stops at the first skipped step; leave it unset (none) "
                   "to never stop")
+        check_choice(self, "grad_compression", ("none", "powersgd", "onebit"))
+        if self.grad_compression != "none" and self.distributed:
+            raise ValueError(f"optim.grad_compression={self.grad_compression!r} replaces the bucketed all-reduce that "
+                             "ZeRO (optim.distributed=true) shards; set optim.distributed=false or "
+                             "optim.grad_compression='none'")
+        if isinstance(self.powersgd_rank, bool) or self.powersgd_rank < 1:
+            raise ValueError(f"optim.powersgd_rank={self.powersgd_rank} must be an integer >= 1 (e.g. 4)")
+        if self.grad_compression != "powersgd" and self.powersgd_rank != 4:
+            raise ValueError(f"optim.powersgd_rank is read only with optim.grad_compression='powersgd' (it is "
+                             f"{self.grad_compression!r}); remove it or set optim.grad_compression='powersgd'")
         if self.nonfinite == "stop" and self.max_skipped_steps != 10:
             raise ValueError(f"optim.max_skipped_steps={self.max_skipped_steps} applies to optim.nonfinite='skip', "
                              "but optim.nonfinite='stop' stops at the first non-finite step; remove "
@@ -495,8 +518,12 @@ class DataConfig(Section):
 @dataclass(kw_only=True, frozen=True)
 class CheckpointConfig(Section):
     """Checkpointing. ``interval=0`` disables periodic saves. ``dir=None`` means
-    ``<train.run_dir>/checkpoints``. ``keep_last=None`` keeps every checkpoint. ``load`` is a
-    checkpoint directory to resume or initialise from.
+    ``<train.run_dir>/checkpoints``. ``keep_last=None`` keeps every checkpoint. ``keep_every``: milestones,
+    the checkpoints whose step is a multiple of it, are never deleted by keep_last's retention (a multiple of
+    ``interval``; needs ``keep_last``). ``load`` is a checkpoint directory to resume or initialise from.
+    ``peer_replica``: after each committed save every rank's shard is also held in the node-local RAM
+    (``/dev/shm``) of its ring neighbour, and an in-job restart loads it from there without opening a file of
+    the checkpoint directory (needs ``interval`` and 2+ ranks; docs/fault_tolerance.md).
     """
 
     SECTION = "checkpoint"
@@ -504,14 +531,30 @@ class CheckpointConfig(Section):
     interval: int = 1000
     dir: str | None = None
     keep_last: int | None = None
+    keep_every: int | None = None
     async_save: bool = False
     load: str | None = None
+    peer_replica: bool = False
 
     def _validate(self) -> None:
         check_min(self, "interval", 0, why="0 disables periodic checkpoints")
         check_min(self, "keep_last", 1, why="leave it unset to keep every checkpoint")
+        check_min(self, "keep_every", 1, why="the milestone interval in steps; leave it unset for none")
+        if self.keep_every is not None:
+            if self.keep_last is None:
+                raise ValueError(f"checkpoint.keep_every={self.keep_every} without checkpoint.keep_last keeps "
+                                 "nothing more (every checkpoint is kept already); set checkpoint.keep_last, or "
+                                 "leave checkpoint.keep_every unset")
+            if not self.interval or self.keep_every % self.interval:
+                raise ValueError(f"checkpoint.keep_every={self.keep_every} is not a multiple of checkpoint.interval="
+                                 f"{self.interval}: no periodic save would land on a milestone; set keep_every to "
+                                 "a multiple of checkpoint.interval")
         check_nonempty(self, "dir")
         check_nonempty(self, "load")
+        if self.peer_replica and not self.interval:
+            raise ValueError("checkpoint.peer_replica=true with checkpoint.interval=0: replicas are made after each "
+                             "periodic save, and there are none; set checkpoint.interval > 0, or "
+                             "checkpoint.peer_replica=false")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -519,7 +562,9 @@ class LoggingConfig(Section):
     """Metrics sinks. ``peak_tflops`` overrides the device's dense bf16 peak used for MFU.
     ``memory_report``: rank 0 logs the predicted bytes per rank at start-up and, after the first step
     (measured with the allocator; on CPU under the profiler, which slows that step), the measured peak
-    beside it (docs/memory.md); false skips both."""
+    beside it (docs/memory.md); false skips both. ``profile_steps = [start, end]``: a torch.profiler trace
+    of steps start..end (inclusive) per rank in ``<run_dir>/profile/`` with per-layer, per-chunk and
+    collective ranges and allocator statistics (engine/profiling.py, docs/planner.md)."""
 
     SECTION = "logging"
 
@@ -528,10 +573,22 @@ class LoggingConfig(Section):
     progress_bar: str = "auto"
     peak_tflops: float | None = None
     memory_report: bool = True
+    profile_steps: list[int] | None = None
 
     def _validate(self) -> None:
         check_choice(self, "progress_bar", PROGRESS_BAR)
         check_positive(self, "peak_tflops")
+        ps = self.profile_steps
+        if ps is not None:
+            if (not isinstance(ps, (list, tuple)) or len(ps) != 2
+                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in ps)):
+                raise ValueError(f"logging.profile_steps={ps!r} must be two step numbers [start, end], e.g. [3, 4]")
+            if not 1 <= ps[0] <= ps[1]:
+                raise ValueError(f"logging.profile_steps={list(ps)} needs 1 <= start <= end (steps count from 1); "
+                                 "e.g. [3, 4]")
+            if ps[0] == 1 and self.memory_report:
+                raise ValueError("logging.profile_steps starts at step 1, which the memory report measures under its "
+                                 "own profiler; start at step 2 or later, or set logging.memory_report=false")
 
 
 @dataclass(kw_only=True, frozen=True)

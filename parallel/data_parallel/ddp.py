@@ -51,6 +51,12 @@ data-parallel reduction (one coalesced all-reduce per bucket). Parameters with
 ``p.shared_embedding = True`` or ``p.defer_grad_reduce = True`` get buckets of their own that are
 reduced only in :meth:`finish_grad_sync`, so the caller can first sum tied copies across
 pipeline stages into ``p.main_grad`` (doing that inside backward hooks could deadlock the pipeline).
+
+Expert parallelism (``expert_group``): parameters with ``p.expert = True`` live in buffers of their own
+whose buckets are reduced over ``expert_group`` (the edp ranks that hold the same experts) instead of
+``dp_group``, with the same ``1 / dp_group.size`` average: each expert's gradient already sums the
+tokens the whole ep group routed to it, so summing over edp and dividing by dp gives the global mean
+(docs/moe.md). Sharded stages (ZeRO) do not shard expert buffers yet and are refused with experts.
 """
 from __future__ import annotations
 
@@ -92,13 +98,19 @@ class DataParallel(torch.nn.Module):
     "mean"/"sum"; ``tp_group`` for sequence-parallel gradients; ``align`` (shard alignment in
     elements); ``max_inflight_buckets``; ``broadcast_params`` (copy dp rank 0's parameters to all
     replicas at construction).
+
+    ``local_grads=True`` (DiLoCo, :mod:`parallel.data_parallel.outer`): gradients are never reduced over
+    ``dp_group`` (each replica steps on its own gradient; the sequence-parallel TP reduction still runs).
+    ``grad_compressor`` (:mod:`parallel.data_parallel.compression`): replaces each bucket's all-reduce by
+    the compressor's (synchronous) compressed reduction. Both need ``zero_stage=0``.
     """
 
     def __init__(self, module: torch.nn.Module, *, dp_group: Group, tp_group: Group | None = None,
                  zero_stage: int = 0, bucket_size: int | None = None, bucket_size_mb: float | None = None,
                  overlap_grad_reduce: bool = True, overlap_param_gather: bool = False, grad_reduce: str = "mean",
                  align: int = 1, max_inflight_buckets: int | None = None, broadcast_params: bool = True,
-                 chunks: bool = False):
+                 chunks: bool = False, expert_group: Group | None = None, local_grads: bool = False,
+                 grad_compressor=None):
         super().__init__()
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={zero_stage!r} must be 0 (all-reduce), 1 (sharded optimizer state), "
@@ -116,6 +128,15 @@ class DataParallel(torch.nn.Module):
             raise ValueError(f"align={align!r} must be an integer >= 1 (elements per shard alignment)")
         if max_inflight_buckets is not None and (not isinstance(max_inflight_buckets, int) or max_inflight_buckets < 1):
             raise ValueError(f"max_inflight_buckets={max_inflight_buckets!r} must be None (unbounded) or >= 1")
+        if (local_grads or grad_compressor is not None) and zero_stage != 0:
+            raise ValueError(f"zero_stage={zero_stage} shards the optimizer over dp, but local_grads (DiLoCo) and "
+                             "grad_compressor replace the data-parallel reduction it is built on; use zero_stage=0 "
+                             "(optim.distributed=false)")
+        if local_grads and grad_compressor is not None:
+            raise ValueError("local_grads=True reduces nothing over dp, so a grad_compressor has nothing to compress; "
+                             "pass one or the other")
+        self.local_grads = local_grads
+        self.grad_compressor = grad_compressor
         if bucket_size is None and bucket_size_mb is None:
             bucket_size_mb = DEFAULT_BUCKET_MB
         size = bucket_size_elements(bucket_size=bucket_size, bucket_size_mb=bucket_size_mb)
@@ -126,7 +147,7 @@ class DataParallel(torch.nn.Module):
         self.sharded = zero_stage >= 1
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
-        self.grad_scale = 1.0 / dp_group.size if grad_reduce == "mean" else 1.0
+        self.grad_scale = 1.0 / dp_group.size if grad_reduce == "mean" and not local_grads else 1.0
         self.max_inflight_buckets = max_inflight_buckets
         self.bucket_size = size
         self.is_last_microbatch = True
@@ -136,18 +157,26 @@ class DataParallel(torch.nn.Module):
         self.param_names: dict[int, str] = {}
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         chunk_of: dict[int, int] = {}
+        self.expert_group = expert_group
         for name, p in module.named_parameters():
             if p.requires_grad:
                 self.param_names[id(p)] = name
-                by_dtype.setdefault(p.dtype, []).append(p)
+                # With an expert group, expert parameters get buffers of their own (reduced over it).
+                is_expert = expert_group is not None and bool(getattr(p, "expert", False))
+                by_dtype.setdefault((p.dtype, is_expert), []).append(p)
                 chunk_of[id(p)] = int(name.split(".", 1)[0]) if chunks else 0
         if not by_dtype:
             raise ValueError("DataParallel: the module has no trainable parameters (requires_grad=True)")
+        if zero_stage >= 1 and any(is_expert for _, is_expert in by_dtype):
+            raise ValueError(f"zero_stage={zero_stage} with expert parallelism: sharding the expert buffers over "
+                             "the edp group is not built yet; use zero_stage=0 (optim.distributed=false) with "
+                             "parallel.ep > 1, or parallel.ep=1")
         # ZeRO-3: buckets never span two gather units, so the bucket "group" is the unit.
         units = self._build_units(module, chunks=chunks) if zero_stage == 3 else []
         unit_of = {id(p): u.index for u in units for p in u.params}
         self.flat_buffers: list[ParamAndGradBuffer] = []
-        for dtype, plist in by_dtype.items():
+        self._group_of_buf: dict[int, Group] = {}  # id(buffer) -> its reduction group (expert buffers: edp)
+        for (dtype, is_expert), plist in by_dtype.items():
             self.flat_buffers.append(ParamAndGradBuffer(
                 plist, dtype=dtype, bucket_size=size, dp=dp_group.size, align=align,
                 grads="lazy" if zero_stage >= 2 else "full",
@@ -156,10 +185,16 @@ class DataParallel(torch.nn.Module):
                 groups=([unit_of[id(p)] for p in plist] if units else
                         [chunk_of[id(p)] for p in plist] if chunks else None),
                 shard_params=zero_stage == 3))
-        if broadcast_params and dp_group.size > 1:
+            self._group_of_buf[id(self.flat_buffers[-1])] = expert_group if is_expert else dp_group
+        if grad_compressor is not None:  # sizes its state and validates (e.g. PowerSGD's rank) before any traffic
+            grad_compressor.attach(self)
+        if broadcast_params:
             for buf in self.flat_buffers:  # one call per buffer (ZeRO-3: per bucket), at construction only
+                group = self.reduce_group(buf)
+                if group.size == 1:
+                    continue
                 for t in ([b.full for b in buf.buckets] if buf.shard_params else [buf.param_data]):
-                    comm.broadcast(t, dp_group, src=0)
+                    comm.broadcast(t, group, src=0)
         self._where: dict[int, tuple[ParamAndGradBuffer, Bucket]] = {}
         for buf in self.flat_buffers:
             for b in buf.buckets:
@@ -225,6 +260,10 @@ class DataParallel(torch.nn.Module):
                     b.shard_grad = b.grad[lo:hi]
                 else:
                     b.shard_grad = data[b.start // dp:b.end // dp]
+
+    def reduce_group(self, buf: ParamAndGradBuffer) -> Group:
+        """The group ``buf``'s gradients are reduced over: ``expert_group`` for expert buffers, else dp."""
+        return self._group_of_buf[id(buf)]
 
     def owned_range(self, bucket: Bucket) -> tuple[int, int]:
         """This rank's ``[lo, hi)`` of the bucket (bucket-relative): 1/dp of it when sharded, else all."""
@@ -329,10 +368,15 @@ class DataParallel(torch.nn.Module):
             with torch.no_grad():
                 for p, chunk in zip(sp, flat.split([p.numel() for p in sp])):
                     p.main_grad.copy_(chunk.view(p.shape))
-        if self.sharded:
+        if self.local_grads:  # DiLoCo: the replica keeps its own gradient (no dp traffic)
+            bucket.work = None
+        elif self.grad_compressor is not None:  # compressed, synchronous; leaves the SUM over dp in bucket.grad
+            self.grad_compressor.reduce((self.flat_buffers.index(buf), bucket.index), bucket.grad, bucket)
+            bucket.work = None
+        elif self.sharded:
             bucket.out, bucket.work = comm.reduce_scatter(bucket.grad, self.dp_group, async_op=True)
         else:
-            bucket.work = comm.all_reduce(bucket.grad, self.dp_group, op="sum", async_op=True)
+            bucket.work = comm.all_reduce(bucket.grad, self.reduce_group(buf), op="sum", async_op=True)
         bucket.state = "launched"
         self._inflight.append((buf, bucket))
         if self.zero_stage >= 2:
@@ -344,7 +388,8 @@ class DataParallel(torch.nn.Module):
                 self._finalize(*self._inflight[0])
 
     def _finalize(self, buf: ParamAndGradBuffer, bucket: Bucket) -> None:
-        comm.wait(bucket.work, self.dp_group)
+        if bucket.work is not None:  # None: reduced synchronously (compressor) or not at all (local_grads)
+            comm.wait(bucket.work, self.reduce_group(buf))
         with torch.no_grad():
             if self.zero_stage == 3:  # one reduction per micro-batch: accumulate into the shard
                 bucket.shard_grad.add_(bucket.out, alpha=self.grad_scale)

@@ -1,0 +1,50 @@
+"""logging.profile_steps (engine/profiling.py): a pipeline-parallel run on 2 gloo ranks writes, per rank, a
+Chrome trace that loads as JSON and holds that rank's own per-layer forward/backward ranges, every chunk's
+forward and backward of every micro-batch, the profiled steps and gloo's collectives; and the allocator
+statistics. tools/timeline.py draws the run. (pp 2 is the smallest world with ranks holding different layers.)"""
+from __future__ import annotations
+
+import json
+import os
+
+from parallel.testing import run_distributed
+
+
+def _worker(run_dir):
+    from tests.engine.test_memory_report import _build, _cfg
+
+    cfg = _cfg("parallel.tp=1", "parallel.pp=2", "train.steps=2", "train.global_batch_size=4",
+               "logging.memory_report=false", "logging.profile_steps=[2, 2]")
+    run = _build(cfg, world=2, run_dir=run_dir)
+    run.trainer.train(run.train_loader)
+    return run.trainer.pp_rank
+
+
+def test_traces_hold_each_ranks_layer_ranges(tmp_path):
+    run_dir = str(tmp_path / "run")
+    assert run_distributed(_worker, 2, run_dir, timeout=240) == [0, 1]
+    names = {}
+    for rank in (0, 1):
+        with open(os.path.join(run_dir, "profile", f"trace_rank{rank}.json")) as f:
+            events = json.load(f)["traceEvents"]
+        names[rank] = {e["name"] for e in events if e.get("ph") == "X"}
+        with open(os.path.join(run_dir, "profile", f"memory_rank{rank}.json")) as f:
+            mem = json.load(f)
+        assert mem["steps"] == [2, 2] and mem["peak_bytes_above_start"] > 0 and mem["top_ops_by_self_cpu_memory"]
+    mine = {0: (0, 1), 1: (2, 3)}  # 4 layers over 2 stages
+    for rank, layers in mine.items():
+        n = names[rank]
+        for i in layers:
+            assert {f"layer{i}.forward", f"layer{i}.backward", f"layer{i}.attention", f"layer{i}.mlp"} <= n
+        for i in mine[1 - rank]:
+            assert f"layer{i}.forward" not in n  # the other stage's layers are not here
+        assert {"step2", "chunk0.F0", "chunk0.F1", "chunk0.B0", "chunk0.B1"} <= n
+        assert "chunk0.F2" not in n  # 2 micro-batches a step, counted per step
+        assert any(x.startswith("gloo:") for x in n)  # c10d's collective ranges
+
+    from tools.timeline import main
+
+    png = str(tmp_path / "timeline.png")
+    assert main([run_dir, "--out", png]) == 0
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,104 @@
+"""PowerSGD and 1-bit gradient compression (parallel/data_parallel/compression.py).
+
+* PowerSGD's dp bytes per step equal, exactly (ledger), the ring all-reduce of r * (m + n) fp32 elements per
+  matrix plus the 1-D gradients uncompressed; 1-bit's equal the all-gather of n_pad / 8 bytes of signs and
+  one fp32 scale per 1024 elements per bucket.
+* PowerSGD is exact when the summed gradient has rank <= r: dp2 ranks holding multiples of one rank-1
+  matrix decode the true sum (fp32, 1e-5 relative); 1-D gradients are summed exactly.
+* Sign packing round-trips; a rank above a matrix's size is refused before any communication.
+Resume of both is in tests/parallel/test_outer.py (test_resume_is_bitwise[powersgd|onebit]).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.parallel.test_outer import _cfg, _train, dp2_results
+
+
+def _compressed():
+    out = {}
+    for name, extra in (("powersgd", ["optim.grad_compression=powersgd", "optim.powersgd_rank=2"]),
+                        ("onebit", ["optim.grad_compression=onebit"])):
+        run, losses, sent = _train(_cfg(steps=2, extra=extra), 2)
+        ddp = run.trainer.ddp
+        comp = ddp.grad_compressor
+        shapes = [(tuple(p.shape)) for _, b in ddp.buckets() for p in b.params]
+        numels = [b.numel for _, b in ddp.buckets()]
+        out[name] = {"sent": sent, "shapes": shapes, "numels": numels, "losses": losses,
+                     "counted": comp.bytes_per_step() if name == "powersgd" else comp.bytes_per_step(numels)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory):
+    return dp2_results(tmp_path_factory)  # the 2-rank launch shared with tests/parallel/test_outer.py
+
+
+def test_compressed_dp_bytes_are_exact(dp2):
+    r = dp2[0]["compressed"]
+    p, rank = 2, 2
+    ps = r["powersgd"]
+    mats = sum(rank * (s[0] + s[1]) for s in ps["shapes"] if len(s) == 2)
+    vecs = sum(s[0] for s in ps["shapes"] if len(s) == 1)
+    assert mats > 0 and vecs > 0
+    expected = 2 * (p - 1) / p * 4 * (mats + vecs)  # ring all-reduces of P (+ vectors) and Q, fp32
+    assert ps["sent"] == [expected, expected], (ps["sent"], expected)
+    assert ps["counted"] == {"matrices": mats, "vectors": vecs}
+    full = 2 * (p - 1) / p * 4 * sum(ps["numels"])
+    assert expected < full / 5  # what it saves here against DDP's per-step volume
+    ob = r["onebit"]
+    pad = [-(-n // 1024) * 1024 for n in ob["numels"]]
+    expected = sum((p - 1) * (n // 8 + 4 * n // 1024) for n in pad)  # all-gathers of packed signs + scales
+    assert ob["sent"] == [expected, expected] and ob["counted"] == expected
+
+
+def _exact_rank1():
+    """Each rank's gradient of a 4 x 3 matrix is rank-1 and the SAME direction pattern across ranks up to
+    scale, so the sum is rank-1 and PowerSGD at r=1 recovers it exactly; a 1-D gradient is summed exactly."""
+    import torch.distributed as dist
+
+    from parallel.comm import Group, Ledger
+    from parallel.data_parallel import DataParallel
+    from parallel.data_parallel.compression import PowerSGD
+
+    group = Group(axis="dp", ranks=range(2), rank=dist.get_rank(), pg=dist.group.WORLD, ledger=Ledger())
+    model = torch.nn.Linear(3, 4)
+    comp = PowerSGD(rank=1, dp_group=group, seed=0)
+    ddp = DataParallel(model, dp_group=group, grad_compressor=comp, grad_reduce="sum")
+    u, v = torch.tensor([1.0, -2.0, 0.5, 3.0]), torch.tensor([0.25, 1.0, -1.0])
+    scale = float(dist.get_rank() + 1)
+    model.weight.grad = None
+    loss = (model.weight * (scale * torch.outer(u, v))).sum() + (model.bias * scale).sum()
+    loss.backward()
+    ddp.finish_grad_sync()
+    return {"w": model.weight.main_grad.clone(), "b": model.bias.main_grad.clone(),
+            "want_w": 3.0 * torch.outer(u, v), "want_b": torch.full((4,), 3.0)}
+
+
+def test_powersgd_is_exact_on_a_rank1_sum(dp2):
+    for r in (out["exact_rank1"] for out in dp2):
+        assert torch.allclose(r["w"], r["want_w"], rtol=1e-5, atol=1e-6), (r["w"], r["want_w"])
+        assert torch.equal(r["b"], r["want_b"])
+
+
+def test_sign_packing_round_trips():
+    from parallel.data_parallel.compression import pack_signs, unpack_signs
+
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    packed = pack_signs(x)
+    assert packed.dtype == torch.uint8 and packed.numel() == 8
+    assert torch.equal(unpack_signs(packed), torch.where(x >= 0, 1.0, -1.0))
+
+
+def test_powersgd_rank_above_a_matrix_is_refused():
+    from parallel.comm import Group
+    from parallel.data_parallel import DataParallel
+    from parallel.data_parallel.compression import PowerSGD
+
+    group = Group.trivial("dp")
+    with pytest.raises(ValueError, match=r"optim.powersgd_rank=4 exceeds .* set optim.powersgd_rank <= 3"):
+        DataParallel(torch.nn.Linear(3, 8), dp_group=group, grad_compressor=PowerSGD(rank=4, dp_group=group))
+    with pytest.raises(ValueError, match="zero_stage=0"):
+        DataParallel(torch.nn.Linear(3, 8), dp_group=group, zero_stage=1,
+                     grad_compressor=PowerSGD(rank=1, dp_group=group))

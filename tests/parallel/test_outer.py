@@ -1,0 +1,227 @@
+"""DiLoCo and Streaming DiLoCo (parallel/data_parallel/outer.py) through the main job's assembly line.
+
+* Sanity: DiLoCo with H=1, outer lr 1 and no momentum equals plain data parallelism at dp2 and at
+  dp2 x tp2 (losses of 2 steps and the final weights, fp32, 2e-6 absolute). The inner step must be linear
+  in the gradient for the average of the replicas' updates to be the update of the averaged gradient;
+  Adam's normalisation is not, so the runs use AdamW with beta1 = 0, eps = 1e5 (>> sqrt(v)), lr = 1e4, i.e. SGD
+  with lr 0.1 up to a relative O(|g| / eps) ~ 1e-6 of the update, under the tolerance.
+* Bytes (ledger, dp axis, gradient/pseudo-gradient traffic: the float64 loss bookkeeping excluded): over
+  2H steps DiLoCo sends exactly 2 x DDP's per-step volume x the compression ratio: 1 (none), 1/2 (bf16),
+  (n_pad / n) (1 + 4 / 1024) / 4 (int8 with fp32 scales per 1024, padded to dp x 1024), and top-k the
+  all-gather of k fp32 values + k int32 indices; Streaming DiLoCo's fragments add up to the same volume.
+* Resume is bitwise for DiLoCo (top-k, mid-cycle), Streaming DiLoCo (int8, with a reduction in flight
+  at the save) and both per-step compressors (tests/parallel/test_grad_compression.py shares the runs).
+* Bad inputs are refused with the fix named.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from parallel.testing import run_distributed
+
+SEQ, VOCAB = 16, 64
+HF = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+      "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": VOCAB, "max_position_embeddings": 64,
+      "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+ATOL = 2e-6
+LINEAR_ADAM = ["optim.beta1=0.0", "optim.eps=1e5", "optim.lr=1e4", "optim.min_lr=0.0", "optim.clip_grad=0.0",
+               "optim.weight_decay=0.0"]
+
+
+class _Tokens:
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        ids = np.random.default_rng(90 + i).integers(0, VOCAB, SEQ + 1)
+        return {"tokens": ids[:-1], "labels": ids[1:], "position_ids": np.arange(SEQ),
+                "loss_mask": np.ones(SEQ, dtype=np.float32)}
+
+
+def _cfg(*, steps: int = 3, extra=()):
+    from engine.config import load_config
+
+    return load_config("tiny_llama_cpu", [
+        "parallel.tp=1", "parallel.pp=1", "parallel.dp=-1", "optim.distributed=false", f"train.steps={steps}",
+        "train.global_batch_size=4", "train.micro_batch_size=1", f"train.seq_length={SEQ}", "optim.lr=0.01",
+        "optim.warmup_steps=0", "logging.progress_bar=off", "logging.tensorboard=false", "logging.jsonl=false",
+        "logging.peak_tflops=1.0", "train.eval_interval=0", "logging.memory_report=false", *extra])
+
+
+def _run(cfg, *, run_dir=None, checkpoints=False):
+    from engine.assembly import build_run
+    from models.hook import ModelHook
+
+    model = ModelHook.from_hf(HF, dtype=torch.float32, seed=cfg.train.seed,
+                              sequence_parallel=cfg.parallel.sequence_parallel)
+    return build_run(cfg, model=model, train_data=_Tokens(4 * (cfg.train.steps + 2)), checkpoints=checkpoints,
+                     run_dir=run_dir)
+
+
+def _params(run) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in run.trainer.chunks.named_parameters()}
+
+
+def _grad_bytes(cap) -> float:
+    """dp bytes of gradient traffic in a capture: the dp axis without the float64 loss bookkeeping."""
+    return sum(r.sent_bytes for r in cap.records if r.axis == "dp_cp" and r.dtype != "torch.float64")
+
+
+def _train(cfg, steps: int):
+    run = _run(cfg)
+    run.initial = _params(run)
+    losses, sent = [], []
+    for _ in range(steps):
+        with run.mesh.ledger.capture() as cap:
+            losses.append(run.trainer.train_step(run.train_loader).loss)
+        sent.append(_grad_bytes(cap))
+    return run, losses, sent
+
+
+# -- sanity: H=1, lr 1, no momentum == DDP ------------------------------------------------------------
+STEPS = 2
+def _sanity(tp: int):
+    par = [f"parallel.tp={tp}"] + (["parallel.sequence_parallel=true"] if tp > 1 else [])
+    ddp, ddp_losses, _ = _train(_cfg(steps=STEPS, extra=LINEAR_ADAM + par), STEPS)
+    out_cfg = _cfg(steps=STEPS, extra=LINEAR_ADAM + par + ["outer.method=diloco", "outer.inner_steps=1", "outer.lr=1.0",
+                                             "outer.momentum=0.0", "outer.nesterov=false"])
+    outer, outer_losses, _ = _train(out_cfg, STEPS)
+    a, b = _params(ddp), _params(outer)
+    return {"losses": (ddp_losses, outer_losses), "max_param_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
+            "moved": max(float((a[k] - p).abs().max()) for k, p in ddp.initial.items())}
+
+
+@pytest.mark.parametrize("world,tp", [(2, 1), (4, 2)], ids=["dp2", "dp2xtp2"])
+def test_diloco_h1_equals_data_parallel(dp2, world, tp):
+    outs = [r["sanity"] for r in dp2] if world == 2 else run_distributed(_sanity, world, tp, timeout=300)
+    for rank, r in enumerate(outs):
+        ddp, outer = r["losses"]
+        assert max(abs(x - y) for x, y in zip(ddp, outer)) < ATOL, (rank, ddp, outer)
+        assert r["max_param_diff"] < ATOL, (rank, r["max_param_diff"])
+        assert r["moved"] > 1e-3  # the weights did train (the comparison is not of two idle models)
+
+
+# -- bytes -------------------------------------------------------------------------------------------
+H = 2
+
+
+def _bytes():
+    ddp, _, ddp_sent = _train(_cfg(), 2)
+    numel = sum(b.numel for _, b in ddp.trainer.ddp.buckets())
+    out = {"ddp_step": ddp_sent[-1], "numel": numel}
+    for name, extra in (("none", []), ("bf16", ["outer.compression=bf16"]), ("int8", ["outer.compression=int8"]),
+                        ("topk", ["outer.compression=topk", "outer.topk_fraction=0.05"]),
+                        ("streaming", ["outer.method=streaming_diloco", "outer.fragments=2"])):
+        method = [] if name == "streaming" else ["outer.method=diloco"]
+        run, losses, sent = _train(_cfg(steps=2 * H, extra=method + [f"outer.inner_steps={H}"] + extra), 2 * H)
+        out[name] = {"sent": sent, "finite": all(math.isfinite(x) for x in losses)}
+    return out
+
+
+def test_dp_bytes_per_inner_step_are_ddp_over_h_times_compression(dp2):
+    r = dp2[0]["bytes"]
+    p, n, ddp = 2, r["numel"], r["ddp_step"]
+    assert ddp == 2 * (p - 1) / p * 4 * n  # DDP: one fp32 ring all-reduce of every bucket per step
+    chunk = 1024
+    n_pad = -(-n // (p * chunk)) * (p * chunk)
+    k = math.ceil(0.05 * n)
+    ratio = {"none": 1.0, "bf16": 0.5, "int8": (n_pad / n) * (1 + 4 / chunk) / 4, "topk": (p - 1) * 8 * k / ddp}
+    for name, rat in ratio.items():
+        sent = r[name]["sent"]
+        assert r[name]["finite"]
+        assert sent[0] == 0 and sent[2] == 0, (name, sent)  # inner steps: no dp gradient traffic at all
+        assert sum(sent) / (2 * H) == pytest.approx(ddp / H * rat, rel=1e-12), (name, sent, ddp, rat)
+    # Streaming: two fragments at staggered steps (phases 1 and 0 of H=2) adding up to one full sync per H.
+    s = r["streaming"]["sent"]
+    assert all(x > 0 for x in s) and sum(s) / (2 * H) == pytest.approx(ddp / H, rel=1e-12), s
+
+
+# -- bitwise resume ----------------------------------------------------------------------------------
+RESUME_CASES = {
+    "diloco_topk": ["outer.method=diloco", "outer.inner_steps=3", "outer.compression=topk",
+                    "outer.topk_fraction=0.1"],
+    "streaming_int8": ["outer.method=streaming_diloco", "outer.inner_steps=2", "outer.fragments=2",
+                       "outer.compression=int8", "outer.mix=0.5"],
+    "powersgd": ["optim.grad_compression=powersgd", "optim.powersgd_rank=2"],
+    "onebit": ["optim.grad_compression=onebit"],
+}
+
+
+def _resume(tmp: str, names: list[str]):
+    """4 steps straight vs 2 steps + save + a fresh run resuming them for 2 more: bitwise equal."""
+    import torch.distributed as dist
+
+    out = {}
+    for name in names:
+        extra = RESUME_CASES[name] + ["checkpoint.async_save=false"]
+        straight = _run(_cfg(steps=4, extra=extra))
+        ref = [straight.trainer.train_step(straight.train_loader).loss for _ in range(4)]
+        run_dir = os.path.join(tmp, name)
+        first = _run(_cfg(steps=4, extra=extra), run_dir=run_dir, checkpoints=True)
+        for _ in range(2):
+            first.trainer.train_step(first.train_loader)
+        first.save()
+        first.checkpointer.finalize()
+        dist.barrier()
+        second = _run(_cfg(steps=4, extra=extra), run_dir=run_dir, checkpoints=True)
+        second.resume()
+        got = [second.trainer.train_step(second.train_loader).loss for _ in range(2)]
+        a, b = _params(straight), _params(second)
+        out[name] = {"losses": (ref[2:], got), "equal": all(torch.equal(a[k], b[k]) for k in a)}
+    return out
+
+
+def _all_dp2(tmp: str):
+    """Every dp2 part of this file and of tests/parallel/test_grad_compression.py in one 2-rank launch."""
+    from tests.parallel.test_grad_compression import _compressed, _exact_rank1
+
+    return {"sanity": _sanity(1), "bytes": _bytes(), "resume": _resume(tmp, list(RESUME_CASES)),
+            "compressed": _compressed(), "exact_rank1": _exact_rank1()}
+
+
+_LAUNCHED: dict[str, list] = {}  # one launch per pytest process, whichever of the two files asks first
+
+
+def dp2_results(tmp_path_factory) -> list[dict]:
+    if "dp2" not in _LAUNCHED:
+        _LAUNCHED["dp2"] = run_distributed(_all_dp2, 2, str(tmp_path_factory.mktemp("outer_dp2")), timeout=500)
+    return _LAUNCHED["dp2"]
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory):
+    return dp2_results(tmp_path_factory)
+
+
+@pytest.mark.parametrize("name", list(RESUME_CASES))
+def test_resume_is_bitwise(dp2, name):
+    for rank, r in enumerate(r["resume"] for r in dp2):
+        ref, got = r[name]["losses"]
+        assert ref == got, (rank, name, ref, got)
+        assert r[name]["equal"], (rank, name)
+
+
+# -- bad inputs --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra,needle", [
+    (["outer.method=diloco", "optim.distributed=true"], "set optim.distributed=false"),
+    (["optim.grad_compression=powersgd", "optim.distributed=true"], "set optim.distributed=false"),
+    (["outer.method=diloco", "outer.inner_steps=0"], "outer.inner_steps=0 must be >= 1"),
+    (["outer.inner_steps=5"], "outer.method='none'"),
+    (["outer.method=diloco", "outer.fragments=2", "outer.inner_steps=4"], "outer.method='streaming_diloco'"),
+    (["outer.method=streaming_diloco", "outer.fragments=4", "outer.inner_steps=2"], "raise inner_steps"),
+    (["outer.method=diloco", "optim.grad_compression=onebit"], "outer.compression instead"),
+    (["outer.method=diloco", "outer.topk_fraction=0.5"], "outer.compression='topk'"),
+    (["optim.powersgd_rank=8"], "optim.grad_compression='powersgd'"),
+])
+def test_bad_inputs_are_refused(extra, needle):
+    with pytest.raises(ValueError, match=None) as err:
+        _cfg(extra=extra)
+    assert needle in str(err.value), str(err.value)

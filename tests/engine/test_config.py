@@ -371,9 +371,12 @@ def test_toml_error_names_the_file(tmp_path):
     (["logging.progress_bar=maybe"],
      "logging.progress_bar='maybe' is not valid; choose one of: auto, on, off"),
     (["logging.peak_tflops=-3"], "logging.peak_tflops=-3.0 must be > 0"),
-    # degrees whose capabilities are not built yet are refused, not ignored
+    # expert parallelism (docs/moe.md): ep divides dp; combinations not built yet are refused, not ignored
     (["parallel.dp=2", "parallel.ep=4", "train.global_batch_size=32"],
-     "parallel.ep=4: expert parallelism is not implemented yet"),
+     "parallel.ep=4 does not divide dp*cp = 2*1 = 2"),
+    (["parallel.dp=2", "parallel.ep=2", "optim.distributed=true"], "ZeRO sharding of the expert parameters"),
+    (["parallel.ep=2", "parallel.cp=2"], "context parallelism is not built"),
+    (["parallel.moe_dispatcher=ring"], "parallel.moe_dispatcher='ring' is not valid; choose one of: alltoall"),
 ])
 def test_validation_errors(sets, fragment):
     with raises(fragment):
@@ -519,3 +522,14 @@ def test_choice_lists_match_their_owners():
 
     assert set(sections.FAMILIES) == set(models.FAMILIES)
     assert set(sections.LEARNED_POSITION_FAMILIES) <= set(models.FAMILIES)
+
+
+@pytest.mark.parametrize("value,match", [("[3]", "two step numbers"), ("[3, 2]", "1 <= start <= end"),
+                                         ("[0, 1]", "1 <= start <= end"), ("[1, 2]", "memory report measures")])
+def test_profile_steps_refused_with_the_fix(value, match):
+    from engine.config import load_config
+
+    with pytest.raises(ValueError, match=match):
+        load_config("tiny_llama_cpu", [f"logging.profile_steps={value}"])
+    ok = load_config("tiny_llama_cpu", ["logging.profile_steps=[1, 2]", "logging.memory_report=false"])
+    assert ok.logging.profile_steps == [1, 2]

@@ -122,16 +122,28 @@ def test_bad_moe_config_is_refused(change, match):
 
 
 @pytest.mark.parametrize("name", list(MOE))
-def test_converter_round_trip_tp2_pp2_is_bitwise(cases, name, tmp_path):
-    """hf-to-tessel at TP=2 x PP=2 and back: per-expert Hugging Face keys, bitwise equal tensors."""
+def test_converter_round_trip_ep2_tp2_pp2_is_bitwise(cases, name, tmp_path):
+    """hf-to-tessel at EP=2 x TP=2 x PP=2 (8 rank files, dp = ep) and back: per-expert Hugging Face keys,
+    bitwise equal tensors; each expert is written by its own ep rank only, everything else by ep rank 0."""
+    from engine.checkpoint.format import read_metadata
     from tools.convert_checkpoint import hf_to_tessel, tessel_to_hf
 
     _, _, directory = cases[name]
-    hf_to_tessel(directory, tmp_path / "ckpt", tp=2, pp=2)
+    hf_to_tessel(directory, tmp_path / "ckpt", tp=2, pp=2, ep=2)
     tessel_to_hf(tmp_path / "ckpt", tmp_path / "back")
     orig, back = SafetensorsState(directory), SafetensorsState(tmp_path / "back")
     assert sorted(orig) == sorted(back)
     assert all(torch.equal(orig[k], back[k]) for k in orig)
+    meta = read_metadata(next((tmp_path / "ckpt").glob("step_*")))
+    assert meta["layout"]["ep"] == 2 and meta["world_size"] == 8
+    experts = config_from_hf(MOE[name]).num_experts
+    for key, entry in meta["tensors"].items():
+        ep_ranks = {pc["rank"] // 4 for pc in entry["pieces"]}  # rank = (ep_rank * pp + pp_rank) * tp + tp_rank
+        if ".mlp.experts." in key:
+            e = int(key.split(".mlp.experts.")[1].split(".")[0])
+            assert ep_ranks == {e // (experts // 2)}, key
+        else:
+            assert ep_ranks == {0}, key
 
 
 @pytest.mark.parametrize("name", list(MOE))
@@ -149,6 +161,12 @@ def test_derived_stage_params_match_built_stages(name):
         real = list(build_model(MOE[name], tp_group=tp, layer_range=lr, **ends).named_parameters())
         derived = stage_params(cfg, tp_rank=1, tp_size=2, layer_range=lr, padded_vocab=padded, **ends)
         assert [p.name for p in derived] == [n for n, _ in real]
+        ep = Group(axis="ep", ranks=range(2), rank=1, pg=object(), ledger=Ledger())  # ep rank 1: the upper experts
+        real_ep = list(build_model(MOE[name], tp_group=tp, ep_group=ep, layer_range=lr, **ends).named_parameters())
+        derived_ep = stage_params(cfg, tp_rank=1, tp_size=2, layer_range=lr, padded_vocab=padded, ep_rank=1,
+                                  ep_size=2, **ends)
+        assert [p.name for p in derived_ep] == [n for n, _ in real_ep]
+        assert [p.expert for p in derived_ep] == [bool(getattr(q, "expert", False)) for _, q in real_ep]
         for p, (_, q) in zip(derived, real):
             assert p.local_shape == tuple(q.shape), p.name
             assert p.partition == ((q.partition_dim, q.partition_stride) if q.tensor_parallel else None), p.name

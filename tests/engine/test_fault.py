@@ -249,3 +249,22 @@ def test_fault_and_max_skipped_steps_config():
                             "applies to optim.nonfinite='skip'")):
         with pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("(", r"\(")):
             load_config("tiny_llama_cpu", sets)
+
+
+def test_keep_every_keeps_milestones_beside_keep_last(tmp_path):
+    """Retention with ``keep_last=2, keep_every=4`` over saves at steps 2, 4, ..., 14: the two newest plus the
+    multiples of 4 stay; the key is validated before anything is saved."""
+    from engine.checkpoint import Checkpointer, ShardedTensor, list_checkpoints
+    from engine.config.sections import CheckpointConfig
+
+    ck = Checkpointer(tmp_path / "ck", keep_last=2, keep_every=4)
+    for step in range(2, 16, 2):
+        ck.save(step=step, tensors=[ShardedTensor.replicated("w", torch.full((3,), float(step)))])
+    assert [s for s, _ in list_checkpoints(tmp_path / "ck")] == [4, 8, 12, 14]
+    with pytest.raises(ValueError, match="keep_every=3 without keep_last"):
+        Checkpointer(tmp_path / "x", keep_every=3)
+    assert CheckpointConfig(interval=10, keep_last=2, keep_every=100).keep_every == 100
+    with pytest.raises(ValueError, match=r"checkpoint.keep_every=25 is not a multiple of checkpoint.interval=10"):
+        CheckpointConfig(interval=10, keep_last=2, keep_every=25)
+    with pytest.raises(ValueError, match=r"checkpoint.keep_every=100 without checkpoint.keep_last"):
+        CheckpointConfig(interval=10, keep_every=100)

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -124,3 +125,105 @@ def test_another_model_size_and_a_foreign_directory_are_refused(corpus, tmp_path
     r = _pretrain(_args(corpus, foreign, "train.steps=1"))
     assert r.returncode == 2 and "is not a Tessel run" in r.stderr, r.stderr[-2000:]
     assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
+
+
+def test_sbatch_saves_through_sigterm_and_requeues_at_the_time_limit(tmp_path):
+    """tools/pretrain.sbatch with stub ``srun``/``scancel``/``scontrol`` (no Slurm here): SIGUSR1
+    (``--signal=B:USR1@300``) makes it SIGTERM the step's tasks (``scancel --signal=TERM``) -- pretrain.py's
+    save-and-exit-0 path, tested above -- wait for the step, then ``scontrol requeue`` its job and exit 0; a
+    preemption (SIGTERM to the script and, from Slurm, to the tasks) waits for the step without requeueing
+    (Slurm's ``--requeue`` does). The step gets torchrun with --max-restarts and a fresh store per attempt."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    log = tmp_path / "log"
+    (bindir / "srun").write_text(f"""#!/bin/bash
+echo "srun $* TORCH_DISABLE_SHARE_RDZV_TCP_STORE=$TORCH_DISABLE_SHARE_RDZV_TCP_STORE" >> {log}
+trap 'echo "step got TERM" >> {log}; sleep 0.2; echo "step saved" >> {log}; exit 1' TERM
+echo $$ > {tmp_path}/started
+while :; do sleep 0.05; done
+""")
+    (bindir / "scontrol").write_text(f"""#!/bin/bash
+if [ "$1" = show ]; then echo node0; else echo "scontrol $*" >> {log}; fi
+""")
+    (bindir / "scancel").write_text(f"""#!/bin/bash
+echo "scancel $*" >> {log}
+kill -TERM $(cat {tmp_path}/started)
+""")
+    for f in bindir.iterdir():
+        f.chmod(0o755)
+    env = dict(ENV, PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="node0", SLURM_JOB_ID="77",
+               SLURM_JOB_NAME="t", SLURM_NNODES="1", SLURM_SUBMIT_DIR=str(tmp_path))
+
+    def launch_and_signal(sig):
+        (tmp_path / "started").unlink(missing_ok=True)
+        log.write_text("")
+        proc = subprocess.Popen(["bash", os.path.join(ROOT, "tools", "pretrain.sbatch"), "cfg.toml"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            for _ in range(400):
+                if (tmp_path / "started").exists() and (tmp_path / "started").read_text().strip():
+                    break
+                time.sleep(0.01)
+            proc.send_signal(sig)
+            if sig == signal.SIGTERM:  # a preemption: Slurm signals the step's tasks too
+                os.kill(int((tmp_path / "started").read_text()), signal.SIGTERM)
+            out, _ = proc.communicate(timeout=20)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        return proc.returncode, out, log.read_text().splitlines()
+
+    rc, out, lines = launch_and_signal(signal.SIGUSR1)
+    assert rc == 0, out
+    assert "--max-restarts 3" in lines[0] and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in lines[0], lines
+    assert "--run-dir runs/t-77" in lines[0], lines
+    assert lines[1:] == ["scancel --signal=TERM 77", "step got TERM", "step saved", "scontrol requeue 77"], (lines, out)
+    rc, out, lines = launch_and_signal(signal.SIGTERM)
+    assert rc == 0 and lines[1:] == ["step got TERM", "step saved"], (lines, out)
+
+
+def test_posttrain_refuses_a_foreign_directory_and_a_resume_that_breaks_the_run(tmp_path, capsys):
+    """tools/posttrain.py runs pretrain.py's run-directory checks, with its own resume keys (the records, the
+    method, packing, LoRA; not data.paths), before anything is built. In-process; the run directory's
+    checkpoint is the converted base copied in (a run's would do the same)."""
+    import shutil
+
+    from engine.checkpoint.format import step_dirname
+    from engine.config import load_config
+    from engine.fault import POSTTRAIN_RESUME_KEYS, check_run_dir
+    from tests.tools.test_posttrain import chat_records, make_hf_dir, overrides, write_chat_tokenizer, write_jsonl
+    from tools.convert_checkpoint import hf_to_tessel
+    from tools.posttrain import base_defaults, main
+
+    hf = make_hf_dir(tmp_path / "hf", "llama", seed=7)
+    write_chat_tokenizer(hf)
+    ckpt = hf_to_tessel(hf, tmp_path / "ckpt", tp=1, pp=1)
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "sft.jsonl", chat_records(8, 1))
+    write_jsonl(data / "other.jsonl", chat_records(8, 3))
+
+    def sets(run_dir, *extra):
+        return overrides(ckpt, data, run_dir, "sft", ("train.steps=1", "train.eval_interval=0", *extra))
+
+    def argv(run_dir, *extra):
+        return sum((["--set", s] for s in sets(run_dir, *extra)), []) + ["--run-dir", str(run_dir)]
+
+    foreign = tmp_path / "home"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    assert main(argv(foreign)) == 2
+    assert "is not a Tessel run" in capsys.readouterr().err
+    assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
+
+    run = tmp_path / "run"
+    shutil.copytree(ckpt, run / "checkpoints")
+    ((step, _),) = list_checkpoints(run / "checkpoints")
+    load_config(None, sets(run), defaults=base_defaults).to_json(str(run / "config.json"))
+    same = load_config(None, sets(run, "train.steps=5", "optim.lr=3e-4"), defaults=base_defaults)
+    assert check_run_dir(same, str(run), keys=POSTTRAIN_RESUME_KEYS).endswith(step_dirname(step))  # may resume
+    assert main(argv(run, f"posttrain.data={data / 'other.jsonl'}", "posttrain.pack=false")) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "posttrain.data" in line and "other.jsonl" in line and "posttrain.pack (null -> false)" in line, line
+    assert "start a new run directory" in line, line
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.json"]  # nothing was written

@@ -14,7 +14,8 @@
   pairs); the contiguous split's max/mean is (4cp-1)/(2cp+1) (1.40 at cp=2, 1.67 at cp=4, 1.82 at cp=8).
 * Bad input: sequence lengths, heads for all-to-all, config keys: ValueErrors naming the fix, raised
   before any communication.
-* End to end through the trainer (engine.assembly.build_run): cp2 x pp2 and cp2 x tp2 + SP train the
+* End to end through the trainer (engine.assembly.build_run): cp2 x pp2, cp2 x pp2 x vp2 (interleaved, 4
+  layers, against a 4-layer single process) and cp2 x tp2 + SP train the
   same losses as one process (fp32, 10 steps, packed documents in half the samples, unequal loss masks;
   within 5e-6 absolute), evaluation included.
 
@@ -336,7 +337,7 @@ class _Packed:
         return {"tokens": ids[:-1], "labels": ids[1:], "position_ids": pos, "loss_mask": mask}
 
 
-def _e2e_losses(extra=()):
+def _e2e_losses(extra=(), hf=None):
     from engine.assembly import build_run
     from engine.config import load_config
     from models.hook import ModelHook
@@ -346,7 +347,7 @@ def _e2e_losses(extra=()):
         f"train.steps={STEPS}", "train.global_batch_size=4", "train.micro_batch_size=2", f"train.seq_length={SEQ}",
         "optim.lr=0.01", "optim.warmup_steps=0", "logging.progress_bar=off", "logging.tensorboard=false",
         "logging.jsonl=false", "logging.peak_tflops=1.0", "train.eval_interval=0", *extra])
-    model = ModelHook.from_hf(HF, dtype=torch.float32, seed=cfg.train.seed,
+    model = ModelHook.from_hf(hf or HF, dtype=torch.float32, seed=cfg.train.seed,
                               sequence_parallel=cfg.parallel.sequence_parallel, cp_comm=cfg.parallel.cp_comm)
     run = build_run(cfg, model=model, train_data=_Packed(4 * (STEPS + 1)), checkpoints=False)
     stats = [run.trainer.train_step(run.train_loader) for _ in range(STEPS)]
@@ -359,14 +360,23 @@ def _e2e_parts():
     out = {"cp2xpp2": _e2e_losses(["parallel.cp=2", "parallel.pp=2"])}
     dist.barrier()
     out["cp2xtp2sp"] = _e2e_losses(["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"])
+    dist.barrier()
+    # The interleaved schedule: 4 layers over pp2 x vp2 (one layer per virtual stage), m = 2 micro-batches.
+    out["cp2xpp2xvp2"] = _e2e_losses(["parallel.cp=2", "parallel.pp=2", "parallel.vp=2",
+                                      "parallel.schedule=interleaved"], hf=HF4)
     return out
 
 
+HF4 = {**HF, "num_hidden_layers": 4}
+
+
 def test_training_losses_equal_one_process():
-    ref = _e2e_losses()
-    assert all(math.isfinite(x) for x in ref)
+    ref = {2: _e2e_losses(), 4: _e2e_losses(hf=HF4)}
+    assert all(math.isfinite(x) for r in ref.values() for x in r)
     results = run_distributed(_e2e_parts, 4, timeout=400)
     for rank, res in enumerate(results):
         for name, losses in res.items():
-            assert max(abs(a - b) for a, b in zip(losses, ref)) < E2E_ATOL, (rank, name, losses, ref)
-    print("\none process", ref, "\n", {k: max(abs(a - b) for a, b in zip(v, ref)) for k, v in results[0].items()})
+            r = ref[4 if name == "cp2xpp2xvp2" else 2]
+            assert max(abs(a - b) for a, b in zip(losses, r)) < E2E_ATOL, (rank, name, losses, r)
+    print("\none process", ref, "\n", {k: max(abs(a - b) for a, b in zip(v, ref[4 if k == "cp2xpp2xvp2" else 2]))
+                                        for k, v in results[0].items()})

@@ -171,9 +171,10 @@ def test_config_accepts_the_names():
     from engine.config.sections import ParallelConfig
 
     assert ParallelConfig(pp=2, schedule="zb-h1").schedule == "zb-h1"
-    for name in ("zbv", "dualpipev"):   # library and runtime only: the trainer does not place V stages yet
-        with pytest.raises(ValueError, match=rf"parallel.schedule='{name}' .* trainer does not build V-placed"):
-            ParallelConfig(pp=2, vp=2, schedule=name)
+    for name in ("zbv", "dualpipev"):   # two chunks per rank in a V: vp = 2 (tests/parallel/test_zero_bubble_trainer.py)
+        assert ParallelConfig(pp=2, vp=2, schedule=name).schedule == name
+        with pytest.raises(ValueError, match=rf"parallel.schedule='{name}' .* needs parallel.vp=2"):
+            ParallelConfig(pp=2, vp=1, schedule=name)
 
 
 def test_config_refuses_zb_h1_with_zero3():

@@ -4,7 +4,7 @@ own path (train, stop at ``train.max_tokens`` and resume, resume into the row's 
 to Hugging Face); ``python -m tests.composition.matrix`` prints the table docs/composition.md holds.
 
 A capability lands with its rows (recompute, ZeRO-3, FP8, TP overlap, post-training, context and expert
-parallelism, zero-bubble schedules add theirs); a combination it does not support is refused at config time, and
+parallelism, zero-bubble schedules, DiLoCo and gradient compression add theirs); a combination it does not support is refused at config time, and
 gets a row in REFUSED with the message it must give.
 """
 from __future__ import annotations
@@ -34,6 +34,7 @@ class Layout:
     early_recv: bool = False  # parallel.p2p_early_recv (pipeline receives posted one action ahead)
     cp: int = 1  # parallel.cp (context parallelism, docs/context_parallel.md)
     cp_comm: str = "ring"  # parallel.cp_comm
+    ep: int = 1  # parallel.ep (expert parallelism, docs/moe.md): carved out of dp, so not in the world size
 
     @property
     def world(self) -> int:
@@ -44,11 +45,11 @@ class Layout:
                 f"parallel.dp={self.dp}", f"parallel.sequence_parallel={str(self.sp).lower()}",
                 f"parallel.schedule={self.schedule}", f"parallel.tp_overlap={self.tp_overlap}",
                 f"parallel.p2p_early_recv={str(self.early_recv).lower()}", f"parallel.cp={self.cp}",
-                f"parallel.cp_comm={self.cp_comm}"]
+                f"parallel.cp_comm={self.cp_comm}", f"parallel.ep={self.ep}"]
 
     def __str__(self) -> str:
         parts = [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("vp", self.vp), ("dp", self.dp),
-                                        ("cp", self.cp)) if v > 1]
+                                        ("cp", self.cp), ("ep", self.ep)) if v > 1]
         return "x".join(parts or ["1 process"]) + (" sp" if self.sp else "") + (
             f" {self.schedule}" if self.pp > 1 else "") + (f" {self.tp_overlap}" if self.tp_overlap != "none" else "") + (
             " early-recv" if self.early_recv else "") + (f" {self.cp_comm}" if self.cp > 1 else "")
@@ -67,13 +68,16 @@ class Row:
     method: str = "pretrain"  # or a posttrain.method (sft, dpo, grpo) from a converted base
     lora: bool = False  # posttrain.lora.rank > 0: adapter-only checkpoints, exported merged
     recompute: str = "none"  # train.activation_checkpointing (docs/memory.md)
+    extra: tuple[str, ...] = ()  # further overrides (outer.*, optim.grad_compression, ...), in every run of the row
 
     @property
     def name(self) -> str:
         return (f"{self.family}-{self.dtype}-{'tied' if self.tied else 'untied'}-{self.optimizer}-"
                 + str(self.layout).replace(" ", "-") + ("" if self.fp8 == "none" else f"-fp8{self.fp8}")
                 + ("" if self.method == "pretrain" else f"-{self.method}") + ("-lora" if self.lora else "")
-                + ("" if self.recompute == "none" else f"-recompute{self.recompute}"))
+                + ("" if self.recompute == "none" else f"-recompute{self.recompute}")
+                + "".join("-" + k.rsplit(".", 1)[-1] + "=" + v  # e.g. -method=diloco-inner_steps=4
+                          for k, _, v in (o.partition("=") for o in self.extra)))
 
 
 def L(**kw) -> Layout:  # noqa: N802 - short constructor for the table below
@@ -125,6 +129,15 @@ DEFAULT_ROWS: tuple[Row, ...] = (
     # resumes into all-to-all attention at cp4.
     Row(L(cp=2, pp=2), "zero1", reshard=L(cp=4, cp_comm="a2a")),
     Row(L(cp=2, pp=2, vp=2, schedule="interleaved"), "zero2", family="qwen3", reshard=L(cp=2, pp=2)),
+    # V-placed zero-bubble (docs/pipeline.md): a zbv checkpoint (keys by global layer) resumes into 1F1B.
+    Row(L(pp=2, vp=2, dp=2, schedule="zbv"), "zero1", tied=True, reshard=L(pp=2, dp=2)),
+    # DiLoCo and PowerSGD (docs/decentralised.md): per-rank state (outer.rank<R>.*, grad_compression.rank<R>.*)
+    # resumes into the same layout only. DiLoCo stops mid-cycle (step 2 of H = 4) and ends on a sync step, so
+    # the export sees the shared weights, not replica 0's local ones.
+    Row(L(dp=2, tp=2, sp=True), "plain", reshard=None, extra=("outer.method=diloco", "outer.inner_steps=4")),
+    Row(L(dp=2), "plain", family="qwen3", reshard=None, extra=("optim.grad_compression=powersgd",)),
+    # Expert parallelism (docs/moe.md): expert keys are global, so an ep2 checkpoint resumes into tp2 at ep1.
+    Row(L(dp=2, ep=2), "plain", family="mixtral", reshard=L(tp=2, sp=True)),
 )
 METHODS = ("pretrain", "sft", "dpo", "grpo")
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
@@ -145,6 +158,15 @@ REFUSED: tuple[tuple[tuple[str, ...], str], ...] = (
     (("parallel.tp_overlap=symm_mem",), "symm_mem"),
     (("parallel.tp_overlap=ring", "parallel.sequence_parallel=false"), "sequence_parallel = true"),
     (("parallel.tp_overlap=ring", "model.fp8=delayed"), "FP8 ring collective matmuls are not implemented"),
+    # Expert parallelism (docs/moe.md): ZeRO over edp and ep x cp are not built.
+    (("parallel.ep=2", "optim.distributed=true"), "ZeRO sharding of the expert"),
+    (("parallel.ep=2", "parallel.cp=2"), "expert parallelism together with context parallelism is not built"),
+    # Split backward (docs/pipeline.md) does not compose with ZeRO-3, V placement included.
+    (("parallel.pp=2", "parallel.vp=2", "parallel.schedule=zbv", "optim.distributed=true", "optim.zero_stage=3"),
+     "does not compose with ZeRO-3"),
+    # DiLoCo and compressed gradients replace the per-step dp reduction that ZeRO shards (docs/decentralised.md).
+    (("outer.method=diloco", "outer.inner_steps=4", "optim.distributed=true"), "outer.method='diloco' with ZeRO"),
+    (("optim.grad_compression=powersgd", "optim.distributed=true"), "replaces the bucketed all-reduce"),
 )
 
 
@@ -202,8 +224,9 @@ def table(results: dict[str, str] | None = None, rows=DEFAULT_ROWS) -> str:
         into = "—" if r.reshard is None else f"{r.reshard} ({r.reshard_optimizer or r.optimizer})"
         res = (results or {}).get(r.name, "")
         method = r.method + (" + LoRA" if r.lora else "")
+        opt = r.optimizer + "".join(f", `{o}`" for o in r.extra)  # the row's further overrides
         lines.append(f"| {i} | {method} | {r.family} | {r.dtype} | {r.fp8} | {r.recompute} | "
-                     f"{'tied' if r.tied else 'untied'} | {r.optimizer} | {r.layout} | {into} | {res} |")
+                     f"{'tied' if r.tied else 'untied'} | {opt} | {r.layout} | {into} | {res} |")
     return "\n".join(lines)
 
 

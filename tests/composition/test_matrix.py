@@ -41,6 +41,12 @@ MODEL = {
     "gpt2": ["model.family=gpt2", "model.num_attention_heads=4", "model.rope_theta=none", "model.num_key_value_heads=none"],
     # No model.head_dim: the export must still tell transformers (whose Qwen3 default is 128).
     "qwen3": ["model.family=qwen3", "model.num_attention_heads=8", "model.num_key_value_heads=4"],
+    # + model.hf_config: MOE_HF[family], written to the rows' root by _run_rows
+    "mixtral": ["model.family=mixtral", "model.num_attention_heads=8", "model.num_key_value_heads=4"],
+}
+MOE_HF = {  # family -> the MoE keys the [model] section has no field for (a config.json)
+    "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2,
+                "router_aux_loss_coef": 0.02},
 }
 
 
@@ -136,11 +142,14 @@ def _overrides(row: Row, layout, optimizer: str, prefix: str, run_dir: str, *, m
                 f"posttrain.data={root / 'posttrain_data' / records}", *extra, "data.num_workers=0"]
         if row.lora:
             data += ["posttrain.lora.rank=4", "posttrain.lora.alpha=8"]
+    if row.family in MOE_HF:
+        data.append(f"model.hf_config={Path(run_dir).parent.parent / ('moe-' + row.family + '.json')}")
     out = [*data, *_model_overrides(row), *layout.overrides(),
            *OPTIMIZERS[optimizer], f"train.seq_length={seq}", f"train.global_batch_size={GBS}",
            "train.micro_batch_size=1", f"train.steps={STEPS}", "train.eval_interval=0", "train.log_interval=100",
            "optim.warmup_steps=1", "optim.lr=0.01", "checkpoint.interval=0", "logging.tensorboard=false",
-           "logging.jsonl=false", "logging.progress_bar=off", "logging.peak_tflops=1.0", f"train.run_dir={run_dir}"]
+           "logging.jsonl=false", "logging.progress_bar=off", "logging.peak_tflops=1.0", f"train.run_dir={run_dir}",
+           *row.extra]
     if max_steps is not None:
         rows = 2 if row.method == "dpo" else 1  # a preference pair is two rows
         out.append(f"train.max_tokens={max_steps * GBS * rows * seq}")
@@ -261,6 +270,8 @@ def _run_rows(rows: list[Row], corpus: str, root: Path) -> dict[str, str]:
     by_world: dict[int, list[Row]] = {}
     for row in rows:
         by_world.setdefault(row.layout.world, []).append(row)
+        if row.family in MOE_HF:
+            (root / f"moe-{row.family}.json").write_text(json.dumps(MOE_HF[row.family]))
         if row.method != "pretrain":  # made once, before any rank needs them
             _posttrain_data(root)
             _posttrain_base(row, root)

@@ -23,11 +23,11 @@ from __future__ import annotations
 import json
 import math
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
+from engine.data.synthetic import RandomTokens
 from parallel.testing import run_distributed
 
 SEQ, VOCAB, STEPS = 16, 64, 3
@@ -45,17 +45,8 @@ LAYOUTS = {  # name: overrides (4 ranks)
 }
 
 
-class _Data:
-    def __init__(self, n: int):
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        ids = np.random.default_rng(90 + i).integers(0, VOCAB, SEQ + 1)
-        return {"tokens": ids[:-1], "labels": ids[1:], "position_ids": np.arange(SEQ),
-                "loss_mask": np.ones(SEQ, dtype=np.float32)}
+def _tokens(n: int) -> RandomTokens:
+    return RandomTokens(n, vocab=VOCAB, seq=SEQ, seed=90)
 
 
 def _config(extra=()):
@@ -79,7 +70,7 @@ def _build(extra=(), run_dir=None):
                               sequence_parallel=cfg.parallel.sequence_parallel,
                               moe_dispatcher=cfg.parallel.moe_dispatcher,
                               moe_bias_update_rate=cfg.parallel.moe_bias_update_rate)
-    return build_run(cfg, model=model, train_data=_Data(8 * (STEPS + 1)), run_dir=run_dir,
+    return build_run(cfg, model=model, train_data=_tokens(8 * (STEPS + 1)), run_dir=run_dir,
                      checkpoints=run_dir is not None)
 
 
@@ -182,7 +173,7 @@ def _close(a: dict, b: dict, what: str, *, bitwise: bool = False) -> float:
 
 
 def test_expert_parallel_training_equals_one_process(tmp_path):
-    (tmp_path / "ids.json").write_text(json.dumps([[int(x) for x in _Data(1)[0]["tokens"]], list(range(9))]))
+    (tmp_path / "ids.json").write_text(json.dumps([[int(x) for x in _tokens(1)[0]["tokens"]], list(range(9))]))
     ref = _train()
     ref_grad, ref_param = _assemble(ref["grad"]), _assemble(ref["param"])
     assert all(math.isfinite(x) for x in ref["loss"] + ref["norm"])

@@ -24,15 +24,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
+def make_corpus(d) -> str:
+    """A byte-tokenized dataset of three engine sources under directory ``d``; returns its prefix."""
     from engine.data.preprocess import preprocess
 
-    d = tmp_path_factory.mktemp("corpus")
     texts = [open(os.path.join(ROOT, "engine", name)).read() for name in ("trainer.py", "metrics.py", "fault.py")]
     (d / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts * 3))
     preprocess([str(d / "docs.jsonl")], str(d / "text_document"), tokenizer="byte", progress=False)
     return str(d / "text_document")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def _args(corpus, run_dir, *extra):

@@ -6,10 +6,11 @@ without it the restarted workers read the dead attempt's gloo addresses and fail
 run completes with exit status 0 and its metrics.jsonl -- each step once, the re-run steps rewound -- holds
 losses bitwise equal to an uninterrupted run's.
 
-CI runs one 2-rank job (dp=2) killed 5 times during its saves (suite time: one job covers the restart, the
-crash while saving and ``checkpoint.peer_replica``: a restart whose replicas are of the newest commit loads
-them from the peers' /dev/shm and opens no checkpoint file, counted by an audit hook in every worker); a single kill of rank 2 of 4 (tp=2 x dp=2) under ``--max-restarts 1`` is
-measured by hand: ``python tests/tools/test_restart.py 4 2 2`` (docs/fault_tolerance.md).
+CI runs a 4-rank job (tp=2 x dp=2) with rank 2 SIGKILLed once under ``--max-restarts 1``, and one 2-rank job
+(dp=2) killed 5 times during its saves (one job covers the crash while saving and ``checkpoint.peer_replica``: a
+restart whose replicas are of the newest commit loads them from the peers' /dev/shm and opens no checkpoint file,
+counted by an audit hook in every worker). Recovery times are measured by hand:
+``python tests/tools/test_restart.py 4 2 2`` (docs/fault_tolerance.md).
 """
 import json
 import os
@@ -26,13 +27,9 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from engine.data.preprocess import preprocess
+    from tests.tools.test_pretrain_fault import make_corpus
 
-    d = tmp_path_factory.mktemp("corpus")
-    texts = [open(os.path.join(ROOT, "engine", name)).read() for name in ("trainer.py", "metrics.py", "fault.py")]
-    (d / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts * 3))
-    preprocess([str(d / "docs.jsonl")], str(d / "text_document"), tokenizer="byte", progress=False)
-    return str(d / "text_document")
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def pretrain_args(corpus, run_dir, *extra):
@@ -132,6 +129,21 @@ def uninterrupted(corpus, tmp_path_factory):
     losses = train_losses(base)
     assert sorted(losses) == list(range(1, STEPS + 1))
     return losses
+
+
+def test_kill_9_one_of_4_ranks_under_max_restarts_1(corpus, tmp_path):
+    """tp=2 x dp=2 on 4 ranks, a checkpoint every 3 steps; rank 2 is SIGKILLed after step 4 under
+    ``--max-restarts 1``: torchrun restarts the group, every rank resumes from step 3 under a fresh store prefix,
+    and the job ends with exit 0 and the uninterrupted run's losses, bitwise, each step logged once."""
+    extra = (f"train.steps={STEPS}", "checkpoint.interval=3", "parallel.tp=2")
+    base = tmp_path / "base"
+    r = subprocess.run(torchrun_cmd(4, pretrain_args(corpus, base, *extra)), capture_output=True, text=True, env=ENV,
+                       timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    code, err, seen, _ = run_and_kill(corpus, tmp_path / "run", nproc=4, rank=2, after_step=4, extra=extra)
+    assert code == 0, err[-3000:]
+    assert "connectFullMesh" not in err
+    assert seen < STEPS and train_losses(tmp_path / "run") == train_losses(base)
 
 
 # Installed in every torchrun worker through PYTHONPATH: records each file (not directory) the process opens under
@@ -336,13 +348,10 @@ def measure(nproc: int, tp: int, kill_rank: int, workdir: str, sets: tuple = ())
     import tempfile
     from pathlib import Path
 
-    from engine.data.preprocess import preprocess
+    from tests.tools.test_pretrain_fault import make_corpus
 
     root = Path(tempfile.mkdtemp(dir=workdir))
-    texts = [open(os.path.join(ROOT, "engine", name)).read() for name in ("trainer.py", "metrics.py", "fault.py")]
-    (root / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts * 3))
-    preprocess([str(root / "docs.jsonl")], str(root / "text_document"), tokenizer="byte", progress=False)
-    corpus = str(root / "text_document")
+    corpus = make_corpus(root)
     extra = (f"train.steps={STEPS}", "checkpoint.interval=3", f"parallel.tp={tp}", *sets)
     t = time.monotonic()
     r = subprocess.run(torchrun_cmd(nproc, pretrain_args(corpus, root / "base", *extra)), capture_output=True,

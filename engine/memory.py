@@ -12,7 +12,9 @@ tests that assert them against what torch allocates):
   walking the schedule's action lists (its placement: loop, or the V of zbv/dualpipev; split backward's
   weight-gradient queues held from ``B`` to ``W``, :func:`wgrad_queue_bytes`), context parallelism's
   per-shard activations and attention buffers (:func:`cp_attention_transients`), and the transients of
-  the step (gradient reduction over dp x cp, parameter all-gather, optimizer).
+  the step (gradient reduction over dp x cp, parameter all-gather, optimizer); with expert parallelism
+  (ep > 1) 1/ep of each MoE layer's experts in a buffer of their own (:func:`stage_param_sizes`), and an
+  MoE layer's activations (its top-k experts' rows, the routed rows, the router: ``LayerShape.moe_extra``).
 
 Measured: :class:`PeakMemory` (a block's peak above its entry, from the allocator) and
 :func:`state_bytes` (the run's persistent tensors). On CUDA :class:`PeakMemory` reads the caching
@@ -41,6 +43,7 @@ import gc
 import glob
 import os
 from dataclasses import dataclass
+from math import prod
 
 import torch
 
@@ -69,13 +72,38 @@ class LayerShape:
     rope: bool = True
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
+    num_experts: int = 0  # > 0: the MLP is an MoE layer (parallel/expert_parallel/layer.py)
+    moe_top_k: int = 0
+    moe_ffn_hidden_size: int = 0
+    shared_expert_ffn_hidden_size: int = 0
 
     @classmethod
     def of(cls, config) -> "LayerShape":
         return cls(hidden_size=config.hidden_size, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                    head_dim=config.head_dim, ffn_hidden_size=config.ffn_hidden_size, gated=config.mlp == "swiglu",
                    norm=config.norm, rope=config.position_embedding == "rope",
-                   attention_dropout=config.attention_dropout, hidden_dropout=config.hidden_dropout)
+                   attention_dropout=config.attention_dropout, hidden_dropout=config.hidden_dropout,
+                   num_experts=getattr(config, "num_experts", 0) or 0, moe_top_k=getattr(config, "moe_top_k", 0) or 0,
+                   moe_ffn_hidden_size=getattr(config, "moe_ffn_hidden_size", 0) or 0,
+                   shared_expert_ffn_hidden_size=getattr(config, "shared_expert_ffn_hidden_size", 0) or 0)
+
+    @property
+    def active_ffn(self) -> int:
+        """The MLP width one token's activations span: dense ``ffn_hidden_size``; MoE: its top-k experts'
+        plus the shared expert's (each routed row runs one expert's fc1 and fc2)."""
+        if not self.num_experts:
+            return self.ffn_hidden_size
+        return self.moe_top_k * self.moe_ffn_hidden_size + self.shared_expert_ffn_hidden_size
+
+    def moe_extra(self, sb: int, *, tp: int, sp: bool) -> int:
+        """Elements an MoE layer keeps beyond its experts' MLP activations (0 for a dense MLP): the
+        router's logits and probabilities (``E`` per token), the routed rows before and after the dispatch
+        all-to-all, the expert outputs that come back (``top_k`` rows of ``h`` per token each; full on every
+        TP rank: the layer routes the whole sequence) and, under sequence parallelism, the gathered input."""
+        if not self.num_experts:
+            return 0
+        h = self.hidden_size
+        return 2 * sb * self.num_experts + 3 * sb * self.moe_top_k * h + (sb * h * (tp - 1) // tp if sp else 0)
 
     def attention_path(self, device: str) -> str:
         """SDPA's path: "math" (CPU with attention dropout: it materialises the probabilities) or
@@ -95,7 +123,7 @@ def layer_saved_bytes(shape: LayerShape, *, s: int, b: int, tp: int = 1, sp: boo
     if attention not in ("math", "flash"):
         raise ValueError(f"attention={attention!r} must be 'math' or 'flash'")
     r = tp if sp else 1
-    h, a, d, f = shape.hidden_size, shape.num_heads, shape.head_dim, shape.ffn_hidden_size
+    h, a, d, f = shape.hidden_size, shape.num_heads, shape.head_dim, shape.active_ffn
     sb = s * b
     if recompute == "full":
         return elem * sb * h // r  # the layer input
@@ -120,7 +148,7 @@ def layer_saved_bytes(shape: LayerShape, *, s: int, b: int, tp: int = 1, sp: boo
     else:
         attn = rope_qk + qkv + context
         lse = 4 * a * sb // tp  # fp32 log-sum-exp, whatever the activation dtype
-    return elem * (replicated // r + (attn + mlp) // tp) + lse
+    return elem * (replicated // r + (attn + mlp) // tp + shape.moe_extra(sb, tp=tp, sp=sp)) + lse
 
 
 @dataclass(frozen=True)
@@ -227,7 +255,7 @@ def stage_memory(shape: LayerShape, *, s: int, b: int, layers: int, tp: int = 1,
     if pre_process:
         saved += 8 * sb + (sb if tp > 1 else 0)  # the masked ids (int64), the out-of-shard mask (bool)
     forward = 0 if post_process else elem * sb * h // r  # the output until its send completes
-    width = (2 if shape.gated else 1) * shape.ffn_hidden_size
+    width = (2 if shape.gated else 1) * shape.active_ffn
     backward = (elem * sb * width // tp if layers else 0) + (0 if post_process else elem * sb * h // r)
     if post_process:
         norm = 3 * sb * h + sb if shape.norm == "rmsnorm" else 2 * sb * h + 2 * sb  # with the output layer's input
@@ -245,7 +273,7 @@ def stage_memory(shape: LayerShape, *, s: int, b: int, layers: int, tp: int = 1,
         # attention runs, its layer's MLP activations are not held (forward: not made yet; backward: freed)
         att_f, att_b = cp_attention_transients(shape, s=s, b=b, tp=tp, cp=cp, comm=cp_comm, a2a_size=cp_a2a_size,
                                                elem=elem)
-        mlp = elem * ((4 if shape.gated else 2) * sb * shape.ffn_hidden_size // tp)
+        mlp = elem * ((4 if shape.gated else 2) * sb * shape.active_ffn // tp)
         forward, backward = max(forward, att_f - mlp), max(backward, att_b - mlp)
     queued, w_step = wgrad_queue_bytes(shape, s=s, b=b, layers=layers, tp=tp, sp=sp, post_process=post_process,
                                        vocab_local=vocab_local, elem=elem, fused_ce=fused_ce)
@@ -362,6 +390,33 @@ def _padded_numel(sizes, *, dp: int, bucket: int | None, zero: int) -> tuple[int
     return total, layer, root
 
 
+def stage_param_sizes(model, *, tp: int, ep: int = 1, layer_range: tuple[int, int], pre_process: bool,
+                      post_process: bool) -> list[tuple[str, int, bool, bool]]:
+    """``(name, elements on one TP rank, shared_embedding, expert)`` of each parameter of a stage, in the
+    built stage's registration order, without building it. With expert parallelism (``ep`` > 1) only one
+    ep rank's experts, ``num_experts / ep`` of each MoE layer's (every ep rank holds as many); the dense
+    parts (attention, norms, routers, shared experts, embeddings) are replicated (models/convert.py)."""
+    if ep == 1:
+        return [(name, n, shared, False) for name, n, shared in model.stage_param_sizes(
+            tp=tp, layer_range=layer_range, pre_process=pre_process, post_process=post_process)]
+    params = model.stage_params(tp=tp, ep=ep, layer_range=layer_range, pre_process=pre_process,
+                                post_process=post_process)
+    return [(q.name, prod(q.local_shape), q.shared_embedding, q.expert) for q in params]
+
+
+def _buffer_numel(sizes, *, dp: int, bucket: int | None, zero: int, ep: int) -> tuple[int, int, int]:
+    """:func:`_padded_numel` of one rank's ``(chunk, name, numel, shared, expert)`` entries. With ``ep``
+    > 1 DataParallel keeps the expert parameters in a buffer of their own (reduced over edp), laid out,
+    bucketed and padded to a multiple of dp like the dense one: the two are sized apart and added."""
+    dense = [(c, name, n, shared) for c, name, n, shared, expert in sizes if not (expert and ep > 1)]
+    experts = [(c, name, n, shared) for c, name, n, shared, expert in sizes if expert and ep > 1]
+    total, layer, root = _padded_numel(dense, dp=dp, bucket=bucket, zero=zero)
+    if experts:
+        more, _, _ = _padded_numel(experts, dp=dp, bucket=bucket, zero=zero)
+        total += more
+    return total, layer, root
+
+
 def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_sample: int = 1) -> MemoryPrediction:
     """Bytes per rank of the run ``cfg`` of ``model`` (a models.hook.ModelHook: ``config``,
     ``stage_param_sizes``, ``make_vocab_size_divisible_by``, ``fused_cross_entropy``) over ``world``
@@ -371,6 +426,7 @@ def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_samp
     p, t, o = cfg.parallel, cfg.train, cfg.optim
     dp = cfg.validate_world(world)
     cp = getattr(p, "cp", 1)
+    ep = getattr(p, "ep", 1)
     dpr = dp * cp  # DataParallel's group (mesh.dp_cp): gradients reduce, and ZeRO shards, over dp x cp
     zero = o.zero_stage if o.distributed else 0
     elem = 2 if cfg.model.dtype == "bf16" else 4
@@ -391,13 +447,17 @@ def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_samp
         notes.append("FP8 scales and casts")
     if getattr(model.config, "qk_norm", False) or getattr(model.config, "sliding_windows", ()):
         notes.append("q/k norms and sliding-window masks")
+    if ep > 1 and getattr(p, "moe_dispatcher", "alltoall") == "allgather":
+        notes.append("the allgather dispatcher's gathered tokens (ep times the routed rows)")
+    if shape.num_experts and not all(map(model.config.is_moe_layer, range(model.num_layers))):
+        notes.append("dense layers of an MoE model (counted with the MoE layers' activations)")
     ranks = []
     for r in range(p.pp):
         mine = rank_stages(r, pp=p.pp, vp=p.vp, placement=schedule.placement)  # chunk order
-        sizes = [(c, name, n, shared) for c, st in enumerate(mine)
-                 for name, n, shared in model.stage_param_sizes(tp=p.tp, layer_range=ranges[st], pre_process=st == 0,
-                                                                post_process=st == num_stages - 1)]
-        total, layer, root = _padded_numel(sizes, dp=dpr, bucket=bucket, zero=zero)
+        sizes = [(c, *entry) for c, st in enumerate(mine)
+                 for entry in stage_param_sizes(model, tp=p.tp, ep=ep, layer_range=ranges[st], pre_process=st == 0,
+                                                post_process=st == num_stages - 1)]
+        total, layer, root = _buffer_numel(sizes, dp=dpr, bucket=bucket, zero=zero, ep=ep)
         params = total * elem if zero < 3 else total // dpr * elem
         grads = total * 4 if zero < 2 else total // dpr * 4
         owned = total // dpr if zero >= 1 else total
@@ -430,7 +490,8 @@ def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_samp
                                 transient=(pipe - saved) if pipe >= step else step,
                                 inflight=inflight if pipe >= step else 0, phase=phase))
     layout = (f"dp {dp} x pp {p.pp} x tp {p.tp}" + (" sp" if sp else "") + (f" x cp {cp}" if cp > 1 else "")
-              + (f" vp {p.vp}" if p.vp > 1 else "") + f", zero {zero}, {t.activation_checkpointing} recompute")
+              + (f" (ep {ep})" if ep > 1 else "") + (f" vp {p.vp}" if p.vp > 1 else "")
+              + f", zero {zero}, {t.activation_checkpointing} recompute")
     return MemoryPrediction(ranks=tuple(ranks), layout=layout, notes=tuple(notes))
 
 

@@ -265,13 +265,20 @@ class ModelHook:
         return sum(n for _, n, _ in self.stage_param_sizes(tp=tp, layer_range=layer_range, pre_process=pre_process,
                                                            post_process=post_process))
 
+    def stage_params(self, *, tp: int, layer_range: tuple[int, int], pre_process: bool, post_process: bool,
+                     ep: int = 1):
+        """:func:`models.convert.stage_params` of a stage on TP rank 0 (and ep rank 0: ``num_experts / ep``
+        experts of each MoE layer), in the built stage's registration order, without building it."""
+        from models.convert import stage_params
+
+        padded = self.config.padded_vocab_size(tp=tp, make_vocab_size_divisible_by=self.make_vocab_size_divisible_by)
+        return stage_params(self.config, tp_rank=0, tp_size=tp, layer_range=layer_range, pre_process=pre_process,
+                            post_process=post_process, padded_vocab=padded, ep_rank=0, ep_size=ep)
+
     def stage_param_sizes(self, *, tp: int, layer_range: tuple[int, int], pre_process: bool,
                           post_process: bool) -> list[tuple[str, int, bool]]:
         """``(name, elements on one TP rank, shared_embedding)`` of each parameter of a stage, in the built
         stage's registration order, without building it (engine/memory.py lays out the DP buffers)."""
-        from models.convert import stage_params
-
-        padded = self.config.padded_vocab_size(tp=tp, make_vocab_size_divisible_by=self.make_vocab_size_divisible_by)
-        params = stage_params(self.config, tp_rank=0, tp_size=tp, layer_range=layer_range, pre_process=pre_process,
-                              post_process=post_process, padded_vocab=padded)
-        return [(p.name, math.prod(p.local_shape), p.shared_embedding) for p in params]
+        return [(p.name, math.prod(p.local_shape), p.shared_embedding)
+                for p in self.stage_params(tp=tp, layer_range=layer_range, pre_process=pre_process,
+                                           post_process=post_process)]

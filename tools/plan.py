@@ -26,7 +26,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from engine.planner import (GPUS, Cluster, Training, from_dims, from_hf_config, from_preset, gpu,  # noqa: E402
-                            plan, smallest_fit)
+                            ep_note, plan, smallest_fit)
 
 GIB = 2 ** 30
 PINS = ("tp", "pp", "vp", "dp", "cp", "ep", "mbs")
@@ -154,6 +154,10 @@ def main(argv=None) -> int:
            "recompute": tr.recompute, "zero": tr.zero, "layouts": [p.as_dict() for p in preds]}
     out = sys.stderr if a.json == "-" else sys.stdout
     report(preds, model, cluster, tr, top=a.top, out=out)
+    note = ep_note(model, tr, {k: getattr(a, k) for k in PINS if getattr(a, k) is not None})
+    if note:  # an MoE model planned with ZeRO: why no ep > 1 layout is listed
+        doc["notes"] = [note]
+        print(f"note: {note}", file=out)
     if not preds[0].fits:
         nodes, least = smallest_fit(model, cluster, tr, {k: getattr(a, k) for k in PINS})
         doc["fits"] = False

@@ -3,7 +3,8 @@
 Legal: tp divides the heads, the k/v heads and the MLP width (models/config.py's rule) and stays inside
 a node; pp * vp stages of at least one layer; interleaving (vp > 1) only where every stage gets the
 same number of layers; cp splits the sequence into 2 * cp zigzag chunks; tp * pp * cp * dp is the world;
-mbs * dp divides the global batch; the run config accepts it (engine/config: the same checks as a run).
+mbs * dp divides the global batch; with an MoE model and --zero 0, ep divides dp and the expert count (cp 1;
+the trainer refuses ZeRO and cp with ep > 1); the run config accepts it (engine/config: the same checks as a run).
 Pins (``--tp 8``) keep one value; a pin no layout can honour is an error that names the fix.
 """
 from __future__ import annotations
@@ -48,8 +49,18 @@ def check_pins(model, cluster: Cluster, tr: Training, pins: dict) -> None:
         raise ValueError(f"--cp {cp}: the sequence of {tr.seq_length} tokens does not split into 2 * cp = {2 * cp} "
                          f"zigzag chunks; pin a cp dividing {tr.seq_length // 2}")
     if ep is not None and ep != 1:
-        raise ValueError(f"--ep {ep}: the planner does not model expert parallelism yet (the token all-to-all, "
-                         "the experts' memory per ep rank, edp gradient reduction); plan with --ep 1")
+        try:  # an MoE model whose expert count ep divides
+            model.hook.check_expert_parallel(ep)
+        except ValueError as e:
+            raise ValueError(f"--ep {ep}: {e}") from None
+        if tr.zero:
+            raise ValueError(f"--ep {ep} with --zero {tr.zero}: the trainer refuses ZeRO with expert parallelism "
+                             "(the expert buffers are not sharded over edp); plan with --zero 0 or --ep 1")
+        if cp not in (None, 1):
+            raise ValueError(f"--ep {ep} with --cp {cp}: the trainer refuses expert parallelism with context "
+                             "parallelism; pin one of them to 1")
+        if dp is not None and dp % ep:
+            raise ValueError(f"--ep {ep} must divide --dp {dp} (experts are sharded inside the data-parallel ranks)")
     fixed = [(k, v) for k, v in (("tp", tp), ("pp", pp), ("cp", cp), ("dp", dp)) if v is not None]
     prod = 1
     for _, v in fixed:
@@ -100,8 +111,27 @@ def candidates(model, cluster: Cluster, tr: Training, pins: dict) -> list[Layout
                         m = tr.global_batch_size // (dp * mbs)
                         if vp > 1 and m % pp:
                             continue  # interleaved 1F1B runs micro-batches in groups of pp
-                        out.append(Layout(tp=tp, pp=pp, vp=vp, dp=dp, cp=cp, mbs=mbs))
+                        for ep in ep_choices(model, tr, dp=dp, cp=cp):
+                            if pins.get("ep") in (None, ep):
+                                out.append(Layout(tp=tp, pp=pp, vp=vp, dp=dp, cp=cp, mbs=mbs, ep=ep))
     return out
+
+
+def ep_choices(model, tr: Training, *, dp: int, cp: int) -> list[int]:
+    """Expert-parallel degrees of one (dp, cp): 1, and with an MoE model every divisor of dp that divides
+    the expert count, only with ``--zero 0`` and cp 1 (the trainer refuses ZeRO and cp with ep > 1)."""
+    e = model.config.num_experts
+    if not e or tr.zero or cp > 1:
+        return [1]
+    return [d for d in _divisors(dp) if e % d == 0]
+
+
+def ep_note(model, tr: Training, pins: dict) -> str | None:
+    """Why an MoE model's plan holds no ep > 1 layout (None: it may, or the model has no experts)."""
+    if model.config.num_experts and tr.zero and pins.get("ep", 1) == 1:
+        return (f"expert parallelism not enumerated: the trainer refuses ZeRO with ep > 1, and this plan is for "
+                f"--zero {tr.zero}; plan with --zero 0 to include ep > 1 layouts")
+    return None
 
 
 def state_lower_bound(model, lay: Layout, tr: Training) -> float:
@@ -110,6 +140,13 @@ def state_lower_bound(model, lay: Layout, tr: Training) -> float:
     above the capacity by this bound cannot fit (used to skip the full prediction)."""
     c = model.config
     numel = model.hook.stage_numel(tp=1, layer_range=(0, c.num_layers), pre_process=True, post_process=True)
+    if lay.ep > 1:  # each rank holds 1/ep of the experts
+        from engine.memory import stage_param_sizes
+
+        experts = sum(n for _, n, _, expert in stage_param_sizes(model.hook, tp=1, ep=lay.ep,
+                                                                 layer_range=(0, c.num_layers), pre_process=True,
+                                                                 post_process=True) if expert)
+        numel -= experts * (lay.ep - 1)
     local = numel / (lay.tp * lay.pp)
     elem = 4 if tr.precision == "fp32" else 2
     dp = lay.dp
@@ -133,6 +170,9 @@ def plan(model, cluster: Cluster, tr: Training, pins: dict | None = None) -> tup
             preds.append(predict(model, lay, tr, cluster))
         except ValueError as e:
             refused.append(f"{lay.label()}: {e}")
+    note = ep_note(model, tr, pins)
+    if note:
+        refused.append(note)
     if not preds:
         detail = ("; the run config refused them: " + "; ".join(dict.fromkeys(refused))[:800]) if refused else ""
         raise ValueError(f"no layout of {model.name} on {cluster.world} GPUs honours the pins "

@@ -31,13 +31,14 @@ class PlanModel:
         return self.hook.config
 
     def run_config(self, *, tp: int, pp: int, vp: int, dp: int, cp: int, mbs: int, gbs: int, seq: int,
-                   recompute: str, zero: int, dtype: str | None = None, fp8: bool = False) -> TesselConfig:
-        """The validated run config of one layout (ValueError: the layout is illegal, and why)."""
+                   recompute: str, zero: int, dtype: str | None = None, fp8: bool = False, ep: int = 1) -> TesselConfig:
+        """The validated run config of one layout (ValueError: the layout is illegal, and why). ``ep`` > 1:
+        expert parallelism inside dp (the config refuses it with ZeRO, cp or a dense model)."""
         data = copy.deepcopy(self.base)
         for key in ("source", "overrides"):
             data.pop(key, None)
         par = data.setdefault("parallel", {})
-        par.update(tp=tp, pp=pp, vp=vp, dp=dp, cp=cp, ep=1, sequence_parallel=tp > 1,
+        par.update(tp=tp, pp=pp, vp=vp, dp=dp, cp=cp, ep=ep, sequence_parallel=tp > 1,
                    schedule="interleaved" if vp > 1 else "1f1b", pipeline_layout=None, p2p_early_recv=False)
         if cp > 1:
             par["cp_comm"] = "ring"

@@ -14,6 +14,10 @@ and the tests that assert it against the allocator use the same call). Step time
   TP collectives are exposed; context-parallel K/V rotation hides under attention up to its length;
   data-parallel reduction hides under the last micro-batch's backward, the parameter all-gather under
   the first forward, the rest is exposed;
+* expert parallelism (docs/planner.md): expert weights, gradients and optimizer state at 1/ep (the
+  memory is predict_memory's), each MoE layer's four token all-to-alls (dispatch and combine, forward and
+  backward: :func:`moe_dispatch_bytes` each) exposed over the link the ep group spans, expert gradients
+  all-reduced over edp = dp / ep; GEMMs at the active parameters' FLOPs (:func:`mlp_gemm_time`);
 * pipeline: the per-stage forward/backward times and the p2p latency go into
   parallel/pipeline/simulate.py's :func:`simulate` of the layout's own schedule; its makespan includes
   the bubble.
@@ -159,6 +163,49 @@ def collective_time(op: str, nbytes: float, p: int, link: tuple[float, float]) -
     raise ValueError(f"unknown collective {op!r}")
 
 
+def alltoall_time(nbytes: float, p: int, link: tuple[float, float]) -> float:
+    """Alpha-beta seconds of one all-to-all over ``p`` ranks that sends ``nbytes`` to the other ranks
+    (parallel/comm.py's ledger: the input less the own chunk): ``p - 1`` messages, the bytes at link rate."""
+    if p <= 1 or nbytes <= 0:
+        return 0.0
+    bw, alpha = link
+    return (p - 1) * alpha + nbytes / bw
+
+
+def moe_dispatch_bytes(config, *, tokens: int, ep: int, elem: int) -> float:
+    """Bytes one rank sends in ONE token all-to-all of an MoE layer (the dispatch; the combine and the two
+    backward all-to-alls move as many): each of ``tokens`` tokens goes to ``top_k`` experts, a share
+    ``(ep - 1) / ep`` of them on other ranks under balanced routing, one ``hidden_size`` row each, in the
+    activation dtype (tests/parallel/test_expert_parallel.py's ledger asserts the remote rows exactly).
+    Under sequence parallelism the layer gathers the sequence first, so ``tokens`` is the TP group's.
+    The int64 per-expert counts (``8 (E - E / ep)`` bytes) are negligible and left out."""
+    return (ep - 1) / ep * config.moe_top_k * tokens * config.hidden_size * elem
+
+
+def mlp_gemm_time(config, *, t: int, tp: int, ep: int, gpu: GPU, peak_tflops: float) -> float:
+    """Forward seconds of a layer's MLP GEMMs on one rank, averaged over the layers. Dense: fc1 and fc2
+    over ``t`` tokens. MoE layers: each of the ``E / ep`` local experts runs fc1 and fc2 on its share of the
+    ``ep * t * top_k`` routed rows of the ep group, ``t * top_k * ep / E`` under balanced routing (the
+    active FLOPs of models.hook.flops_spec: ``t * top_k`` rows per rank whatever ep), smaller GEMMs as E
+    grows; plus the shared expert and the router. Expert FFNs are TP-sharded like the dense MLP."""
+    c = config
+    g = 2 if c.gated else 1
+
+    def ffn(rows, width):
+        return (gemm_time(rows, g * width // tp, c.hidden_size, gpu=gpu, peak_tflops=peak_tflops)
+                + gemm_time(rows, c.hidden_size, width // tp, gpu=gpu, peak_tflops=peak_tflops))
+    dense = ffn(t, c.ffn_hidden_size)
+    if not c.num_experts:
+        return dense
+    rows = max(1, round(t * c.moe_top_k * ep / c.num_experts))
+    moe = c.num_experts // ep * ffn(rows, c.moe_ffn_hidden_size)
+    moe += gemm_time(t, c.num_experts, c.hidden_size, gpu=gpu, peak_tflops=peak_tflops)  # the router
+    if c.shared_expert_ffn_hidden_size:
+        moe += ffn(t, c.shared_expert_ffn_hidden_size)
+    n_moe = sum(map(c.is_moe_layer, range(c.num_layers)))
+    return (n_moe * moe + (c.num_layers - n_moe) * dense) / c.num_layers
+
+
 @dataclass
 class _Costs:
     """Seconds per micro-batch of one virtual stage, by kind; forward and backward."""
@@ -195,10 +242,9 @@ def layer_costs(config, lay: Layout, tr: Training, cluster: Cluster) -> _Costs:
     t = lay.mbs * s // cp  # tokens on this rank
     h, n, kvd = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     f = flops_spec(c).ffn_hidden_size  # the active MLP width (MoE: top-k experts + shared)
-    width = (2 if c.gated else 1) * f
     out = _Costs()
-    gemm = sum(gemm_time(t, nn, k, gpu=gpu, peak_tflops=peak)
-               for nn, k in (((n + 2 * kvd) // tp, h), (h, n // tp), (int(width) // tp, h), (h, int(f) // tp)))
+    gemm = sum(gemm_time(t, nn, k, gpu=gpu, peak_tflops=peak) for nn, k in (((n + 2 * kvd) // tp, h), (h, n // tp)))
+    gemm += mlp_gemm_time(c, t=t, tp=tp, ep=lay.ep, gpu=gpu, peak_tflops=peak)
     out.add("gemm", gemm, 2 * gemm)  # backward: input and weight gradients, the same shapes
     if tr.attention == "flash":
         attn_flops = 4 * lay.mbs * (s // cp) * s * (n // tp) * 0.5  # causal: on average half the keys
@@ -222,6 +268,11 @@ def layer_costs(config, lay: Layout, tr: Training, cluster: Cluster) -> _Costs:
     else:
         tpc = 2 * collective_time("all_reduce", act_bytes, tp, link)
     out.add("tp_comm", tpc, tpc)
+    if lay.ep > 1 and c.num_experts:  # the token all-to-all of each MoE layer (layers averaged)
+        a2a = moe_dispatch_bytes(c, tokens=t, ep=lay.ep, elem=elem)
+        moe = sum(map(c.is_moe_layer, range(c.num_layers))) / c.num_layers
+        one = moe * 2 * alltoall_time(a2a, lay.ep, cluster.link(lay.ep * lay.tp * lay.cp * lay.pp))
+        out.add("ep_comm", one, one)  # forward: dispatch and combine; backward: their gradients
     if cp > 1:  # ring attention: K and V chunks pass cp - 1 times (backward: K/V and their gradients)
         kv_bytes = 2 * elem * t * kvd // tp
         ring = (cp - 1) * collective_time("send", kv_bytes, 2, cluster.link(tp * cp))
@@ -289,17 +340,34 @@ def pipeline_time(name: str, *, pp: int, vp: int, microbatches: int, fwd, bwd, p
     return makespan, busy
 
 
+def expert_numel(model, lay: Layout, pp_rank: int) -> int:
+    """Expert parameters pipeline rank ``pp_rank`` holds at ``lay.ep`` (1/ep of each MoE layer's, TP-local;
+    unpadded: the padding of the expert buffer is at most dp elements per bucket)."""
+    from engine.memory import stage_param_sizes
+    from parallel.pipeline.actions import rank_stages
+
+    ranges = split_layers(model.config.num_layers, lay.pp * lay.vp)
+    placement = build_schedule("interleaved" if lay.vp > 1 else "1f1b", pp=lay.pp, vp=lay.vp,
+                               microbatches=lay.pp).placement
+    return sum(n for st in rank_stages(pp_rank, pp=lay.pp, vp=lay.vp, placement=placement)
+               for _, n, _, expert in stage_param_sizes(model.hook, tp=lay.tp, ep=lay.ep, layer_range=ranges[st],
+                                                        pre_process=st == 0, post_process=st == lay.pp * lay.vp - 1)
+               if expert)
+
+
 def predict(model, lay: Layout, tr: Training, cluster: Cluster, *, steady_state: bool = True) -> Prediction:
     """The prediction of one layout (ValueError: the layout is illegal; the message says why).
     ``steady_state=False`` walks and simulates every micro-batch (slow; the tests compare the two)."""
-    if lay.ep != 1:
-        raise ValueError(f"ep={lay.ep}: the planner does not model expert parallelism yet (the token all-to-all, "
-                         "the experts' memory per ep rank, edp gradient reduction); plan with --ep 1")
+    if lay.ep > 1:  # the trainer's rules, with the planner's fix (before the run config's own refusal)
+        model.hook.check_expert_parallel(lay.ep)
+        if tr.zero:
+            raise ValueError(f"ep={lay.ep} with --zero {tr.zero}: the trainer refuses ZeRO with expert parallelism "
+                             "(the expert buffers are not sharded over edp); plan with --zero 0 or --ep 1")
     world = lay.tp * lay.pp * lay.cp * lay.dp
     dtype = "fp32" if tr.precision == "fp32" else "bf16"
     cfg = model.run_config(tp=lay.tp, pp=lay.pp, vp=lay.vp, dp=lay.dp, cp=lay.cp, mbs=lay.mbs,
                            gbs=tr.global_batch_size, seq=tr.seq_length, recompute=tr.recompute, zero=tr.zero,
-                           dtype=dtype, fp8=tr.precision == "fp8")
+                           dtype=dtype, fp8=tr.precision == "fp8", ep=lay.ep)
     model.config.check_tensor_parallel(lay.tp)
     m = cfg.num_microbatches(lay.dp)
     # Past the warm-up, each further micro-batch repeats the steady state: the peak memory and the in-flight
@@ -311,7 +379,7 @@ def predict(model, lay: Layout, tr: Training, cluster: Cluster, *, steady_state:
     if m_sim != m:
         cfg = model.run_config(tp=lay.tp, pp=lay.pp, vp=lay.vp, dp=lay.dp, cp=lay.cp, mbs=lay.mbs,
                                gbs=m_sim * lay.dp * lay.mbs, seq=tr.seq_length, recompute=tr.recompute,
-                               zero=tr.zero, dtype=dtype, fp8=tr.precision == "fp8")
+                               zero=tr.zero, dtype=dtype, fp8=tr.precision == "fp8", ep=lay.ep)
     memory = predict_memory(cfg, model.hook, world=world, device=cluster.device)
     costs = stage_costs(model, lay, tr, cluster)
     fwd = [sum(cs.fwd.values()) for cs in costs]
@@ -343,8 +411,10 @@ def predict(model, lay: Layout, tr: Training, cluster: Cluster, *, steady_state:
     rank_bwd = sum(bwd[st] for st in range(len(bwd)) if rank_of[st] == busiest)
     dp_hidden = dp_exposed = 0.0
     if lay.dp > 1:
-        if tr.zero == 0:
-            grad = collective_time("all_reduce", 4 * total, lay.dp, link)
+        if tr.zero == 0:  # with ep: the expert buffer all-reduces over edp = dp / ep, the rest over dp
+            experts = expert_numel(model, lay, busiest) if lay.ep > 1 else 0
+            grad = (collective_time("all_reduce", 4 * (total - experts), lay.dp, link)
+                    + collective_time("all_reduce", 4 * experts, lay.dp // lay.ep, link))
             gather, gather_room = 0.0, 0.0
         else:
             grad = collective_time("reduce_scatter", 4 * total, lay.dp, link)

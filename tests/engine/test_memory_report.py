@@ -11,6 +11,8 @@
   peak) for the tiny preset, one process, pp2 and pp2 under ZB-H1 (whose weight-gradient queues, held
   from B to W, are counted) and cp2 (ring; state exact too); the 3-layout table is tools/bench_memory.py's;
   the records reach metrics.jsonl; ``logging.memory_report=false`` turns the report off.
+* Expert parallelism (tiny Mixtral at ep2 on 2 ranks): state byte for byte (expert buffers apart, 1/ep of
+  the experts), the start-up plan's parameter count equal to the parameters held, the peak within 10%.
 * PeakMemory on CPU counts frees that happen on gloo's threads (a sum of profiler events does not).
 """
 from __future__ import annotations
@@ -140,6 +142,25 @@ def _worker():
     r = run.trainer.memory.ranks[run.trainer.pp_rank]
     out["cp2"] = (_state(run), _predicted_state(run), sum(_state(run)) + peak.peak, r.total, r.phase)
     del run
+    # Expert parallelism: test_moe_training.py's tiny Mixtral at ep2 (dp2, zero 0): each rank holds 2 of the 4
+    # experts of each layer, in a DataParallel buffer of their own; the dense parts are replicated.
+    from engine.assembly import memory_plan
+    from tests.parallel.test_moe_training import _build as build_moe
+
+    run = build_moe(["parallel.ep=2"])
+    plan = memory_plan(run.cfg, run.model, world=2, available=10**12)
+    with PeakMemory() as peak, run.mesh.ep.ledger.capture() as cap:
+        run.trainer.train_step(run.train_loader)
+    r = run.trainer.memory.ranks[run.trainer.pp_rank]
+    out["ep2"] = (_state(run), _predicted_state(run), sum(_state(run)) + peak.peak, r.total, plan.numel,
+                  sum(q.numel() for q in run.trainer.chunks.parameters()))
+    from engine.planner.predict import moe_dispatch_bytes
+
+    m = run.cfg.num_microbatches(2)  # the planner's figure: 4 all-to-alls per MoE layer and micro-batch
+    out["ep2-a2a"] = (sum(x.sent_bytes for x in cap.select(op="all_to_all", axis="ep") if x.dtype == "torch.float32"),
+                      m * run.model.num_layers * 4 * moe_dispatch_bytes(run.model.config, ep=2, elem=4,
+                                                                        tokens=run.cfg.train.seq_length))
+    del run
     gc.collect()
     # Reduce-scatters whose input the gloo thread frees: the allocator's total sees it, events do not.
     group = Mesh.build(ParallelDims.for_world(dist.get_world_size())).dp
@@ -188,6 +209,25 @@ def test_cp2_state_exact_and_peak_within_10_percent(two_ranks):
         assert state == predicted_state, (rank, state, predicted_state)
         assert abs(predicted - measured) <= 0.10 * measured, (rank, measured, predicted)
         assert phase == "step", phase
+
+
+def test_ep2_state_exact_plan_counts_half_the_experts_and_peak_within_10_percent(two_ranks):
+    """ep2: predicted parameters, gradients and optimizer state equal the allocated tensors byte for byte
+    (the expert buffer sized and padded apart from the dense one); the start-up plan's parameter count is
+    the parameters the rank holds (it counted all 4 experts before: 39,328 vs 27,040); the peak within 10%."""
+    for rank, out in enumerate(two_ranks):
+        state, predicted_state, measured, predicted, plan_numel, held = out["ep2"]
+        assert state == predicted_state, (rank, state, predicted_state)
+        assert plan_numel == held, (rank, plan_numel, held)
+        assert abs(predicted - measured) <= 0.10 * measured, (rank, measured, predicted)
+
+
+def test_ep2_all_to_all_bytes_near_the_planners_balanced_figure(two_ranks):
+    """The planner's dispatch bytes ((ep-1)/ep of top_k * tokens * hidden per all-to-all) assume balanced
+    routing; the tiny Mixtral's first step (4 micro-batches of 16 tokens, 2 layers) sends within 25% of it."""
+    for rank, out in enumerate(two_ranks):
+        sent, planned = out["ep2-a2a"]
+        assert abs(sent - planned) <= 0.25 * planned, (rank, sent, planned)
 
 
 def test_peak_memory_sees_frees_on_gloo_threads(two_ranks):

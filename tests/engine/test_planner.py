@@ -8,6 +8,11 @@
 * Bad pins raise before any enumeration with a message naming the fix; a model that fits nowhere gets
   the smallest cluster that fits.
 * The published-row check: the rule (80% of rows within 15%) and one row end to end.
+* Expert parallelism (test_moe_training.py's tiny Mixtral): the memory at ep2 is the start-up report's
+  (predict_memory on the trainer's config, whose state test_memory_report.py asserts against the allocator);
+  ep > 1 is enumerated only with --zero 0 (a note says why otherwise) and never with cp; the all-to-all
+  time is 4 dispatches of (ep-1)/ep * top_k * tokens * hidden bytes per MoE layer over the ep group's link;
+  expert weights, gradients and optimizer state shrink with ep; bad ep pins name the fix.
 * MFU: the causal count is 11-12% below Eq. 7 for Llama-3-8B at sequence 8192 (docs/metrics.md).
 """
 from __future__ import annotations
@@ -85,7 +90,7 @@ def test_bad_pins_name_the_fix(tiny):
         plan(tiny, Cluster(gpu=gpu("h100-sxm"), nodes=1, gpus_per_node=6), tr, {"tp": 2, "pp": 4})
     with pytest.raises(ValueError, match="stages for 4 layers"):
         plan(tiny, Cluster(gpu=gpu("h100-sxm"), nodes=1), tr, {"pp": 8})
-    with pytest.raises(ValueError, match="--ep 2.*plan with --ep 1"):
+    with pytest.raises(ValueError, match="--ep 2: .*the llama model has none; set parallel.ep=1"):
         plan(tiny, Cluster(gpu=gpu("h100-sxm"), nodes=1), tr, {"ep": 2})
     with pytest.raises(ValueError, match="fp8"):
         plan(tiny, Cluster(gpu=gpu("a100-80gb"), nodes=1), Training(seq_length=128, global_batch_size=16,
@@ -132,3 +137,62 @@ def test_causal_mfu_is_11_to_12_percent_lower_for_llama3_8b():
     full = model_flops_per_step(spec, batch_size=1, seq_length=8192)
     causal = model_flops_per_step(spec, batch_size=1, seq_length=8192, causal=True)
     assert 0.11 <= 1 - causal / full <= 0.12
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    import json
+
+    from engine.planner import from_hf_config
+    from tests.parallel.test_moe_training import HF
+
+    path = tmp_path_factory.mktemp("moe") / "config.json"
+    path.write_text(json.dumps(HF))
+    return from_hf_config(str(path))
+
+
+def test_ep2_memory_is_the_start_up_reports(tiny_moe):
+    """The planner at ep2 (dp2, zero 0, fp32) = predict_memory on test_moe_training.py's run config, byte for
+    byte; expert state is half of ep1's, the dense state unchanged."""
+    import torch
+
+    from engine.memory import predict_memory
+    from models.hook import ModelHook
+    from tests.parallel.test_moe_training import HF, _config
+
+    tr = Training(seq_length=16, global_batch_size=8, precision="fp32", recompute="none", zero=0)
+    lay = Layout(tp=1, pp=1, vp=1, dp=2, cp=1, mbs=1, ep=2)
+    p = predict(tiny_moe, lay, tr, _cpu_cluster(2))
+    cfg = _config(["parallel.ep=2"])
+    engine = predict_memory(cfg, ModelHook.from_hf(HF, dtype=torch.float32), world=2, device="cpu")
+    assert p.memory.ranks == engine.ranks
+    one = predict(tiny_moe, Layout(tp=1, pp=1, vp=1, dp=2, cp=1, mbs=1, ep=1), tr, _cpu_cluster(2))
+    c = tiny_moe.config
+    expert_params = c.num_layers * c.num_experts * 3 * c.hidden_size * c.moe_ffn_hidden_size  # gate, up, down
+    assert one.memory.largest.params - p.memory.largest.params == 4 * expert_params // 2  # fp32, half the experts
+
+
+def test_ep_all_to_all_and_enumeration(tiny_moe):
+    from engine.planner.predict import alltoall_time, moe_dispatch_bytes
+
+    c = tiny_moe.config
+    tr = Training(seq_length=16, global_batch_size=8, precision="bf16", recompute="none", zero=0)
+    cluster = Cluster(gpu=gpu("h100-sxm"), nodes=2, gpus_per_node=2)
+    # one MoE layer's dispatch: half of top_k * tokens * hidden rows leave the rank at ep2 (2 bytes each)
+    assert moe_dispatch_bytes(c, tokens=32, ep=2, elem=2) == 0.5 * 2 * 32 * 32 * 2
+    preds, notes = plan(tiny_moe, cluster, tr)
+    eps = {(p.layout.dp, p.layout.ep) for p in preds}
+    assert {(4, 1), (4, 2), (4, 4), (2, 2), (1, 1)} <= eps and all(p.layout.cp == 1 for p in preds if p.layout.ep > 1)
+    by = {(p.layout.tp, p.layout.pp, p.layout.dp, p.layout.ep, p.layout.mbs): p for p in preds if p.layout.vp == 1}
+    p = by[(1, 1, 4, 4, 1)]  # ep4 spans both nodes: the NIC's link; 2 micro-batches x 2 layers x 4 all-to-alls
+    want = 2 * c.num_layers * 4 * alltoall_time(moe_dispatch_bytes(c, tokens=16, ep=4, elem=2), 4, cluster.link(4))
+    assert p.breakdown["ep_comm"] == pytest.approx(want, rel=1e-12)
+    assert "ep_comm" not in by[(1, 1, 4, 1, 1)].breakdown
+    ep4, ep1 = by[(1, 1, 4, 4, 1)].memory.largest, by[(1, 1, 4, 1, 1)].memory.largest
+    assert ep4.params < ep1.params and ep4.grads < ep1.grads and ep4.optimizer < ep1.optimizer
+    zero1, notes = plan(tiny_moe, cluster, Training(seq_length=16, global_batch_size=8, zero=1))
+    assert all(p.layout.ep == 1 for p in zero1) and any("plan with --zero 0" in n for n in notes)
+    with pytest.raises(ValueError, match="--ep 2 with --zero 1.*plan with --zero 0"):
+        plan(tiny_moe, cluster, Training(seq_length=16, global_batch_size=8, zero=1), {"ep": 2})
+    with pytest.raises(ValueError, match="--ep 3: .*"):
+        plan(tiny_moe, cluster, tr, {"ep": 3})

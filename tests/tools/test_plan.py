@@ -40,3 +40,20 @@ def test_bad_input_exits_2_naming_the_fix(capsys):
     assert "--num-layers" in capsys.readouterr().err
     assert main(["--config", "tiny_llama_cpu", "--hf-config", "x.json"]) == 2
     assert "exactly one model source" in capsys.readouterr().err
+
+
+def test_moe_plan_lists_ep_at_zero_0_and_says_why_not_with_zero(tmp_path, capsys):
+    from tests.parallel.test_moe_training import HF
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(HF))
+    base = ["--hf-config", str(cfg), "--gpus-per-node", "4", "--seq-length", "16", "--global-batch-size", "8"]
+    out = tmp_path / "plan.json"
+    assert main(base + ["--zero", "0", "--json", str(out)]) == 0
+    assert {x["ep"] for x in json.loads(out.read_text())["layouts"]} == {1, 2, 4}
+    assert main(base + ["--zero", "1", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert {x["ep"] for x in doc["layouts"]} == {1} and "plan with --zero 0" in doc["notes"][0]
+    assert "note: expert parallelism not enumerated" in capsys.readouterr().out
+    assert main(base + ["--zero", "1", "--ep", "2"]) == 2
+    assert "--ep 2 with --zero 1" in capsys.readouterr().err

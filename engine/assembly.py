@@ -92,12 +92,15 @@ def _bytes_per_param(dtype: str, *, zero_stage: int, dp: int, frozen: bool = Fal
             + state / (dp if zero_stage >= 1 else 1))
 
 
-def _largest_rank_numel(model, *, tp: int, pp: int, vp: int, layout, placement: str = "loop") -> int:
+def _largest_rank_numel(model, *, tp: int, pp: int, vp: int, layout, placement: str = "loop", ep: int = 1) -> int:
+    """Parameters of the rank holding the most; with ``ep`` > 1 each MoE layer's experts count 1/ep."""
+    from engine.memory import stage_param_sizes
+
     stages = pp * vp
     ranges = split_layers(model.num_layers, stages, layout)
-    return max(sum(model.stage_numel(tp=tp, layer_range=ranges[s], pre_process=s == 0,
-                                     post_process=s == stages - 1)
-                   for s in rank_stages(r, pp=pp, vp=vp, placement=placement))
+    return max(sum(n for s in rank_stages(r, pp=pp, vp=vp, placement=placement)
+                   for _, n, _, _ in stage_param_sizes(model, tp=tp, ep=ep, layer_range=ranges[s],
+                                                       pre_process=s == 0, post_process=s == stages - 1))
                for r in range(pp))
 
 
@@ -121,7 +124,7 @@ def memory_plan(cfg: TesselConfig, model, *, world: int, available: int | None =
     p, o = cfg.parallel, cfg.optim
     dp = cfg.validate_world(world)
     numel = _largest_rank_numel(model, tp=p.tp, pp=p.pp, vp=p.vp, layout=p.pipeline_layout,
-                                placement=placement_of(p.schedule))
+                                placement=placement_of(p.schedule), ep=p.ep)
     source = "given"
     if available is None:
         available, source = _available_bytes(world)
@@ -142,7 +145,8 @@ def memory_plan(cfg: TesselConfig, model, *, world: int, available: int | None =
             need = n * _bytes_per_param(cfg.model.dtype, zero_stage=max(1, o.zero_stage), dp=world // (tp * pp),
                                         frozen=frozen)
             if need <= available:
-                fits.append((need, f"tp={tp} pp={pp} dp={world // (tp * pp)} ({need / 1e9:.2f} GB)"))
+                fits.append((need, f"tp={tp} pp={pp} dp={world // (tp * pp)}{' ep=1' if p.ep > 1 else ''} "
+                                   f"({need / 1e9:.2f} GB)"))  # ZeRO is refused with ep > 1
     return MemoryPlan(world=world, numel=numel, bytes_per_param=plan.bytes_per_param, available=available,
                       zero_stage=max(1, o.zero_stage),
                       source=source, fits_instead=tuple(text for _, text in sorted(fits)[:4]), frozen=frozen)
@@ -331,7 +335,8 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
                        expert_group=mesh.edp if p.ep > 1 else None,  # expert gradients reduce over edp
                        local_grads=cfg.outer.method != "none",  # DiLoCo: inner steps without dp traffic
                        grad_compressor=build_grad_compressor(o.grad_compression, dp_group=mesh.dp_cp,
-                                                             rank=o.powersgd_rank, seed=t.seed))
+                                                             rank=o.powersgd_rank, seed=t.seed,
+                                                             start_step=o.powersgd_start_step))
     optimizer = Optimizer.from_config(ddp, o, total_steps=t.steps, tp_group=mesh.tp, pp_group=mesh.pp,
                                       ep_group=mesh.ep if p.ep > 1 else None)
     m = cfg.num_microbatches(mesh.dims.dp)

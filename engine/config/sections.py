@@ -408,6 +408,7 @@ class OptimConfig(Section):
     # Compressed data-parallel gradients (parallel/data_parallel/compression.py, docs/decentralised.md).
     grad_compression: str = "none"
     powersgd_rank: int = 4
+    powersgd_start_step: int = 0  # plain all-reduce steps before PowerSGD starts (torch's start_powerSGD_iter)
 
     def _validate(self) -> None:
         check_positive(self, "lr")
@@ -458,6 +459,12 @@ class OptimConfig(Section):
             raise ValueError(f"optim.powersgd_rank={self.powersgd_rank} must be an integer >= 1 (e.g. 4)")
         if self.grad_compression != "powersgd" and self.powersgd_rank != 4:
             raise ValueError(f"optim.powersgd_rank is read only with optim.grad_compression='powersgd' (it is "
+                             f"{self.grad_compression!r}); remove it or set optim.grad_compression='powersgd'")
+        if isinstance(self.powersgd_start_step, bool) or self.powersgd_start_step < 0:
+            raise ValueError(f"optim.powersgd_start_step={self.powersgd_start_step} must be an integer >= 0 (the "
+                             "steps reduced uncompressed before PowerSGD starts; 0 compresses from the first step)")
+        if self.grad_compression != "powersgd" and self.powersgd_start_step != 0:
+            raise ValueError(f"optim.powersgd_start_step is read only with optim.grad_compression='powersgd' (it is "
                              f"{self.grad_compression!r}); remove it or set optim.grad_compression='powersgd'")
         if self.nonfinite == "stop" and self.max_skipped_steps != 10:
             raise ValueError(f"optim.max_skipped_steps={self.max_skipped_steps} applies to optim.nonfinite='skip', "

@@ -13,6 +13,8 @@ added to the next step's gradient), which a checkpoint saves (:meth:`state_tenso
   then ``Q = sum_ranks(M^T P)`` (n, r); ``Q`` is kept for the next step (warm start: one power
   iteration per step). Per matrix and step that is ``r * (m + n)`` fp32 elements all-reduced;
   1-D gradients (norms, biases) are all-reduced uncompressed in the same call as the ``P`` s.
+  ``start_step`` (``optim.powersgd_start_step``, torch's ``start_powerSGD_iter``): the first
+  ``start_step`` reductions of each bucket are a plain all-reduce (error feedback and ``Q`` untouched).
 * :class:`OneBit` (1-bit SGD, Seide et al. 2014; EF-signSGD, Karimireddy et al. 2019): the bucket plus
   its error feedback is cut into chunks of ``chunk`` elements; each chunk sends its signs (1 bit each,
   packed 8 per byte) and one fp32 scale (the chunk's mean absolute value). Every rank all-gathers every
@@ -65,12 +67,17 @@ class PowerSGD(GradCompressor):
 
     name = "powersgd"
 
-    def __init__(self, *, rank: int, dp_group: Group, seed: int = 0):
+    def __init__(self, *, rank: int, dp_group: Group, seed: int = 0, start_step: int = 0):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"optim.powersgd_rank={rank!r} must be an integer >= 1 (e.g. 4)")
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"optim.powersgd_start_step={start_step!r} must be an integer >= 0 (0: compress "
+                             "from the first step)")
         self.rank = rank
         self.group = dp_group
         self.seed = seed
+        self.start_step = start_step  # reductions (steps) per bucket run as a plain all-reduce first
+        self.steps: dict[tuple[int, int], int] = {}  # bucket key -> reductions done (warm-up bookkeeping)
         self.error: dict[str, torch.Tensor] = {}  # name -> (m, n) or (k,) error feedback (matrices only)
         self.q: dict[str, torch.Tensor] = {}  # name -> (n, r) warm-start factor
         self._layout: dict[tuple[int, int], list[tuple[str, int, int, tuple[int, ...]]]] = {}
@@ -95,6 +102,11 @@ class PowerSGD(GradCompressor):
                 self._layout[(bi, b.index)] = entries
 
     def reduce(self, key, grad, bucket) -> None:
+        done = self.steps.get(key, 0)
+        self.steps[key] = done + 1
+        if done < self.start_step:  # warm-up (torch's start_powerSGD_iter): exact sum, error and Q untouched
+            comm.all_reduce(grad, self.group)
+            return
         entries = self._layout[key]
         mats = [(name, grad[s:e].view(shape)) for name, s, e, shape in entries if len(shape) == 2]
         vecs = [grad[s:e] for name, s, e, shape in entries if len(shape) != 2]
@@ -134,6 +146,14 @@ class PowerSGD(GradCompressor):
         mat = sum(self.rank * (s[0] + s[1]) for ents in self._layout.values() for _, _, _, s in ents if len(s) == 2)
         vec = sum(e - s for ents in self._layout.values() for _, s, e, shape in ents if len(shape) != 2)
         return {"matrices": mat, "vectors": vec}
+
+    def state_dict(self) -> dict:
+        return {"method": self.name, "steps": [[k[0], k[1], n] for k, n in sorted(self.steps.items())]}
+
+    def load_state(self, state: dict | None, tensors: dict[str, torch.Tensor] | None) -> None:
+        super().load_state(state, tensors)
+        if state is not None:  # older checkpoints carry no counters: the warm-up counts from the resume
+            self.steps = {(int(a), int(b)): int(n) for a, b, n in state.get("steps", [])}
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -202,12 +222,13 @@ class OneBit(GradCompressor):
         return {f"error.{k}": v for k, v in self.error.items()}
 
 
-def build_grad_compressor(method: str, *, dp_group: Group, rank: int = 4, seed: int = 0) -> GradCompressor | None:
+def build_grad_compressor(method: str, *, dp_group: Group, rank: int = 4, seed: int = 0,
+                          start_step: int = 0) -> GradCompressor | None:
     """``optim.grad_compression``: None for "none", else the compressor for ``dp_group``."""
     if method == "none":
         return None
     if method == "powersgd":
-        return PowerSGD(rank=rank, dp_group=dp_group, seed=seed)
+        return PowerSGD(rank=rank, dp_group=dp_group, seed=seed, start_step=start_step)
     if method == "onebit":
         return OneBit(dp_group=dp_group)
     raise ValueError(f"optim.grad_compression={method!r} is not valid; choose one of {', '.join(GRAD_COMPRESSIONS)}")

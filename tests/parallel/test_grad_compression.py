@@ -5,6 +5,8 @@
   one fp32 scale per 1024 elements per bucket.
 * PowerSGD is exact when the summed gradient has rank <= r: dp2 ranks holding multiples of one rank-1
   matrix decode the true sum (fp32, 1e-5 relative); 1-D gradients are summed exactly.
+* PowerSGD's start_step: the first steps are the exact sum at DDP's bytes with no error feedback, then it
+  compresses; the step counters survive state_dict/load_state.
 * Sign packing round-trips; a rank above a matrix's size is refused before any communication.
 Resume of both is in tests/parallel/test_outer.py (test_resume_is_bitwise[powersgd|onebit]).
 """
@@ -74,6 +76,53 @@ def _exact_rank1():
     ddp.finish_grad_sync()
     return {"w": model.weight.main_grad.clone(), "b": model.bias.main_grad.clone(),
             "want_w": 3.0 * torch.outer(u, v), "want_b": torch.full((4,), 3.0)}
+
+
+def _warmup():
+    """PowerSGD(start_step=2) on full-rank, rank-dependent gradients: steps 1-2 are the exact sum with the
+    all-reduce's bytes and no error feedback; step 3 is compressed (rank 1: inexact, r (m + n) + bias bytes);
+    the step counters survive state_dict/load_state, so a resumed compressor compresses at once."""
+    import torch.distributed as dist
+
+    from parallel.comm import Group, Ledger
+    from parallel.data_parallel import DataParallel
+    from parallel.data_parallel.compression import PowerSGD
+
+    ledger = Ledger()
+    group = Group(axis="dp", ranks=range(2), rank=dist.get_rank(), pg=dist.group.WORLD, ledger=ledger)
+    model = torch.nn.Linear(3, 4)
+    comp = PowerSGD(rank=1, dp_group=group, seed=0, start_step=2)
+    ddp = DataParallel(model, dp_group=group, grad_compressor=comp, grad_reduce="sum")
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for step in range(3):
+        gs = [torch.randn(4, 3, generator=gen) for _ in range(2)]  # (4, 3) full rank, one per dp rank
+        bs = [torch.randn(4, generator=gen) for _ in range(2)]  # (4,)
+        ddp.zero_grad_buffer()
+        loss = (model.weight * gs[dist.get_rank()]).sum() + (model.bias * bs[dist.get_rank()]).sum()
+        with ledger.capture() as cap:
+            loss.backward()
+            ddp.finish_grad_sync()
+        sent = sum(r.sent_bytes for r in cap.records if r.axis == "dp")
+        out.append({"w": model.weight.main_grad.clone(), "want_w": gs[0] + gs[1], "b": model.bias.main_grad.clone(),
+                    "want_b": bs[0] + bs[1], "sent": sent, "err": float(comp.error["weight"].abs().max())})
+    fresh = PowerSGD(rank=1, dp_group=group, seed=0, start_step=2)
+    DataParallel(torch.nn.Linear(3, 4), dp_group=group, grad_compressor=fresh, grad_reduce="sum")
+    fresh.load_state(comp.state_dict(), {k: v.clone() for k, v in comp.state_tensors().items()})
+    return {"steps": out, "resumed_steps": fresh.steps, "steps_done": comp.steps}
+
+
+def test_powersgd_start_step_runs_plain_all_reduce_first(dp2):
+    p = 2
+    for r in (out["warmup"] for out in dp2):
+        plain, compressed = r["steps"][:2], r["steps"][2]
+        for s in plain:  # warm-up: the exact sum, the full all-reduce's bytes, the error feedback untouched
+            assert torch.allclose(s["w"], s["want_w"], rtol=1e-6, atol=1e-6) and torch.allclose(s["b"], s["want_b"])
+            assert s["sent"] == 2 * (p - 1) / p * 4 * (12 + 4) and s["err"] == 0.0, s
+        assert compressed["sent"] == 2 * (p - 1) / p * 4 * (1 * (4 + 3) + 4), compressed["sent"]
+        assert not torch.allclose(compressed["w"], compressed["want_w"], atol=1e-3)  # rank 1 of a rank-3 sum
+        assert torch.allclose(compressed["b"], compressed["want_b"]) and compressed["err"] > 0.0
+        assert r["resumed_steps"] == r["steps_done"] and list(r["steps_done"].values()) == [3]
 
 
 def test_powersgd_is_exact_on_a_rank1_sum(dp2):

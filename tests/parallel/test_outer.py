@@ -18,10 +18,10 @@ from __future__ import annotations
 import math
 import os
 
-import numpy as np
 import pytest
 import torch
 
+from engine.data.synthetic import RandomTokens
 from parallel.testing import run_distributed
 
 SEQ, VOCAB = 16, 64
@@ -33,17 +33,8 @@ LINEAR_ADAM = ["optim.beta1=0.0", "optim.eps=1e5", "optim.lr=1e4", "optim.min_lr
                "optim.weight_decay=0.0"]
 
 
-class _Tokens:
-    def __init__(self, n: int):
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        ids = np.random.default_rng(90 + i).integers(0, VOCAB, SEQ + 1)
-        return {"tokens": ids[:-1], "labels": ids[1:], "position_ids": np.arange(SEQ),
-                "loss_mask": np.ones(SEQ, dtype=np.float32)}
+def _tokens(n: int) -> RandomTokens:
+    return RandomTokens(n, vocab=VOCAB, seq=SEQ, seed=90)
 
 
 def _cfg(*, steps: int = 3, extra=()):
@@ -62,7 +53,7 @@ def _run(cfg, *, run_dir=None, checkpoints=False):
 
     model = ModelHook.from_hf(HF, dtype=torch.float32, seed=cfg.train.seed,
                               sequence_parallel=cfg.parallel.sequence_parallel)
-    return build_run(cfg, model=model, train_data=_Tokens(4 * (cfg.train.steps + 2)), checkpoints=checkpoints,
+    return build_run(cfg, model=model, train_data=_tokens(4 * (cfg.train.steps + 2)), checkpoints=checkpoints,
                      run_dir=run_dir)
 
 
@@ -150,7 +141,8 @@ RESUME_CASES = {
                     "outer.topk_fraction=0.1"],
     "streaming_int8": ["outer.method=streaming_diloco", "outer.inner_steps=2", "outer.fragments=2",
                        "outer.compression=int8", "outer.mix=0.5"],
-    "powersgd": ["optim.grad_compression=powersgd", "optim.powersgd_rank=2"],
+    # resumed in the middle of the plain warm-up (steps 1-3), crossing into compression at step 4
+    "powersgd": ["optim.grad_compression=powersgd", "optim.powersgd_rank=2", "optim.powersgd_start_step=3"],
     "onebit": ["optim.grad_compression=onebit"],
 }
 
@@ -175,16 +167,17 @@ def _resume(tmp: str, names: list[str]):
         second.resume()
         got = [second.trainer.train_step(second.train_loader).loss for _ in range(2)]
         a, b = _params(straight), _params(second)
-        out[name] = {"losses": (ref[2:], got), "equal": all(torch.equal(a[k], b[k]) for k in a)}
+        out[name] = {"losses": (ref[2:], got), "equal": all(torch.equal(a[k], b[k]) for k in a),
+                     "start_step": getattr(second.trainer.ddp.grad_compressor, "start_step", None)}
     return out
 
 
 def _all_dp2(tmp: str):
     """Every dp2 part of this file and of tests/parallel/test_grad_compression.py in one 2-rank launch."""
-    from tests.parallel.test_grad_compression import _compressed, _exact_rank1
+    from tests.parallel.test_grad_compression import _compressed, _exact_rank1, _warmup
 
     return {"sanity": _sanity(1), "bytes": _bytes(), "resume": _resume(tmp, list(RESUME_CASES)),
-            "compressed": _compressed(), "exact_rank1": _exact_rank1()}
+            "compressed": _compressed(), "exact_rank1": _exact_rank1(), "warmup": _warmup()}
 
 
 _LAUNCHED: dict[str, list] = {}  # one launch per pytest process, whichever of the two files asks first
@@ -207,6 +200,8 @@ def test_resume_is_bitwise(dp2, name):
         ref, got = r[name]["losses"]
         assert ref == got, (rank, name, ref, got)
         assert r[name]["equal"], (rank, name)
+        if name == "powersgd":  # optim.powersgd_start_step reaches the compressor the assembly builds
+            assert r[name]["start_step"] == 3
 
 
 # -- bad inputs --------------------------------------------------------------------------------------
@@ -220,6 +215,8 @@ def test_resume_is_bitwise(dp2, name):
     (["outer.method=diloco", "optim.grad_compression=onebit"], "outer.compression instead"),
     (["outer.method=diloco", "outer.topk_fraction=0.5"], "outer.compression='topk'"),
     (["optim.powersgd_rank=8"], "optim.grad_compression='powersgd'"),
+    (["optim.powersgd_start_step=5"], "optim.powersgd_start_step is read only"),
+    (["optim.grad_compression=powersgd", "optim.powersgd_start_step=-1"], "must be an integer >= 0"),
 ])
 def test_bad_inputs_are_refused(extra, needle):
     with pytest.raises(ValueError, match=None) as err:

@@ -4,8 +4,10 @@ Measured here (docs/planner.md): the matmul rate by size (fp32; one thread, as t
 all threads, as one process runs), fitted to the planner's GEMM model ``2mnk / rate + overhead``; the copy
 bandwidth (a large clone: read + write); causal SDPA's rate at the preset's shape (the attention
 efficiency); gloo's all-reduce by size on 2 ranks, fitted to ``alpha + bytes / bandwidth`` with
-parallel/comm.py's bytes. From these a CPU device for the planner: ranks share the cores and the memory
-bandwidth (``world`` ranks on ``cores`` cores each get ``min(1, cores / world)`` of a core's rate).
+parallel/comm.py's bytes; the per-call overhead of a TP layer's collectives beyond that alpha-beta figure
+(:func:`tp_collective_overhead`). From these a CPU device for the planner: ranks share the cores and the
+memory bandwidth (``world`` ranks on ``cores`` cores each get ``min(1, cores / world)`` of a core's rate),
+and with ``world > 1`` every collective call costs the measured overhead.
 
 Then the tiny preset (configs/tiny_llama_cpu.toml) at 1 process, TP2, PP2, DP2 (ZeRO-1) and TP2 x PP2:
 predicted step time and peak memory (engine/memory.py, as the run's start-up report), then ``repeats``
@@ -109,6 +111,68 @@ def gloo_alpha_beta(sizes=(4, 4096, 65536, 1 << 20, 1 << 22)) -> tuple[float, fl
     return max(0.0, t0 - n0 / (gbps * 1e9)) / 2 * 1e6, gbps
 
 
+def _tp_block(t: int, h: int, f: int, iters: int, blocks: int):
+    """One rank of a sequence-parallel MLP block on 2 ranks (the tiny preset's shapes), forward and backward
+    in autograd through parallel/mappings.py: all-gather of the (t/2, h) shard, two matmuls, reduce-scatter of
+    the (t, h) partial sums; backward the reverse (4 collectives per iteration). Beside it the same graph
+    with each collective replaced by a local op of the same shape (repeat / sum of the two halves). Both
+    ranks run both variants at the same time, so they share the cores the same way. (seconds per iteration
+    with collectives, without; the median of ``blocks`` blocks: the steady state a training step sees)."""
+    import torch.distributed as dist
+
+    from parallel import mappings
+    from parallel.comm import as_group
+
+    group = as_group(dist.group.WORLD, axis="tp")
+    torch.manual_seed(dist.get_rank())
+    x = torch.randn(t // 2, h, requires_grad=True)  # (t/2, h): this rank's sequence shard
+    w1 = torch.randn(h, f // 2, requires_grad=True)  # column-parallel: (h, f/2)
+    w2 = torch.randn(f // 2, h, requires_grad=True)  # row-parallel: (f/2, h)
+
+    def with_comm():
+        full = mappings.gather_from_sp(x, group)  # (t/2, h) -> (t, h)
+        y = mappings.reduce_scatter_to_sp(full @ w1 @ w2, group)  # (t, h) partial sums -> (t/2, h)
+        y.sum().backward()
+
+    def local():
+        full = x.repeat(2, 1)  # (t/2, h) -> (t, h), as the all-gather's output
+        y = (full @ w1 @ w2).view(2, t // 2, h).sum(0)  # (t, h) -> (2, t/2, h) -> (t/2, h)
+        y.sum().backward()
+
+    out = []
+    for fn in (with_comm, local):
+        fn()
+        per_block = []
+        for _ in range(blocks):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            per_block.append((time.perf_counter() - t0) / iters)
+        out.append(statistics.median(per_block))
+    return out
+
+
+def tp_collective_overhead(alpha_us: float, gbps: float, *, t: int = 256, h: int = 128, f: int = 352,
+                           iters: int = 40, blocks: int = 7) -> dict:
+    """Per-collective host/sync overhead of TP's sequence-parallel collectives on 2 ranks of one thread
+    each, beyond the alpha-beta figure: (block with collectives - the same block without) / 4 collectives,
+    less the alpha-beta time of those 4 (2 all-gathers of the (t/2, h) fp32 shard, 2 reduce-scatters of
+    the (t, h) tensor: each ``alpha + shard bytes / bandwidth`` on 2 ranks). The slower rank's figures
+    count (a collective ends when both have arrived). Defaults: the tiny preset's mbs 2 x seq 128 tokens,
+    hidden 128, ffn 352."""
+    from parallel.testing import run_distributed
+
+    per_rank = run_distributed(_tp_block, 2, t, h, f, iters, blocks, timeout=300)
+    comm_s = max(r[0] for r in per_rank)
+    local_s = max(r[1] for r in per_rank)
+    shard = 4 * (t // 2) * h
+    alpha_beta_s = 4 * (alpha_us * 1e-6 + shard / (gbps * 1e9))
+    overhead = max(0.0, (comm_s - local_s - alpha_beta_s) / 4)
+    return {"overhead_us": overhead * 1e6, "block_with_comm_ms": comm_s * 1e3, "block_local_ms": local_s * 1e3,
+            "alpha_beta_4_collectives_ms": alpha_beta_s * 1e3}
+
+
 def measure(cores: int | None = None) -> dict:
     cores = cores or os.cpu_count() or 1
     one = fit_gemm(matmul_samples(threads=1))
@@ -116,7 +180,8 @@ def measure(cores: int | None = None) -> dict:
     alpha, gbps = gloo_alpha_beta()
     return {"cores": cores, "matmul_1_thread": {"tflops": one[0], "overhead_us": one[1]},
             "matmul_all_threads": {"tflops": allt[0], "overhead_us": allt[1]}, "copy_gbps": copy_gbps(),
-            "attention_efficiency": attention_efficiency(one[0]), "gloo": {"alpha_us": alpha, "gbps": gbps}}
+            "attention_efficiency": attention_efficiency(one[0]), "gloo": {"alpha_us": alpha, "gbps": gbps},
+            "tp_collective": tp_collective_overhead(alpha, gbps)}
 
 
 def cpu_device(cal: dict, *, world: int) -> GPU:
@@ -132,7 +197,9 @@ def cpu_device(cal: dict, *, world: int) -> GPU:
                tf32_tflops=mm["tflops"] * share, hbm_gbps=cal["copy_gbps"] / world, hbm_gb=1e9,
                intra_gbps=cal["gloo"]["gbps"], inter_gbps=cal["gloo"]["gbps"], intra_alpha_us=cal["gloo"]["alpha_us"],
                inter_alpha_us=cal["gloo"]["alpha_us"], gemm_efficiency=1.0, gemm_overhead_us=mm["overhead_us"] / share,
-               attention_efficiency=cal["attention_efficiency"], link_efficiency=1.0, sources=("measured",))
+               attention_efficiency=cal["attention_efficiency"], link_efficiency=1.0,
+               collective_overhead_us=cal["tp_collective"]["overhead_us"] if world > 1 else 0.0,
+               sources=("measured",))
 
 
 def predict_tiny(cal: dict, tp: int, pp: int, dp: int):

@@ -38,6 +38,7 @@ class GPU:
     attention_efficiency: float = 0.55
     tf32_tflops: float | None = None  # dense TF32: the rate of fp32 training
     link_efficiency: float = 0.80  # NCCL's bus bandwidth over the link's: ring collectives do not saturate it
+    collective_overhead_us: float = 0.0  # per collective call beyond alpha-beta (host, sync); CPU: measured
     sources: tuple[str, ...] = ()
 
     def peak_tflops(self, precision: str) -> float:

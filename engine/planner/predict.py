@@ -9,7 +9,9 @@ and the tests that assert it against the allocator use the same call). Step time
 * memory-bound work (norms, residual adds, RoPE, the activation function, cross-entropy, the optimizer)
   at HBM bandwidth;
 * each collective by an alpha-beta model over the link its group spans (NVLink inside a node,
-  the NIC across nodes), with the bytes of parallel/comm.py's cost table (the ledger the tests assert):
+  the NIC across nodes), plus the device's per-call ``collective_overhead_us`` (0 on the GPUs; on CPU
+  measured by ``--calibrate``: gloo's host/sync cost per call, docs/planner.md), with the bytes of
+  parallel/comm.py's cost table (the ledger the tests assert):
   ``all_reduce`` ``2(p-1)/p N``, ``all_gather`` ``(p-1) N_shard``, ``reduce_scatter`` ``(p-1)/p N``;
   TP collectives are exposed; context-parallel K/V rotation hides under attention up to its length;
   data-parallel reduction hides under the last micro-batch's backward, the parameter all-gather under
@@ -65,13 +67,15 @@ class Cluster:
     def capacity_bytes(self) -> float:
         return self.gpu.hbm_gb * 1e9 * self.memory_fraction
 
-    def link(self, span: int) -> tuple[float, float]:
-        """(bytes/s, alpha seconds) of a group spanning ``span`` consecutive ranks (mesh order dp-pp-cp-tp:
-        tp innermost), NVLink if it stays inside a node."""
+    def link(self, span: int) -> tuple[float, float, float]:
+        """(bytes/s, alpha seconds, per-call seconds) of a group spanning ``span`` consecutive ranks (mesh
+        order dp-pp-cp-tp: tp innermost), NVLink if it stays inside a node. The per-call term is the device's
+        ``collective_overhead_us`` (0 for the GPUs; measured for the CPU device by --calibrate)."""
         g = self.gpu
+        call = g.collective_overhead_us * 1e-6
         if span <= self.gpus_per_node:
-            return g.intra_gbps * 1e9 * g.link_efficiency, g.intra_alpha_us * 1e-6
-        return g.inter_gbps * 1e9 * g.link_efficiency, g.inter_alpha_us * 1e-6
+            return g.intra_gbps * 1e9 * g.link_efficiency, g.intra_alpha_us * 1e-6, call
+        return g.inter_gbps * 1e9 * g.link_efficiency, g.inter_alpha_us * 1e-6, call
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,20 +150,27 @@ def gemm_time(m: int, n: int, k: int, *, gpu: GPU, peak_tflops: float) -> float:
     return 2.0 * m * n * k / (gpu.gemm_efficiency * peak_tflops * 1e12) + gpu.gemm_overhead_us * 1e-6
 
 
-def collective_time(op: str, nbytes: float, p: int, link: tuple[float, float]) -> float:
-    """Alpha-beta seconds of one ring collective over ``p`` ranks; ``nbytes`` is parallel/comm.py's ``N``
-    (the tensor passed in: the shard for all_gather, the full tensor otherwise)."""
+def _split_link(link) -> tuple[float, float, float]:
+    """(bytes/s, alpha s, per-call s) from :meth:`Cluster.link`'s tuple (a bare (bytes/s, alpha) pair: no
+    per-call term)."""
+    return (link[0], link[1], link[2] if len(link) > 2 else 0.0)
+
+
+def collective_time(op: str, nbytes: float, p: int, link: tuple[float, ...]) -> float:
+    """Alpha-beta seconds of one ring collective over ``p`` ranks, plus the link's per-call term (host and
+    synchronisation cost of one call, measured on CPU by --calibrate; 0 on the GPUs); ``nbytes`` is
+    parallel/comm.py's ``N`` (the tensor passed in: the shard for all_gather, the full tensor otherwise)."""
     if p <= 1 or nbytes <= 0:
         return 0.0
-    bw, alpha = link
+    bw, alpha, call = _split_link(link)
     if op == "all_reduce":
-        return 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / bw
+        return call + 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / bw
     if op == "all_gather":
-        return (p - 1) * alpha + (p - 1) * nbytes / bw
+        return call + (p - 1) * alpha + (p - 1) * nbytes / bw
     if op == "reduce_scatter":
-        return (p - 1) * alpha + (p - 1) / p * nbytes / bw
+        return call + (p - 1) * alpha + (p - 1) / p * nbytes / bw
     if op == "send":
-        return alpha + nbytes / bw
+        return call + alpha + nbytes / bw
     raise ValueError(f"unknown collective {op!r}")
 
 
@@ -168,8 +179,8 @@ def alltoall_time(nbytes: float, p: int, link: tuple[float, float]) -> float:
     (parallel/comm.py's ledger: the input less the own chunk): ``p - 1`` messages, the bytes at link rate."""
     if p <= 1 or nbytes <= 0:
         return 0.0
-    bw, alpha = link
-    return (p - 1) * alpha + nbytes / bw
+    bw, alpha, call = _split_link(link)
+    return call + (p - 1) * alpha + nbytes / bw
 
 
 def moe_dispatch_bytes(config, *, tokens: int, ep: int, elem: int) -> float:

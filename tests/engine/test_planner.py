@@ -196,3 +196,27 @@ def test_ep_all_to_all_and_enumeration(tiny_moe):
         plan(tiny_moe, cluster, Training(seq_length=16, global_batch_size=8, zero=1), {"ep": 2})
     with pytest.raises(ValueError, match="--ep 3: .*"):
         plan(tiny_moe, cluster, tr, {"ep": 3})
+
+
+def test_cpu_collective_overhead_enters_every_tp_collective(tiny):
+    """The calibrated per-call collective overhead (engine/planner/calibrate.py's TP micro-benchmark) adds
+    exactly one term per collective call: at TP2 (dp 1, pp 1) 8 micro-batches x (4 layers x 8 + embedding 2
+    + output 2) = 288 calls, all in tp_comm; one process (world 1) gets none."""
+    from engine.planner.calibrate import cpu_device, predict_tiny
+    from engine.planner.predict import collective_time
+
+    cal = {"cores": 2, "matmul_1_thread": {"tflops": 0.1, "overhead_us": 1.0},
+           "matmul_all_threads": {"tflops": 0.2, "overhead_us": 2.0}, "copy_gbps": 8.0,
+           "attention_efficiency": 0.5, "gloo": {"alpha_us": 60.0, "gbps": 1.0}, "tp_collective": {"overhead_us": 0.0}}
+    base = predict_tiny(cal, 2, 1, 1)
+    cal["tp_collective"]["overhead_us"] = 1000.0
+    assert cpu_device(cal, world=2).collective_overhead_us == 1000.0
+    assert cpu_device(cal, world=1).collective_overhead_us == 0.0
+    with_call = predict_tiny(cal, 2, 1, 1)
+    assert with_call.breakdown["tp_comm"] - base.breakdown["tp_comm"] == pytest.approx(288 * 1e-3, rel=1e-9)
+    assert with_call.step_time_s - base.step_time_s == pytest.approx(288 * 1e-3, rel=1e-9)
+    assert predict_tiny(cal, 1, 1, 1).step_time_s == predict_tiny({**cal, "tp_collective": {"overhead_us": 0.0}},
+                                                                  1, 1, 1).step_time_s
+    link = (1e9, 60e-6, 1e-3)
+    assert collective_time("all_gather", 4096, 2, link) == pytest.approx(1e-3 + 60e-6 + 4096 / 1e9)
+    assert collective_time("all_gather", 4096, 1, link) == 0.0  # a group of one never calls

@@ -84,17 +84,28 @@ def local_dispatch(tokens: torch.Tensor, routing: Routing, experts: ExpertFn, *,
     return unpermute(out, order, routing.weights, num_tokens=tokens.shape[0])
 
 
-class AllToAllDispatcher:
-    """Tokens to their experts' ranks by all-to-all (split sizes exchanged first), and back."""
+class _Dispatcher:
+    """What both dispatchers share: the ep group, ``num_experts / ep`` local experts, and at ep = 1 the
+    local path (no communication). Subclasses implement ``_dispatch`` for ep > 1."""
 
     def __init__(self, *, num_experts: int, ep_group: Group):
         self.num_experts, self.group = num_experts, ep_group
         self.num_local = num_experts // ep_group.size
 
     def __call__(self, tokens: torch.Tensor, routing: Routing, experts: ExpertFn) -> torch.Tensor:
-        ep, e_local = self.group.size, self.num_local
-        if ep == 1:
+        if self.group.size == 1:
             return local_dispatch(tokens, routing, experts, num_experts=self.num_experts)
+        return self._dispatch(tokens, routing, experts)
+
+    def _dispatch(self, tokens: torch.Tensor, routing: Routing, experts: ExpertFn) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class AllToAllDispatcher(_Dispatcher):
+    """Tokens to their experts' ranks by all-to-all (split sizes exchanged first), and back."""
+
+    def _dispatch(self, tokens: torch.Tensor, routing: Routing, experts: ExpertFn) -> torch.Tensor:
+        ep, e_local = self.group.size, self.num_local
         rows, order, counts = permute(tokens, routing.indices, num_experts=self.num_experts)
         # recv_counts[src * E_local + i]: rows rank `src` sends to my local expert i.
         recv_counts = comm.all_to_all(counts, self.group)  # (ep * E_local,)
@@ -111,18 +122,12 @@ class AllToAllDispatcher:
         return unpermute(back, order, routing.weights, num_tokens=tokens.shape[0])
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(_Dispatcher):
     """Every ep rank sees every token: all-gather tokens and routing, compute the local experts' share,
     reduce-scatter the partial sums back to the tokens' ranks."""
 
-    def __init__(self, *, num_experts: int, ep_group: Group):
-        self.num_experts, self.group = num_experts, ep_group
-        self.num_local = num_experts // ep_group.size
-
-    def __call__(self, tokens: torch.Tensor, routing: Routing, experts: ExpertFn) -> torch.Tensor:
+    def _dispatch(self, tokens: torch.Tensor, routing: Routing, experts: ExpertFn) -> torch.Tensor:
         ep, e_local = self.group.size, self.num_local
-        if ep == 1:
-            return local_dispatch(tokens, routing, experts, num_experts=self.num_experts)
         t, k = routing.indices.shape
         sizes = comm.all_gather(torch.tensor([t], device=tokens.device), self.group)  # (ep,)
         if (sizes != t).any():

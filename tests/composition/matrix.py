@@ -20,6 +20,7 @@ OPTIMIZERS = {  # optimizer mode -> config overrides
     "zero3": ["optim.distributed=true", "optim.zero_stage=3"],
 }
 FAMILIES = ("llama", "gpt2", "qwen3")
+RECOMPUTE_CYCLE = ("none", "selective", "full")  # full_rows: the FP8 rows take these in turn
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,9 @@ DEFAULT_ROWS: tuple[Row, ...] = (
     Row(L(dp=4), "zero1", dtype="bf16", tied=True, reshard=L(tp=2, dp=2, sp=True)),
     Row(L(dp=2), "zero2", dtype="bf16", family="qwen3", reshard=L(tp=2)),
     Row(L(), "plain", family="qwen3", tied=True, reshard=None),
-    # FP8 (docs/fp8.md): the delayed recipe's amax histories travel in checkpoints and reshard.
-    Row(L(dp=2, tp=2, sp=True), "zero1", fp8="delayed", reshard=L(tp=2, pp=2, sp=True)),
+    # FP8 (docs/fp8.md): the delayed recipe's amax histories travel in checkpoints and reshard; under full
+    # recompute the replayed FP8 forward leaves them as one forward does.
+    Row(L(dp=2, tp=2, sp=True), "zero1", fp8="delayed", recompute="full", reshard=L(tp=2, pp=2, sp=True)),
     Row(L(tp=2, pp=2), "plain", dtype="bf16", fp8="tensorwise", reshard=L(dp=4), reshard_optimizer="zero2"),
     # Ring collective matmuls (docs/overlap.md), resumed into the plain path.
     Row(L(tp=2, pp=2, sp=True, tp_overlap="ring", early_recv=True), "plain", tied=True, reshard=L(tp=2, dp=2, sp=True)),
@@ -190,13 +192,15 @@ def full_rows() -> list[Row]:
             continue
         rows.append(Row(layout, opt, dtype, False, "llama", reshard=L(dp=4)))
     # FP8: every recipe on every layout with TP <= 2 (the test model's attention output is 32 wide: 8 per
-    # rank at TP=4, below the 16 an FP8 GEMM needs), one optimizer mode each, fp32 and bf16.
+    # rank at TP=4, below the 16 an FP8 GEMM needs), one optimizer mode each, fp32 and bf16, recompute
+    # none / selective / full in turn.
     for layout, recipe, dtype in itertools.product([lay for lay in layouts if lay.tp <= 2], FP8_RECIPES,
                                                    ("fp32", "bf16")):
         opt = "plain" if layout.dp == 1 else ("zero1", "zero2", "overlap_param_gather", "plain")[
             FP8_RECIPES.index(recipe)]
         rows.append(Row(layout, opt, dtype, False, "llama", reshard=L(dp=4) if layout != L(dp=4) else L(tp=2, pp=2),
-                        fp8=recipe))
+                        fp8=recipe,
+                        recompute=RECOMPUTE_CYCLE[(layouts.index(layout) + FP8_RECIPES.index(recipe)) % 3]))
     # Post-training from a converted base: every layout, each method (SFT also with LoRA), fp32, one
     # optimizer mode each. GRPO resumes into a layout of the same dp size (its rollout seeds are per dp rank).
     same_dp = {1: [L(tp=2, pp=2, sp=True), L(tp=4), L(pp=4)], 2: [L(dp=2, tp=2, sp=True), L(dp=2, pp=2)], 4: [L(dp=4)]}

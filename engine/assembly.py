@@ -402,7 +402,7 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
         trainer.outer = OuterOptimizer(optimizer.dist, dp_group=mesh.dp_cp, method=u.method, inner_steps=u.inner_steps,
                                        lr=u.lr, momentum=u.momentum, nesterov=u.nesterov, fragments=u.fragments,
                                        mix=u.mix, compression=u.compression, topk_fraction=u.topk_fraction,
-                                       counts=lambda q: counts_in_norm(q, tp_group=mesh.tp),
+                                       layout=u.fragment_layout, counts=lambda q: counts_in_norm(q, tp_group=mesh.tp),
                                        norm_groups=(mesh.tp, mesh.pp))
     if cfg.fault.hang_timeout_s is not None:  # the flight recorder (fed by parallel/comm) and the hang watchdog
         from engine.watchdog import Watchdog

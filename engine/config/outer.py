@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from engine.config._fields import Section
 from engine.config.sections import check_choice, check_min, check_positive
-from parallel.data_parallel.outer import OUTER_COMPRESSIONS, OUTER_METHODS
+from parallel.data_parallel.outer import FRAGMENT_LAYOUTS, OUTER_COMPRESSIONS, OUTER_METHODS
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -18,8 +18,10 @@ class OuterConfig(Section):
     steps (no dp traffic), then the averaged pseudo-gradient takes an outer SGD step of ``lr`` with
     ``momentum`` (Nesterov when ``nesterov``). Streaming DiLoCo syncs ``fragments`` parameter groups at
     staggered steps, each reduction overlapping the next inner step, mixing the arriving weights in with
-    weight ``mix`` (1: replace the local ones). ``compression`` of the pseudo-gradient: none | bf16 | int8 |
-    topk (``topk_fraction`` of the entries, with error feedback)."""
+    weight ``mix`` (1: replace the local ones); ``fragment_layout``: ``strided`` (block l in fragment l % F,
+    the paper's pattern) or ``contiguous`` (F ranges of whole parameters of about equal size).
+    ``compression`` of the pseudo-gradient: none | bf16 | int8 | topk (``topk_fraction`` of the entries,
+    with error feedback)."""
 
     SECTION = "outer"
 
@@ -30,12 +32,14 @@ class OuterConfig(Section):
     nesterov: bool = True
     fragments: int = 1
     mix: float = 1.0
+    fragment_layout: str = "contiguous"
     compression: str = "none"
     topk_fraction: float = 0.01
 
     def _validate(self) -> None:
         check_choice(self, "method", OUTER_METHODS)
         check_choice(self, "compression", OUTER_COMPRESSIONS)
+        check_choice(self, "fragment_layout", FRAGMENT_LAYOUTS)
         if self.method == "none":
             changed = [f.name for f in dataclasses.fields(self)
                        if f.name != "method" and getattr(self, f.name) != f.default]
@@ -62,6 +66,11 @@ class OuterConfig(Section):
         if self.fragments > self.inner_steps:
             raise ValueError(f"outer.fragments={self.fragments} exceeds outer.inner_steps={self.inner_steps}: each "
                              "fragment syncs at its own step of the H-step cycle; raise inner_steps or lower fragments")
+        default_layout = next(f.default for f in dataclasses.fields(self) if f.name == "fragment_layout")
+        if self.fragment_layout != default_layout and self.fragments == 1:
+            raise ValueError(f"outer.fragment_layout={self.fragment_layout!r} is read only with several fragments "
+                             "(outer.method='streaming_diloco', outer.fragments > 1); remove it or raise "
+                             "outer.fragments")
         if not 0.0 < self.mix <= 1.0:
             raise ValueError(f"outer.mix={self.mix} must be in (0, 1]: the weight of the arriving outer weights "
                              "(1 replaces the local ones; Streaming DiLoCo uses 0.5)")

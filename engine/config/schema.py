@@ -226,6 +226,11 @@ class TesselConfig:
         if self.posttrain.method != "none":
             raise ValueError(f"{what} is for pretraining; set it to 'none' for posttrain.method="
                              f"{self.posttrain.method!r}")
+        u, layers = self.outer, self.model.num_layers
+        if u.fragment_layout == "strided" and u.fragments > 1 and layers is not None and u.fragments > layers:
+            raise ValueError(f"outer.fragments={u.fragments} with outer.fragment_layout='strided' exceeds "
+                             f"model.num_layers={layers}: block l goes to fragment l % fragments, so fragments "
+                             f"{layers}.. would be empty; set outer.fragments <= {layers}")
 
     def _check_batch(self) -> None:
         train = self.train

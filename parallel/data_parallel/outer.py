@@ -11,11 +11,14 @@ outer SGD step with (Nesterov) momentum moves the shared weights:
     global <- anchor - lr * update ;  anchor <- global
     theta  <- (1 - mix) * theta + mix * global          (mix = 1: every replica continues from global)
 
-Streaming DiLoCo (Douillard et al., 2025) cuts the parameters into ``fragments`` contiguous groups
-(whole parameters, in layer order, about equal sizes) synchronised at staggered steps: fragment ``f``
-sends its pseudo-gradient after step ``t`` when ``t % H == ((f + 1) * H // F) % H``; its reduction
-overlaps the next inner step and is applied (outer step + ``mix``) after it. With ``F = 1`` and
-``method="diloco"`` the reduction is waited for and applied at once.
+Streaming DiLoCo (Douillard et al., 2025) cuts the parameters into ``fragments`` groups synchronised at
+staggered steps: fragment ``f`` sends its pseudo-gradient after step ``t`` when
+``t % H == ((f + 1) * H // F) % H``; its reduction overlaps the next inner step and is applied (outer
+step + ``mix``) after it. With ``F = 1`` and ``method="diloco"`` the reduction is waited for and applied
+at once. ``layout``: ``"strided"`` (the paper's pattern) puts transformer block ``l`` (global index) in
+fragment ``l % F``, the parameters before a chunk's first block (embeddings) with that block and those
+after its last block (final norm, output layer) with that one; ``"contiguous"`` cuts the flat vector
+into ``F`` ranges of whole parameters of about equal size.
 
 The averaged pseudo-gradient travels compressed (``compression``): ``none`` (fp32 all-reduce), ``bf16``
 and ``int8`` (a reduce-scatter as an all-to-all of the compressed vector, fp32 sums locally, the reduced
@@ -32,6 +35,7 @@ All collectives go over ``dp_group`` through :mod:`parallel.comm` (counted by th
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +45,8 @@ from parallel.comm import Group
 
 OUTER_METHODS = ("none", "diloco", "streaming_diloco")
 OUTER_COMPRESSIONS = ("none", "bf16", "int8", "topk")
+FRAGMENT_LAYOUTS = ("strided", "contiguous")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # a parameter of transformer block <n> (global index)
 DEFAULT_INT8_CHUNK = 1024
 
 
@@ -69,7 +75,7 @@ class OuterOptimizer:
     def __init__(self, dist_opt, *, dp_group: Group, method: str = "diloco", inner_steps: int = 10,
                  lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True, fragments: int = 1, mix: float = 1.0,
                  compression: str = "none", topk_fraction: float = 0.01, chunk: int = DEFAULT_INT8_CHUNK,
-                 counts=None, norm_groups: tuple[Group | None, ...] = ()):
+                 layout: str = "contiguous", counts=None, norm_groups: tuple[Group | None, ...] = ()):
         if method not in ("diloco", "streaming_diloco"):
             raise ValueError(f"outer.method={method!r}: the outer optimizer runs 'diloco' or 'streaming_diloco'")
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
@@ -81,6 +87,8 @@ class OuterOptimizer:
                              "fragment syncs at its own step of the H-step cycle)")
         if compression not in OUTER_COMPRESSIONS:
             raise ValueError(f"outer.compression={compression!r}; choose one of {', '.join(OUTER_COMPRESSIONS)}")
+        if layout not in FRAGMENT_LAYOUTS:
+            raise ValueError(f"outer.fragment_layout={layout!r}; choose one of {', '.join(FRAGMENT_LAYOUTS)}")
         ddp = dist_opt.ddp
         if ddp.sharded or not ddp.local_grads:
             raise ValueError("the outer optimizer needs DataParallel(local_grads=True, zero_stage=0): DiLoCo's "
@@ -90,23 +98,45 @@ class OuterOptimizer:
         self.method, self.H, self.lr, self.momentum, self.nesterov = method, inner_steps, lr, momentum, nesterov
         self.F, self.mix, self.compression, self.topk_fraction, self.chunk = (fragments, mix, compression,
                                                                              topk_fraction, chunk)
+        self.layout = layout if self.F > 1 else "contiguous"  # one fragment: the order does not matter
         self.masters = [master for _, _, master, _, _, _ in dist_opt.owned]  # fp32 views, whole buckets
         self.numel = sum(m.numel() for m in self.masters)
         device = self.masters[0].device
-        # Where each parameter ends in the flat vector: fragment cuts fall on these boundaries.
-        ends, mask_parts, cursor = [], [], 0
-        for _, b, master, _, _, _ in dist_opt.owned:
+        # Pieces of the masters, each (master index, start, end, parameter or None), covering every element:
+        # a bucket's padding goes with the parameter before it.
+        pieces, mask_parts = [], []
+        for i, (_, b, master, _, _, _) in enumerate(dist_opt.owned):
             keep = torch.zeros(master.numel(), dtype=torch.float32, device=device)
-            for p, (s, e) in zip(b.params, b.ranges):
-                ends.append(cursor + e)
+            spans = sorted(zip(b.ranges, b.params), key=lambda x: x[0][0])
+            for k, ((s, e), p) in enumerate(spans):
+                end = spans[k + 1][0][0] if k + 1 < len(spans) else master.numel()
+                pieces.append((i, 0 if k == 0 else s, end, p))
                 if counts is None or counts(p):
                     keep[s:e] = 1.0
             mask_parts.append(keep)
-            cursor += master.numel()
-            ends[-1] = cursor  # the bucket's padding goes with its last parameter
-        self._norm_mask = torch.cat(mask_parts)  # (numel,)
+        # The outer vector: the masters' pieces in fragment order, so that every fragment is one range of it
+        # (for "contiguous" that is the masters' own order).
+        if self.layout == "strided":
+            frag = self._strided_fragments(dist_opt.ddp, [p for *_, p in pieces])
+            order = sorted(range(len(pieces)), key=lambda k: (frag[k], k))
+        else:
+            frag, order = None, list(range(len(pieces)))
+        self._segments, ends, cursor = [], [], 0  # (outer offset, master index, start, end)
+        for k in order:
+            i, s, e, _ = pieces[k]
+            self._segments.append((cursor, i, s, e))
+            cursor += e - s
+            ends.append(cursor)
+        self._norm_mask = torch.cat([mask_parts[i][s:e] for _, i, s, e in self._segments])  # (numel,)
         self.norm_groups = tuple(g for g in norm_groups if g is not None)
-        self.bounds = self._cut(sorted(set(ends)))
+        if frag is None:
+            self.bounds = self._cut(ends)
+        else:  # fragment f: the pieces assigned to it, consecutive in the outer order (possibly none)
+            sizes = [0] * self.F
+            for k in order:
+                sizes[frag[k]] += pieces[k][2] - pieces[k][1]
+            edges = [sum(sizes[:f]) for f in range(self.F + 1)]
+            self.bounds = [(edges[f], edges[f + 1]) for f in range(self.F)]
         self.anchor = self._read(0, self.numel).clone()  # (numel,) fp32
         self.mom = torch.zeros_like(self.anchor) if momentum > 0 else None
         self.error = torch.zeros_like(self.anchor) if compression == "topk" else None
@@ -114,6 +144,30 @@ class OuterOptimizer:
         self.syncs = 0  # fragment synchronisations applied
 
     # -- layout ----------------------------------------------------------------------------------------
+    def _strided_fragments(self, ddp, params: list) -> list[int]:
+        """The fragment of each of ``params`` under the strided layout: block ``l`` -> ``l % F``; a parameter
+        outside the blocks goes with the first block of its model chunk when registered before it
+        (embeddings), else with the chunk's last block (final norm, output layer); a chunk without blocks
+        goes to fragment 0."""
+        layer_of, before = {}, {}
+        for name, p in ddp.module.named_parameters():
+            chunk = name.split(".", 1)[0] if isinstance(ddp.module, torch.nn.ModuleList) else ""
+            hit = _LAYER.search(name)
+            if hit:
+                layer_of[id(p)] = int(hit.group(1))
+                first, last = before.get(chunk, (None, None))
+                before[chunk] = (first if first is not None else int(hit.group(1)), int(hit.group(1)))
+            else:
+                layer_of[id(p)] = (chunk, chunk in before)  # (chunk, registered after a block?)
+        out = []
+        for p in params:
+            where = layer_of[id(p)]
+            if isinstance(where, tuple):
+                first, last = before.get(where[0], (0, 0))
+                where = last if where[1] else first
+            out.append(where % self.F)
+        return out
+
     def _cut(self, ends: list[int]) -> list[tuple[int, int]]:
         """``F`` contiguous ranges of about ``numel / F`` elements each, cut at parameter ends."""
         if self.F > len(ends):
@@ -130,22 +184,16 @@ class OuterOptimizer:
         return [(edges[i], edges[i + 1]) for i in range(self.F)]
 
     def _read(self, lo: int, hi: int) -> torch.Tensor:
-        """The masters' elements ``[lo, hi)`` of the flat vector, as a new fp32 tensor."""
-        parts, cursor = [], 0
-        for m in self.masters:
-            a, z = max(lo, cursor), min(hi, cursor + m.numel())
-            if a < z:
-                parts.append(m[a - cursor:z - cursor])
-            cursor += m.numel()
-        return torch.cat(parts)
+        """The masters' elements ``[lo, hi)`` of the outer vector, as a new fp32 tensor."""
+        parts = [self.masters[i][s + a - o:s + z - o] for o, i, s, e in self._segments
+                 for a, z in [(max(lo, o), min(hi, o + e - s))] if a < z]
+        return torch.cat(parts) if parts else self.masters[0].new_zeros(0)
 
     def _write(self, lo: int, hi: int, values: torch.Tensor) -> None:
-        cursor = 0
-        for m in self.masters:
-            a, z = max(lo, cursor), min(hi, cursor + m.numel())
+        for o, i, s, e in self._segments:
+            a, z = max(lo, o), min(hi, o + e - s)
             if a < z:
-                m[a - cursor:z - cursor].copy_(values[a - lo:z - lo])
-            cursor += m.numel()
+                self.masters[i][s + a - o:s + z - o].copy_(values[a - lo:z - lo])
 
     def phase(self, fragment: int) -> int:
         """The step residue (mod H) after which ``fragment`` sends its pseudo-gradient."""
@@ -155,6 +203,8 @@ class OuterOptimizer:
     def _start_average(self, delta: torch.Tensor, lo: int, hi: int):
         """Launch the dp average of ``delta`` (the fragment ``[lo, hi)``); returns ``finish() -> mean``."""
         p, g, n = self.group.size, self.group, delta.numel()
+        if n == 0:  # a fragment with no parameters on this rank (strided layout under pp): nothing to send
+            return lambda: delta
         if p == 1:
             if self.error is not None:  # top-k still drops what it does not send, even alone
                 return self._topk_local(delta, lo, hi)
@@ -284,7 +334,8 @@ class OuterOptimizer:
 
     def state_dict(self) -> dict:
         self.settle()
-        return {"syncs": self.syncs, "pending": [{"fragment": p.fragment, "due": p.due} for p in self.pending]}
+        return {"syncs": self.syncs, "pending": [{"fragment": p.fragment, "due": p.due} for p in self.pending],
+                "fragments": self.F, "layout": self.layout}
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's tensors (fixed shapes, so a load can allocate them before reading): the anchor,
@@ -317,6 +368,13 @@ class OuterOptimizer:
                     t.zero_()
             self.pending, self.syncs = [], 0
             return
+        saved = (int(state.get("fragments", self.F)), state.get("layout", "contiguous"))  # older: contiguous
+        if saved != (self.F, self.layout):
+            raise ValueError(f"the checkpoint's outer state is laid out as outer.fragments={saved[0]}, "
+                             f"outer.fragment_layout={saved[1]!r}, this run as outer.fragments={self.F}, "
+                             f"outer.fragment_layout={self.layout!r}: its "
+                             "anchor, momentum and reductions in flight are per fragment; resume with the saved "
+                             "values")
         self.syncs = int(state["syncs"])
         self.anchor.copy_(tensors["anchor"])
         if self.mom is not None:

@@ -135,6 +135,45 @@ def test_dp_bytes_per_inner_step_are_ddp_over_h_times_compression(dp2):
     assert all(x > 0 for x in s) and sum(s) / (2 * H) == pytest.approx(ddp / H, rel=1e-12), s
 
 
+# -- fragment layout ---------------------------------------------------------------------------------
+FRAGMENT_NAMES = {0: ("0.embedding.", "0.layers.0."), 1: ("0.layers.1.", "0.final_norm.", "0.output_layer.")}
+
+
+def _fragments():
+    """Streaming DiLoCo, strided layout, F = 2, H = 2 (fragment 0 sends after odd steps, fragment 1 after even
+    ones, each applied one step later): after each step, the names of the parameters on which the two
+    replicas agree (bitwise), and the refusal to load outer state laid out otherwise."""
+    import torch.distributed as dist
+
+    run = _run(_cfg(steps=3, extra=["outer.method=streaming_diloco", "outer.inner_steps=2", "outer.fragments=2",
+                                    "outer.fragment_layout=strided"]))
+    agreed = []
+    for _ in range(3):
+        run.trainer.train_step(run.train_loader)
+        mine = _params(run)
+        both = [None, None]
+        dist.all_gather_object(both, mine)
+        agreed.append(sorted(k for k in mine if torch.equal(both[0][k], both[1][k])))
+    outer = run.trainer.outer
+    state = outer.state_dict()
+    try:
+        outer.load_state({**state, "layout": "contiguous"}, outer.state_tensors())
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    return {"agreed": agreed, "names": sorted(mine), "refused": refused}
+
+
+def test_strided_fragments_sync_whole_blocks(dp2):
+    for rank, r in enumerate(x["fragments"] for x in dp2):
+        frag = {f: sorted(k for k in r["names"] if k.startswith(pre)) for f, pre in FRAGMENT_NAMES.items()}
+        assert sorted(frag[0] + frag[1]) == r["names"]  # every parameter in exactly one fragment
+        # step 1: fragment 0 in flight, nothing applied; step 2: fragment 0 applied (its replicas agree), fragment 1
+        # in flight; step 3: fragment 1 applied, fragment 0 trained locally again and in flight
+        assert r["agreed"] == [[], frag[0], frag[1]], (rank, r["agreed"])
+        assert "outer.fragment_layout='strided'" in r["refused"] and "resume with the saved" in r["refused"]
+
+
 # -- bitwise resume ----------------------------------------------------------------------------------
 RESUME_CASES = {
     "diloco_topk": ["outer.method=diloco", "outer.inner_steps=3", "outer.compression=topk",
@@ -176,7 +215,7 @@ def _all_dp2(tmp: str):
     """Every dp2 part of this file and of tests/parallel/test_grad_compression.py in one 2-rank launch."""
     from tests.parallel.test_grad_compression import _compressed, _exact_rank1, _warmup
 
-    return {"sanity": _sanity(1), "bytes": _bytes(), "resume": _resume(tmp, list(RESUME_CASES)),
+    return {"sanity": _sanity(1), "bytes": _bytes(), "fragments": _fragments(), "resume": _resume(tmp, list(RESUME_CASES)),
             "compressed": _compressed(), "exact_rank1": _exact_rank1(), "warmup": _warmup()}
 
 
@@ -214,6 +253,11 @@ def test_resume_is_bitwise(dp2, name):
     (["outer.method=streaming_diloco", "outer.fragments=4", "outer.inner_steps=2"], "raise inner_steps"),
     (["outer.method=diloco", "optim.grad_compression=onebit"], "outer.compression instead"),
     (["outer.method=diloco", "outer.topk_fraction=0.5"], "outer.compression='topk'"),
+    (["outer.method=diloco", "outer.fragment_layout=strided"], "outer.fragment_layout='strided' is read only"),
+    (["outer.method=streaming_diloco", "outer.fragments=5", "outer.fragment_layout=strided"],
+     "set outer.fragments <= 4"),
+    (["outer.method=streaming_diloco", "outer.fragments=2", "outer.fragment_layout=rows"],
+     "outer.fragment_layout"),
     (["optim.powersgd_rank=8"], "optim.grad_compression='powersgd'"),
     (["optim.powersgd_start_step=5"], "optim.powersgd_start_step is read only"),
     (["optim.grad_compression=powersgd", "optim.powersgd_start_step=-1"], "must be an integer >= 0"),

@@ -145,6 +145,9 @@ def bench_step(args) -> dict:
         sides[fp8] = (trainer, loader)
         if args.device == "cuda":  # one side on the GPU at a time (a 1B model's copies)
             sides[fp8] = _time_side(args, trainer, loader)
+            # printed at once: a session's time box may stop the run before the table at the end
+            print(f"  (measured) model.fp8={fp8}: {sides[fp8]['step_s'] * 1e3:.1f} ms, "
+                  f"peak {sides[fp8]['peak_mem_gib']:.1f} GiB", flush=True)
             del trainer
             torch.cuda.empty_cache()
     if args.device == "cuda":

@@ -372,7 +372,8 @@ class TransformerStage(nn.Module):
             loss = self._fused_loss(x, labels.t())  # (s, b)
         else:
             loss = vocab_parallel_cross_entropy(self._logits(x), labels.t(), tp_group=self.tp_group,
-                                                vocab_size=self.config.vocab_size)  # (s, b)
+                                                vocab_size=self.config.vocab_size,
+                                                hide_max=getattr(self.linear_impl, "overlap_comm", False))  # (s, b)
         loss = loss.t().contiguous()  # (b, s)
         if loss_mask is not None:
             if loss_mask.shape != (b, s):

@@ -45,7 +45,12 @@ class LinearImpl:
     ``gather_output``. ``row_forward``: ``x`` is ``(s, b, in/tp)``; ``weight`` is ``(out, in/tp)``;
     returns the reduced ``(s, b, out)``, or ``(s/tp, b, out)`` reduce-scattered with SP; the
     (replicated) bias is added once, after the reduction.
+
+    ``overlap_comm``: True for a strategy that hides TP communication under compute (the ring); the
+    model then hides its other TP collectives where it can too (the vocab-parallel loss's MAX).
     """
+
+    overlap_comm = False
 
     def column_forward(self, x, weight, bias, *, group: Group, sequence_parallel: bool,
                        gather_output: bool) -> torch.Tensor:

@@ -1,26 +1,30 @@
 """Collective matmuls for sequence-parallel linears: communication hidden under the GEMMs.
 
 ``parallel.tp_overlap = "ring"`` replaces the sequence-parallel all-gather / reduce-scatter around
-each TP linear by tp steps over a ring of p2p transfers (rank r sends to r+1, receives from r-1),
-each step's transfer in flight while the step's GEMM runs (Wang et al. 2023, "Overlap communication
-with dependent computation via decomposition"; TransformerEngine's userbuffers ring exchange):
+each TP linear by rounds of p2p transfers between ring neighbours, each round's transfers in flight
+while the round's GEMMs run (Wang et al. 2023, "Overlap communication with dependent computation via
+decomposition"; TransformerEngine's userbuffers ring exchange). The ring is bidirectional: a chunk
+travels clockwise (r -> r+1) and one counter-clockwise (r -> r-1) per round, so the p - 1 other
+chunks arrive in p // 2 rounds (one at tp 2, two at tp 4) with the one-way ring's bytes:
 
     column-parallel forward   y = all_gather(x) @ W^T        (s/tp, b, in) -> (s, b, out/tp)
-        step i: multiply the sequence chunk held now, (r - i) mod tp, while it travels on to r+1
-        and chunk (r - i - 1) arrives.
+        round k: multiply the chunks that arrived in round k-1 (this rank's own first) while they
+        travel on and the next ones arrive.
     row-parallel forward      y = reduce_scatter(x @ W^T)    (s, b, in/tp) -> (s/tp, b, out)
-        step i: compute this rank's partial for chunk (r - 1 - i) mod tp while the running sum of
-        the previous chunk travels; add the arriving running sum; after tp steps rank r holds the
-        full sum of chunk r.
-    backward                  the same two rings: the column input gradient is a reduce-scatter
-        ring of dy[c] @ W, its weight gradient a gather ring of the saved input shard (regathered,
-        as Megatron does); the row input and weight gradients consume a gather ring of dy.
+        round k: compute this rank's terms of the chunks the next round sends (of its own chunk in
+        the last) while the running sums travel; add them on arrival; rank r ends with chunk r's sum.
+    column backward           the weight gradient's regather of the saved input shard (as Megatron
+        regathers) and the input gradient's reduce-scatter of dy[c] @ W run as ONE fused ring: one
+        batch of transfers and one wait per round, with a dW and a dx GEMM under it.
+    row backward              a gather ring of dy: dx[c] = dy_c W and dW += dy_c^T x[c] as dy_c arrives.
 
-Bytes: tp - 1 steps of one (s/tp, b, h) chunk each way: exactly the ring all-gather's and
+Bytes: p - 1 transfers of one (s/tp, b, h) chunk each way per ring: exactly the ring all-gather's and
 reduce-scatter's (p - 1)/p of the full tensor, recorded in the ledger as send/recv on the tp axis.
 Results: every output element is the same products; the forward column output is bit for bit the
 plain path's; sums over chunks (weight gradients, reduce-scatter) are added in another order:
-fp32 summation tolerance.
+fp32 summation tolerance. At tp 2 a reduce-scatter adds two terms, in either order the same float:
+there the row output and the input gradients are bit for bit too; the weight gradients (accumulated
+over chunks in fp32) are not.
 
 Overlap needs the transfers to progress while the GEMM runs: on gloo they run on gloo's own
 threads; on CUDA, NCCL p2p runs on its internal stream, so the GEMM on the compute stream overlaps
@@ -39,42 +43,121 @@ from parallel.tensor_parallel.layers import LinearImpl
 TP_OVERLAP = ("none", "ring", "symm_mem")
 
 
-def _pass(group: Group, send: torch.Tensor, recv: torch.Tensor) -> list:
-    """Post: ``send`` to the next rank, ``recv`` from the previous one (async)."""
-    p, r = group.size, group.rank
-    return comm.batch_p2p([comm.P2P("send", send, (r + 1) % p), comm.P2P("recv", recv, (r - 1) % p)], group)
+def ring_rounds(p: int) -> tuple[int, int]:
+    """``(cw, ccw)``: how many chunks reach a rank clockwise (from r-1) and counter-clockwise (from r+1).
+
+    A bidirectional ring moves the other p - 1 chunks in ``cw = p // 2`` rounds: each round one chunk
+    travels each way (the last round of an even p only clockwise), so every rank still sends p - 1
+    chunks in all (the ring's bytes), but waits ``p // 2`` times instead of ``p - 1``: at p = 2 it is the
+    one-way ring (one round), at p = 4 two rounds instead of three.
+    """
+    return p // 2, (p - 1) // 2
+
+
+class _GatherRing:
+    """Every rank's sequence chunk, delivered to ``consume(chunk, c)`` (``shard`` is this rank's, c its
+    group rank): round k receives chunk r-1-k from r-1 and (while k < ccw) chunk r+1+k from r+1, and
+    forwards what it received the round before. Each chunk is consumed while the next round is in
+    flight; consumption order: own, r-1, r+1, r-2, r+2, ... (own, then r-1 at p = 2)."""
+
+    def __init__(self, shard: torch.Tensor, group: Group, consume):
+        self.group, self.consume = group, consume
+        self.rounds, self.ccw_rounds = ring_rounds(group.size)
+        shard = shard.contiguous()
+        self.cw = self.ccw = shard  # what each direction forwards next
+        self.fresh = [(shard, group.rank)]  # received, not consumed yet
+
+    def sends(self, k: int) -> list:
+        p, r = self.group.size, self.group.rank
+        self.cw_in = torch.empty_like(self.cw)
+        ops = [comm.P2P("send", self.cw, (r + 1) % p), comm.P2P("recv", self.cw_in, (r - 1) % p)]
+        if k < self.ccw_rounds:
+            self.ccw_in = torch.empty_like(self.ccw)
+            ops += [comm.P2P("send", self.ccw, (r - 1) % p), comm.P2P("recv", self.ccw_in, (r + 1) % p)]
+        return ops
+
+    def compute(self, k: int | None = None) -> None:
+        for chunk, c in self.fresh:
+            self.consume(chunk, c)
+        self.fresh = []
+
+    def arrived(self, k: int) -> None:
+        p, r = self.group.size, self.group.rank
+        self.cw = self.cw_in
+        self.fresh.append((self.cw, (r - 1 - k) % p))
+        if k < self.ccw_rounds:
+            self.ccw = self.ccw_in
+            self.fresh.append((self.ccw, (r + 1 + k) % p))
+
+    def finish(self) -> None:
+        self.compute()  # the last round's chunks: nothing left to hide under
+
+
+class _ReduceScatterRing:
+    """The sum over ranks of ``partial(c)`` (this rank's term of sequence chunk c) for c = this rank.
+    Chunk c's terms travel to rank c from c-cw .. c-1 clockwise and from c+1 .. c+ccw counter-
+    clockwise, each rank adding its own term before forwarding; the GEMM of the next term runs while
+    the running sums are in flight. Rank r ends with (clockwise sum + own term) + counter-clockwise
+    sum; at p = 2, ``incoming + own``, the one-way ring's order."""
+
+    def __init__(self, group: Group, partial):
+        p, r = group.size, group.rank
+        self.group, self.partial = group, partial
+        self.rounds, self.ccw_rounds = ring_rounds(p)
+        self.cw = partial((r + self.rounds) % p)  # the farthest chunk each way: nothing in flight yet
+        self.ccw = partial((r - self.ccw_rounds) % p) if self.ccw_rounds else None
+
+    def sends(self, k: int) -> list:
+        p, r = self.group.size, self.group.rank
+        self.cw_in = torch.empty_like(self.cw)
+        ops = [comm.P2P("send", self.cw, (r + 1) % p), comm.P2P("recv", self.cw_in, (r - 1) % p)]
+        if k < self.ccw_rounds:
+            self.ccw_in = torch.empty_like(self.ccw)
+            ops += [comm.P2P("send", self.ccw, (r - 1) % p), comm.P2P("recv", self.ccw_in, (r + 1) % p)]
+        return ops
+
+    def compute(self, k: int) -> None:
+        p, r = self.group.size, self.group.rank
+        self.cw_part = self.partial((r + self.rounds - 1 - k) % p)  # the next clockwise chunk; own at the end
+        if k + 1 < self.ccw_rounds:
+            self.ccw_part = self.partial((r - self.ccw_rounds + 1 + k) % p)
+
+    def arrived(self, k: int) -> None:
+        self.cw = self.cw_in + self.cw_part  # running sum, then this rank's term
+        if k < self.ccw_rounds:
+            self.ccw = self.ccw_in + self.ccw_part if k + 1 < self.ccw_rounds else self.ccw_in
+
+    def finish(self) -> torch.Tensor:
+        return self.cw if self.ccw is None else self.cw + self.ccw
+
+
+def run_rings(group: Group, *rings) -> None:
+    """Run rings of the same group in lockstep: each round's transfers of every ring go out in ONE
+    batch, every ring's compute runs under them, then one wait. Fusing two rings (a column-parallel
+    backward's regather of x and reduce-scatter of dx) halves the waits and puts two GEMMs under each."""
+    for k in range(rings[0].rounds):
+        works = comm.batch_p2p([op for ring in rings for op in ring.sends(k)], group)
+        for ring in rings:
+            ring.compute(k)  # under the transfer
+        comm.wait(works, group)
+        for ring in rings:
+            ring.arrived(k)
 
 
 def ring_all_gather(shard: torch.Tensor, group: Group, consume) -> None:
     """Call ``consume(chunk, c)`` for every rank's sequence chunk c (``shard`` is this rank's), each
-    while the next chunk is in flight. tp - 1 transfers of ``shard``'s size."""
-    p, r = group.size, group.rank
-    cur = shard.contiguous()
-    for i in range(p):
-        works, nxt = [], None
-        if i < p - 1:
-            nxt = torch.empty_like(cur)
-            works = _pass(group, cur, nxt)
-        consume(cur, (r - i) % p)  # computed while the transfer runs
-        comm.wait(works, group)
-        cur = nxt if nxt is not None else cur
+    while the next round is in flight. p - 1 transfers of ``shard``'s size, in p // 2 rounds."""
+    ring = _GatherRing(shard, group, consume)
+    run_rings(group, ring)
+    ring.finish()
 
 
 def ring_reduce_scatter(group: Group, partial) -> torch.Tensor:
     """The sum over ranks of ``partial(c)`` for c = this rank: ``partial(c)`` is this rank's
-    contribution to sequence chunk c, computed while the previous running sum travels."""
-    p, r = group.size, group.rank
-    acc, works, incoming = None, [], None
-    for i in range(p):
-        part = partial((r - 1 - i) % p)  # this rank's term of the chunk whose sum passes through now
-        if i > 0:
-            comm.wait(works, group)
-            part = incoming + part  # running sum of ranks r-i .. r-1, then this rank's term
-        if i < p - 1:
-            incoming = torch.empty_like(part)
-            works = _pass(group, part, incoming)
-        acc = part
-    return acc
+    contribution to sequence chunk c, computed while the previous running sums travel."""
+    ring = _ReduceScatterRing(group, partial)
+    run_rings(group, ring)
+    return ring.finish()
 
 
 def _chunk(t: torch.Tensor, c: int, n: int) -> torch.Tensor:
@@ -102,16 +185,26 @@ class _RingColumn(torch.autograd.Function):
         group, n = ctx.group, x_shard.shape[0]
         dy = dy.contiguous()  # (s, b, out/tp)
         grad_x = grad_w = grad_b = None
+        rings = []
         if ctx.needs_input_grad[1]:
             acc = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
 
             def consume(chunk, c):
                 g = _chunk(dy, c, n)
                 acc.add_((g.reshape(-1, g.shape[-1]).t() @ chunk.reshape(-1, chunk.shape[-1])).float())
-            ring_all_gather(x_shard, group, consume)  # regather the input shard for the weight gradient
-            grad_w = acc.to(weight.dtype)
+            rings.append(_GatherRing(x_shard, group, consume))  # regather the input shard for dW
         if ctx.needs_input_grad[0]:
-            grad_x = ring_reduce_scatter(group, lambda c: _chunk(dy, c, n) @ weight)  # (s/tp, b, in)
+            rings.append(_ReduceScatterRing(group, lambda c: _chunk(dy, c, n) @ weight))  # dx: (s/tp, b, in)
+        if rings:
+            # Both rings in lockstep: one batch of transfers and one wait per round, the dW and dx
+            # GEMMs of the round under it (the summation orders are each ring's own).
+            run_rings(group, *rings)
+        for ring in rings:
+            if isinstance(ring, _GatherRing):
+                ring.finish()
+                grad_w = acc.to(weight.dtype)
+            else:
+                grad_x = ring.finish()
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = dy.reshape(-1, dy.shape[-1]).sum(0)
         return grad_x, grad_w, grad_b, None
@@ -149,6 +242,8 @@ class RingLinearImpl(LinearImpl):
     """``parallel.tp_overlap = "ring"``: sequence-parallel TP linears as ring collective matmuls.
     Without sequence parallelism (or at tp = 1) a layer runs the plain path: there is no sequence
     collective to decompose."""
+
+    overlap_comm = True
 
     def column_forward(self, x, weight, bias, *, group, sequence_parallel, gather_output):
         if sequence_parallel and group.size > 1:

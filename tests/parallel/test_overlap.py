@@ -4,9 +4,12 @@ path, on 4 gloo ranks at TP=2 (x DP 2) and TP=4.
 Parity (fp32): the column-parallel forward output is bit for bit the plain path's (the same
 products, nothing summed across ranks); every result that sums over ranks or over sequence chunks
 (row-parallel output, input gradients, weight gradients) is within 1e-6 relative of the plain path's
-(another summation order). Bytes: the ring moves exactly the plain path's bytes on the tp axis, as
-tp - 1 send/recv steps of one (s/tp, b, h) chunk per ring: 3 rings for a column-parallel linear
-(forward gather, backward regather and reduce-scatter), 2 for a row-parallel one.
+(another summation order); at TP=2 the reduce-scatters add two terms (the same float in either
+order), so the row output and the input gradient are bit for bit there too. Bytes: the ring moves
+exactly the plain path's bytes on the tp axis, as tp - 1 sends of one (s/tp, b, h) chunk per ring:
+3 rings for a column-parallel linear (forward gather, backward regather and reduce-scatter), 2 for a
+row-parallel one. Rounds: a bidirectional ring needs tp // 2 rounds (batches of transfers, each
+waited once), and the column backward's two rings share theirs: 4 (tp // 2) batches per linear pair.
 """
 from __future__ import annotations
 
@@ -30,12 +33,21 @@ def _layers(tp, impl, w1, w2, b1, b2):
 
 
 def _run(tp, impl, x, dy, params):
+    from parallel.flight import FlightRecorder
+
     col, row = _layers(tp, impl, *params)
     xi = x.clone().requires_grad_()
-    with tp.ledger.capture() as led:
-        h = col(xi)
-        y = row(torch.relu(h))
-        (y * dy).sum().backward()
+    tp.ledger.recorder = FlightRecorder(capacity=1024)  # to count the batches of transfers and the waits
+    try:
+        with tp.ledger.capture() as led:
+            h = col(xi)
+            y = row(torch.relu(h))
+            (y * dy).sum().backward()
+        flights = tp.ledger.recorder.snapshot()[0]
+    finally:
+        tp.ledger.recorder = None
+    led.batches = sum(f.op == "batch_p2p" for f in flights)
+    led.waits = sum(f.op == "wait" for f in flights)
     return {"h": h.detach(), "y": y.detach(), "dx": xi.grad, "dw1": col.weight.grad, "db1": col.bias.grad,
             "dw2": row.weight.grad, "db2": row.bias.grad}, led
 
@@ -61,6 +73,8 @@ def _worker():
         ring, led_ring = _run(tp, RingLinearImpl(), x_full[chunk], dy_full[chunk], params)
         out[tp_size] = {
             "h_equal": torch.equal(plain["h"], ring["h"]),
+            "equal": sorted(k for k in plain if torch.equal(plain[k], ring[k])),
+            "batches": led_ring.batches, "waits": led_ring.waits,
             "rel": {k: ((ring[k] - plain[k]).abs().max() / plain[k].abs().max()).item() for k in plain},
             "plain_sent": led_plain.total("sent_bytes", axis="tp"),
             "ring_sent": led_ring.total("sent_bytes", axis="tp"),
@@ -81,6 +95,8 @@ def test_ring_equals_plain_path(results, tp):
         r = res[tp]
         assert r["h_equal"], r["rel"]
         assert max(r["rel"].values()) < 1e-6, r["rel"]
+        if tp == 2:  # sums of two terms; only the weight gradients (accumulated over chunks) differ
+            assert r["equal"] == ["db1", "db2", "dx", "h", "y"], r["rel"]
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -92,6 +108,8 @@ def test_ring_moves_the_same_bytes_as_tp_minus_1_chunk_steps(results, tp):
         assert r["ring_ops"] == ["recv", "send"]
         # column: gather x, regather x, reduce-scatter dx; row: reduce-scatter y, gather dy
         assert r["ring_sends"] == [chunk_bytes] * (5 * (tp - 1))
+        # tp // 2 rounds per ring, the column backward's two rings in the same rounds: 4 rings' worth
+        assert r["batches"] == r["waits"] == 4 * (tp // 2)
 
 
 def test_bad_settings_are_refused_before_any_process_group():

@@ -5,18 +5,27 @@ One causal attention layer's core (no projections), fp32, forward + backward of 
 
 * ``one process (SDPA)``: ``F.scaled_dot_product_attention`` over the whole sequence with ``--cp``
   threads -- the baseline every ratio is against, measured in the same run on the same cores;
-* ``one process (blocks)``: the ring's own block kernel (``parallel.context_parallel.ring``) over the
-  whole sequence in one process with ``--cp`` threads: the kernel's cost without communication;
+* ``one process (blocks)``: the ring's own block kernels (``parallel.context_parallel.ring``) over the
+  whole sequence in one process with ``--cp`` threads: the kernels' cost without communication, with the
+  fused flash kernel on full and causal blocks (the default) and with the explicit kernel everywhere
+  (``fused=False``: matmuls and a softmax over the L x L scores);
 * ``ring`` and ``a2a``: ``--cp`` gloo ranks of one thread each (``parallel.testing.run_distributed``),
   each holding its zigzag shard; a step's time is the slowest rank's. Beside each: the bytes a rank
   sent (from parallel/comm's ledger) and the seconds it was blocked in communication (``comm.wait``
   and synchronous collectives: what the compute did not hide).
 
-After one untimed warm-up, ``--repeats`` timed rounds; medians. The ring computes each block with plain
-matmuls and an explicit softmax (exact, any mask), which on CPU is slower than SDPA's fused kernel:
-"one process (blocks)" shows that cost apart from the parallel speed-up.
+* ``ring (explicit)``: the ring with the explicit block kernel, to show what the flash blocks save.
+
+After one untimed warm-up, ``--repeats`` timed rounds; medians. Masked blocks (documents, sliding
+windows) always take the explicit kernel; this benchmark's plain causal mask has none.
 
     .venv/bin/python tools/bench_attention.py --json docs/benchmarks/attention.json --md docs/benchmarks/attention.md
+
+``--device cuda`` (a lent GPU; one device, so no ring communication): the kernel-level cost of cutting
+attention into the ring's blocks. bf16 causal attention fwd + bwd at the model's head shape (``--heads``,
+``--kv-heads``, ``--head-dim``, default Llama-3 8B's 32 over 8 of 128), ``--seqs`` tokens: SDPA (flash)
+over the whole sequence against the ring's block kernels in one process over the ``2 cp`` zigzag chunks
+(flash per block, and the explicit kernel), for cp = ``--cuda-cps``; CUDA events, medians.
 """
 from __future__ import annotations
 
@@ -36,7 +45,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-COMMS = ("ring", "a2a")
+COMMS = ("ring", "a2a", "ring_explicit")
 
 
 def _inputs(s: int, args: dict):
@@ -68,10 +77,17 @@ def _sdpa_step(q, k, v, go, scale):
     return step
 
 
-def _cp_step(cp, q, k, v, go, masks, scale):
+def _cp_step(cp, q, k, v, go, masks, scale, *, explicit: bool = False):
+    from parallel.context_parallel import ring_attention, zigzag_chunks
+
     def step():
         qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
-        cp.attention(qs, ks, vs, masks=masks, scale=scale).backward(go)
+        if explicit:  # the ring with the explicit block kernel everywhere
+            out = ring_attention(qs, ks, vs, group=cp.group, chunks_of=lambda r: zigzag_chunks(r, cp.size),
+                                 masks=masks, scale=scale, fused=False)
+        else:
+            out = cp.attention(qs, ks, vs, masks=masks, scale=scale)
+        out.backward(go)
     return step
 
 
@@ -87,12 +103,15 @@ def _one_process(args: dict) -> dict:
         masks = BlockMasks(seq_len=s, num_chunks=2 * args["cp"], doc_ids=None, window=None)
         every = list(range(2 * args["cp"]))
 
-        def blocks():
-            qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
-            ring_attention(qs, ks, vs, group=Group.trivial("cp"), chunks_of=lambda r: every, masks=masks,
-                           scale=scale).backward(go)
+        def blocks(fused):
+            def step():
+                qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+                ring_attention(qs, ks, vs, group=Group.trivial("cp"), chunks_of=lambda r: every, masks=masks,
+                               scale=scale, fused=fused).backward(go)
+            return step
         out[s] = {"sdpa": _timed(_sdpa_step(q, k, v, go, scale), args["repeats"]),
-                  "blocks": _timed(blocks, args["repeats"])}
+                  "blocks": _timed(blocks(None), args["repeats"]),
+                  "blocks_explicit": _timed(blocks(False), args["repeats"])}
     return out
 
 
@@ -110,8 +129,8 @@ def _ranks(args: dict) -> dict:
         q, k, v, go = (zigzag_shard(t, cp=cp_size, rank=mesh.cp.rank, dim=0).contiguous() for t in full)
         masks = BlockMasks(seq_len=s, num_chunks=2 * cp_size, doc_ids=None, window=None)
         for comm_kind in COMMS:
-            cp = ContextParallel(group=mesh.cp, comm=comm_kind)
-            step = _cp_step(cp, q, k, v, go, masks, scale)
+            cp = ContextParallel(group=mesh.cp, comm="ring" if comm_kind == "ring_explicit" else comm_kind)
+            step = _cp_step(cp, q, k, v, go, masks, scale, explicit=comm_kind == "ring_explicit")
             step()  # warm-up
             sent0, blocked0 = mesh.ledger.total(axis="cp"), mesh.ledger.blocked_s.get("cp", 0.0)
             times = []
@@ -123,6 +142,50 @@ def _ranks(args: dict) -> dict:
             out[(s, comm_kind)] = {"times": times, "sent_bytes": (mesh.ledger.total(axis="cp") - sent0) / n,
                                    "blocked_s": (mesh.ledger.blocked_s.get("cp", 0.0) - blocked0) / n}
     return out
+
+
+def run_cuda(args: argparse.Namespace) -> dict:
+    """One GPU: SDPA over the whole sequence vs the ring's blocks (flash, explicit) at each cp, bf16."""
+    from parallel.comm import Group
+    from parallel.context_parallel import BlockMasks, ring_attention
+    from parallel.context_parallel.ring import BLOCK_PATHS
+    from tools.bench_train_step import _time_cuda
+
+    scale, rows = args.head_dim ** -0.5, []
+    for s in args.seqs:
+        g = torch.Generator().manual_seed(args.seed + s)
+        q, k, v = (torch.randn(s, 1, h, args.head_dim, generator=g).cuda().bfloat16()
+                   for h in (args.heads, args.kv_heads, args.kv_heads))
+        go = torch.randn(s, 1, args.heads * args.head_dim, generator=g).cuda().bfloat16()
+        flops = 4 * s * s * args.heads * args.head_dim / 2 * 3.5  # causal fwd (2 GEMMs) + bwd (5): 3.5x fwd
+        def timed(fn):  # two warm-ups (kernel selection, allocator), then CUDA events
+            fn()
+            fn()
+            return statistics.median(_time_cuda(fn, n=args.repeats)[1])
+        sdpa = timed(_sdpa_step(q, k, v, go, scale))
+        row = {"seq": s, "sdpa_s": sdpa, "sdpa_tflops": flops / sdpa / 1e12}
+        for cp in args.cuda_cps:
+            masks = BlockMasks(seq_len=s, num_chunks=2 * cp, doc_ids=None, window=None, device="cuda")
+            every = list(range(2 * cp))
+            for name, fused in (("flash", True), ("explicit", False)):
+                def step():
+                    qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+                    ring_attention(qs, ks, vs, group=Group.trivial("cp"), chunks_of=lambda r: every, masks=masks,
+                                   scale=scale, fused=fused).backward(go)
+                try:
+                    t = timed(step)
+                    row[f"cp{cp}_{name}_s"], row[f"cp{cp}_{name}_ratio"] = t, t / sdpa
+                    row[f"cp{cp}_{name}_path"] = BLOCK_PATHS.get("cuda")
+                except (RuntimeError, ValueError) as e:  # recorded: the next variant still runs
+                    row[f"cp{cp}_{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return {"benchmark": "tools/bench_attention.py --device cuda",
+            "command": "python3 tools/bench_attention.py " + " ".join(sys.argv[1:]),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}, "args": vars(args),
+            "rows": rows}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -141,6 +204,8 @@ def run(args: argparse.Namespace) -> dict:
         row = {"seq": s, "one_process_sdpa_s": base,
                "one_process_blocks_s": statistics.median(single[s]["blocks"])}
         row["one_process_blocks_ratio"] = row["one_process_blocks_s"] / base
+        row["one_process_blocks_explicit_s"] = statistics.median(single[s]["blocks_explicit"])
+        row["one_process_blocks_explicit_ratio"] = row["one_process_blocks_explicit_s"] / base
         for comm_kind in COMMS:
             per = [r[(s, comm_kind)] for r in ranks]
             slowest = [max(p["times"][i] for p in per) for i in range(args.repeats)]
@@ -163,12 +228,15 @@ def format_table(res: dict) -> str:
     lines = [f"causal attention fwd+bwd, fp32, 1 x {a['heads']} heads over {a['kv_heads']} kv heads x {a['head_dim']}, "
              f"cp={a['cp']} (one thread per rank; one process with {a['cp']} threads); medians of {a['repeats']}; "
              "ratios vs one process (SDPA), this run",
-             "| seq | one process SDPA s | one process blocks s (x) | ring s (x) | ring MiB sent/rank | ring blocked s "
+             "| seq | one process SDPA s | one process blocks s (x) | same, explicit blocks s (x) | ring s (x) "
+             "| ring, explicit blocks s (x) | ring MiB sent/rank | ring blocked s "
              "| a2a s (x) | a2a MiB sent/rank | a2a blocked s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         lines.append(f"| {r['seq']} | {r['one_process_sdpa_s']:.3f} | {r['one_process_blocks_s']:.3f} "
-                     f"({r['one_process_blocks_ratio']:.2f}) | {r['ring_s']:.3f} ({r['ring_ratio']:.2f}) | "
+                     f"({r['one_process_blocks_ratio']:.2f}) | {r['one_process_blocks_explicit_s']:.3f} "
+                     f"({r['one_process_blocks_explicit_ratio']:.2f}) | {r['ring_s']:.3f} ({r['ring_ratio']:.2f}) | "
+                     f"{r['ring_explicit_s']:.3f} ({r['ring_explicit_ratio']:.2f}) | "
                      f"{r['ring_sent_bytes_per_rank'] / 2**20:.2f} | {r['ring_blocked_s_max']:.3f} | "
                      f"{r['a2a_s']:.3f} ({r['a2a_ratio']:.2f}) | {r['a2a_sent_bytes_per_rank'] / 2**20:.2f} | "
                      f"{r['a2a_blocked_s_max']:.3f} |")
@@ -178,22 +246,43 @@ def format_table(res: dict) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--cuda-cps", type=int, nargs="+", default=[2, 4, 8], help="--device cuda: block counts 2 cp")
     p.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384])
     p.add_argument("--cp", type=int, default=2, help="context-parallel ranks (spawned, gloo)")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--heads", type=int, default=None, help="query heads (default 4 CPU, 32 CUDA)")
+    p.add_argument("--kv-heads", type=int, default=None, help="kv heads (default 2 CPU, 8 CUDA)")
+    p.add_argument("--head-dim", type=int, default=None, help="head dim (default 32 CPU, 128 CUDA)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--md", default=None, help="write a markdown page (table, machine, command, date) here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    args.heads = args.heads or (32 if cuda else 4)
+    args.kv_heads = args.kv_heads or (8 if cuda else 2)
+    args.head_dim = args.head_dim or (128 if cuda else 32)
+    given = argv if argv is not None else sys.argv[1:]
+    if cuda and "--seqs" not in given:
+        args.seqs = [8192, 32768]
+    if cuda and "--repeats" not in given:
+        args.repeats = 10
+    return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.repeats < 1 or args.cp < 2:
         raise SystemExit("--repeats must be >= 1 and --cp >= 2")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no GPU visible to torch")
+        res = run_cuda(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=2)
+                f.write("\n")
+        return 0
     res = run(args)
     table = format_table(res)
     print(table)

@@ -23,6 +23,8 @@ class BlockMasks:
     ``doc_ids``: (b or 1, s) document index per token in natural order, or None (one document per row).
     :meth:`block` returns ``(visible, mask)``: ``visible`` False when the block is fully masked;
     ``mask`` None when every pair of the block is visible, else bool ``(b or 1, L, L)``, True = attend.
+    :meth:`kind` names the block's shape for the fused kernels: "full" (no mask), "causal" (the diagonal
+    block of plain causal attention: the mask is exactly the lower triangle) or "masked" (anything else).
     """
 
     def __init__(self, *, seq_len: int, num_chunks: int, doc_ids: torch.Tensor | None, window: int | None,
@@ -36,12 +38,26 @@ class BlockMasks:
         self.chunk_len = seq_len // num_chunks
         self.doc_ids = doc_ids
         self.device = device if doc_ids is None else doc_ids.device
-        self._cache: dict[tuple[int, int], tuple[bool, torch.Tensor | None]] = {}
+        self._cache: dict[tuple[int, int], tuple[bool, torch.Tensor | None, str]] = {}
 
     def block(self, q_chunk: int, k_chunk: int) -> tuple[bool, torch.Tensor | None]:
-        key = (q_chunk, k_chunk)
+        return self._entry(q_chunk, k_chunk)[:2]
+
+    def kind(self, q_chunk: int, k_chunk: int) -> str:
+        """"full", "causal" or "masked" (see the class docstring); only for visible blocks."""
+        return self._entry(q_chunk, k_chunk)[2]
+
+    def _entry(self, qc: int, kc: int) -> tuple[bool, torch.Tensor | None, str]:
+        key = (qc, kc)
         if key not in self._cache:
-            self._cache[key] = self._build(q_chunk, k_chunk)
+            visible, mask = self._build(qc, kc)
+            window_cuts = self.window is not None and (qc * self.chunk_len + self.chunk_len - 1) - kc * self.chunk_len \
+                >= self.window
+            plain_diagonal = qc == kc and not window_cuts and (
+                self.doc_ids is None or bool((self.doc_ids[:, qc * self.chunk_len:(qc + 1) * self.chunk_len]
+                                              == self.doc_ids[:, qc * self.chunk_len:qc * self.chunk_len + 1]).all()))
+            kind = "full" if mask is None else "causal" if plain_diagonal else "masked"
+            self._cache[key] = (visible, mask, kind)
         return self._cache[key]
 
     def _build(self, qc: int, kc: int) -> tuple[bool, torch.Tensor | None]:

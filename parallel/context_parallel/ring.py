@@ -17,6 +17,18 @@ else the inputs' dtype). GQA sends only the kv heads.
 
 Layouts: ``q (b, g, q_per_group, s_local, hd)``, ``k, v (b, g, s_local, hd)``; a rank's local sequence is
 the chunks ``chunks_of(ring_rank)`` (each ``chunk_len`` tokens) concatenated in that order.
+
+Block kernels. A block with no mask ("full") or with exactly the causal lower triangle (the diagonal block
+of plain causal attention) runs as one fused flash-attention call that returns the block's output and
+log-sum-exp without materialising the L x L scores: on the CPU ``aten::_scaled_dot_product_flash_attention_for_cpu``
+(in the compute dtype), on CUDA ``aten::_scaled_dot_product_flash_attention`` (bf16/fp16 inputs, head dim a
+multiple of 8 up to 256; the merge stays in fp32). Its backward takes the rows' FINAL output and
+log-sum-exp (the standard ring trick: the block's probabilities are ``exp(s - lse_final)``), so the block
+gradients are exact. Blocks with a document or sliding-window mask run the explicit kernel below (matmuls
+and a masked softmax). ``fused=False`` forces the explicit kernel everywhere; :data:`BLOCK_PATHS` records
+which ran per device. Under GQA a full block folds the query heads of a group into its rows (one kv head
+serves them all); a causal block repeats the kv head over them (the triangle is per query head) and sums
+dK/dV back.
 """
 from __future__ import annotations
 
@@ -31,6 +43,81 @@ from parallel.context_parallel.masks import BlockMasks, computed_blocks
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float64, torch.float32) else torch.float32
+
+
+# Which block kernel ran, per device type ("flash" or "explicit"): for benchmarks and tests.
+BLOCK_PATHS: dict[str, str] = {}
+
+
+def fused_dtype(q: torch.Tensor, fused: bool | None) -> torch.dtype | None:
+    """The dtype the fused flash kernel runs in for these inputs, or None where it cannot run (then every
+    block takes the explicit kernel). ``fused``: None = wherever possible, False = never, True = required."""
+    hd = q.shape[-1]
+    dt = None
+    if fused is not False:
+        if q.device.type == "cpu":
+            dt = compute_dtype(q.dtype)
+        elif (q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) and hd % 8 == 0 and hd <= 256
+              and torch.cuda.get_device_capability(q.device) >= (8, 0)):
+            dt = q.dtype
+    if fused and dt is None:
+        raise ValueError(f"ring attention: fused=True, but no flash kernel runs {q.dtype} inputs with head dim {hd} "
+                         f"on {q.device.type} (CUDA needs bf16/fp16, head dim a multiple of 8 up to 256, sm80+); "
+                         "pass fused=None to fall back to the explicit kernel")
+    BLOCK_PATHS[q.device.type] = "explicit" if dt is None else "flash"
+    return dt
+
+
+def _heads(t: torch.Tensor, qpg: int, *, fold: bool) -> torch.Tensor:
+    """A q-shaped (b, g, qpg, L, hd) tensor as the flash kernel's (b, heads, rows, hd): folded,
+    (b, g, qpg*L, hd); else (b, g*qpg, L, hd)."""
+    b, g, _, L, hd = t.shape
+    return t.reshape(b, g, qpg * L, hd) if fold else t.reshape(b, g * qpg, L, hd)
+
+
+def _kv_heads(t: torch.Tensor, qpg: int, *, fold: bool) -> torch.Tensor:
+    """k or v (b, g, L, hd) for the kernel: as is when folded, else repeated over the qpg query heads."""
+    b, g, L, hd = t.shape
+    return t if fold or qpg == 1 else t.unsqueeze(2).expand(b, g, qpg, L, hd).reshape(b, g * qpg, L, hd)
+
+
+def _flash_block_forward(q, k, v, causal: bool, scale: float, dt: torch.dtype):
+    """The fused kernel on one block: q (b, g, qpg, Lq, hd), k/v (b, g, Lk, hd). Returns the block's output
+    (b, g, qpg, Lq, hd) and log-sum-exp (b, g, qpg, Lq), both in the compute dtype of ``q``."""
+    qpg = q.shape[2]
+    fold = not causal  # without a triangle the qpg heads of a group are just more rows of one head
+    qh = _heads(q.to(dt), qpg, fold=fold)
+    kh, vh = _kv_heads(k.to(dt), qpg, fold=fold), _kv_heads(v.to(dt), qpg, fold=fold)
+    if q.is_cuda:
+        res = torch.ops.aten._scaled_dot_product_flash_attention(qh, kh, vh, 0.0, causal, False, scale=scale)
+        out, lse = res[0], res[1]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, causal, scale=scale)
+    cdt = compute_dtype(q.dtype)
+    return out.reshape(q.shape).to(cdt), lse.reshape(q.shape[:-1]).to(cdt)  # (b, g, qpg, Lq, hd), (b, g, qpg, Lq)
+
+
+def _flash_block_backward(q, k, v, dout, out, lse, causal: bool, scale: float, dt: torch.dtype):
+    """Gradients of one block from the rows' FINAL ``out`` (b, g, qpg, Lq, hd) and ``lse`` (b, g, qpg, Lq).
+    Returns dq (b, g, qpg, Lq, hd), dk and dv (b, g, Lk, hd) in the compute dtype."""
+    b, g, qpg, Lq, hd = q.shape
+    Lk = k.shape[2]
+    fold = not causal
+    qh, doh, oh = (_heads(t.to(dt), qpg, fold=fold) for t in (q, dout, out))
+    kh, vh = _kv_heads(k.to(dt), qpg, fold=fold), _kv_heads(v.to(dt), qpg, fold=fold)
+    lseh = lse.float().reshape(qh.shape[:-1]) if q.is_cuda else lse.to(dt).reshape(qh.shape[:-1])
+    if q.is_cuda:
+        none = torch.empty(0, dtype=torch.int64, device=q.device)  # no dropout: no rng state, no varlen offsets
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            doh, qh, kh, vh, oh, lseh, none, none, qh.shape[2], Lk, 0.0, causal, none, none, scale=scale)
+    else:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            doh, qh, kh, vh, oh, lseh, 0.0, causal, scale=scale)
+    cdt = compute_dtype(q.dtype)
+    dq = dq.reshape(b, g, qpg, Lq, hd)
+    if not fold and qpg > 1:
+        dk, dv = (t.reshape(b, g, qpg, Lk, hd).sum(dim=2) for t in (dk, dv))  # the repeated kv heads' sum
+    return dq.to(cdt), dk.reshape(b, g, Lk, hd).to(cdt), dv.reshape(b, g, Lk, hd).to(cdt)
 
 
 def _block_forward(q, k, v, mask, scale):
@@ -87,9 +174,10 @@ def _rotate(buf: torch.Tensor, group: Group) -> tuple[torch.Tensor, list]:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group: Group, chunks_of: Callable[[int], Sequence[int]], masks: BlockMasks,
-                scale: float):
+                scale: float, fused: bool | None):
         n, me = group.size, group.rank
         L, cdt = masks.chunk_len, compute_dtype(q.dtype)
+        fdt = fused_dtype(q, fused)
         qc = q.to(cdt)
         my_chunks = chunks_of(me)
         out = torch.zeros_like(qc)  # (b, g, qpg, s_local, hd)
@@ -99,21 +187,27 @@ class _RingAttention(torch.autograd.Function):
             src = (me - t) % n
             nxt, works = _rotate(kv, group) if t < n - 1 else (None, [])
             kb, vb = kv[0].to(cdt), kv[1].to(cdt)
-            for qi, ki, mask in computed_blocks(my_chunks, chunks_of(src), masks):
+            src_chunks = chunks_of(src)
+            for qi, ki, mask in computed_blocks(my_chunks, src_chunks, masks):
                 rows, cols = slice(qi * L, (qi + 1) * L), slice(ki * L, (ki + 1) * L)
-                o, l = _block_forward(qc[..., rows, :], kb[..., cols, :], vb[..., cols, :], mask, scale)
+                kind = masks.kind(my_chunks[qi], src_chunks[ki])
+                if fdt is not None and kind != "masked":  # the fused kernel takes the inputs' own dtype on CUDA
+                    o, l = _flash_block_forward(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
+                                                kind == "causal", scale, fdt)
+                else:
+                    o, l = _block_forward(qc[..., rows, :], kb[..., cols, :], vb[..., cols, :], mask, scale)
                 _merge(out[..., rows, :], lse[..., rows], o, l)
             if works:
                 comm.wait(works, group)
                 kv = nxt
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.chunks_of, ctx.masks, ctx.scale = group, chunks_of, masks, scale
+        ctx.group, ctx.chunks_of, ctx.masks, ctx.scale, ctx.fdt = group, chunks_of, masks, scale, fdt
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, chunks_of, masks, scale = ctx.group, ctx.chunks_of, ctx.masks, ctx.scale
+        group, chunks_of, masks, scale, fdt = ctx.group, ctx.chunks_of, ctx.masks, ctx.scale, ctx.fdt
         n, me = group.size, group.rank
         L, cdt = masks.chunk_len, out.dtype
         qc, dout = q.to(cdt), dout.to(cdt)
@@ -127,10 +221,17 @@ class _RingAttention(torch.autograd.Function):
             nxt, works = _rotate(kv, group) if t < n - 1 else (None, [])
             kb, vb = kv[0].to(cdt), kv[1].to(cdt)
             dkv = torch.zeros((2, *kb.shape), dtype=cdt, device=kb.device)  # this rank's share for block src
-            for qi, ki, mask in computed_blocks(my_chunks, chunks_of(src), masks):
+            src_chunks = chunks_of(src)
+            for qi, ki, mask in computed_blocks(my_chunks, src_chunks, masks):
                 rows, cols = slice(qi * L, (qi + 1) * L), slice(ki * L, (ki + 1) * L)
-                dqb, dkb, dvb = _block_backward(qc[..., rows, :], kb[..., cols, :], vb[..., cols, :],
-                                                dout[..., rows, :], lse[..., rows], delta[..., rows], mask, scale)
+                kind = masks.kind(my_chunks[qi], src_chunks[ki])
+                if fdt is not None and kind != "masked":
+                    dqb, dkb, dvb = _flash_block_backward(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
+                                                          dout[..., rows, :], out[..., rows, :], lse[..., rows],
+                                                          kind == "causal", scale, fdt)
+                else:
+                    dqb, dkb, dvb = _block_backward(qc[..., rows, :], kb[..., cols, :], vb[..., cols, :],
+                                                    dout[..., rows, :], lse[..., rows], delta[..., rows], mask, scale)
                 dq[..., rows, :] += dqb
                 dkv[0][..., cols, :] += dkb
                 dkv[1][..., cols, :] += dvb
@@ -146,16 +247,18 @@ class _RingAttention(torch.autograd.Function):
                 kv = nxt
         if dkv_works:
             comm.wait(dkv_works, group)
-        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Group,
-                   chunks_of: Callable[[int], Sequence[int]], masks: BlockMasks, scale: float) -> torch.Tensor:
+                   chunks_of: Callable[[int], Sequence[int]], masks: BlockMasks, scale: float,
+                   fused: bool | None = None) -> torch.Tensor:
     """Attention of the local queries over the whole sequence, K/V rotating over ``group``.
 
     ``q`` (s_local, b, nh, hd); ``k``, ``v`` (s_local, b, g, hd), ``nh`` a multiple of ``g`` (query head h
     uses kv head h // (nh/g)). ``chunks_of(ring_rank)``: the global chunk indices of that rank's local
-    sequence, in order. Returns (s_local, b, nh*hd). Differentiable in q, k and v."""
+    sequence, in order. Returns (s_local, b, nh*hd). Differentiable in q, k and v. ``fused``: the flash
+    block kernel where it runs (None), never (False) or required (True; else a ValueError)."""
     s, b, nh, hd = q.shape
     g = k.shape[2]
     if s != len(chunks_of(group.rank)) * masks.chunk_len:
@@ -165,5 +268,5 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     q5 = q.permute(1, 2, 0, 3).reshape(b, g, nh // g, s, hd)  # (b, g, qpg, s, hd)
     k4 = k.permute(1, 2, 0, 3)  # (b, g, s, hd)
     v4 = v.permute(1, 2, 0, 3)  # (b, g, s, hd)
-    out = _RingAttention.apply(q5, k4, v4, group, chunks_of, masks, scale)  # (b, g, qpg, s, hd)
+    out = _RingAttention.apply(q5, k4, v4, group, chunks_of, masks, scale, fused)  # (b, g, qpg, s, hd)
     return out.reshape(b, nh, s, hd).permute(2, 0, 1, 3).reshape(s, b, nh * hd)  # (s, b, nh*hd)

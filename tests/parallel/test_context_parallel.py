@@ -250,6 +250,81 @@ def test_zigzag_balances_causal_attention(cp, capsys):
               f"(max/mean {imbalance:.2f}); visible pairs contiguous max/mean {max(pairs) / (sum(pairs) / cp):.2f}")
 
 
+def _one_process_ring(masks_kind: str, dtype: torch.dtype, fused):
+    """Ring attention over a trivial group holding every chunk (each block kind occurs), and its q/k/v grads."""
+    from parallel.context_parallel import ring_attention
+
+    q, k, v, go = (t.to(dtype) for t in _case(11))
+    docs = _doc_ids() if "doc" in masks_kind else None
+    window = WINDOW if "window" in masks_kind else None
+    masks = BlockMasks(seq_len=S, num_chunks=4, doc_ids=docs, window=window)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*inputs, group=Group.trivial("cp"), chunks_of=lambda r: [0, 1, 2, 3], masks=masks,
+                         scale=HD ** -0.5, fused=fused)
+    return (out.detach(), *torch.autograd.grad(out, inputs, go)), (q, k, v, go, docs, window)
+
+
+@pytest.mark.parametrize("masks_kind", ["causal", "causal+doc", "causal+window"])
+def test_flash_block_kernel_equals_the_explicit_one(masks_kind):
+    """The fused (flash) block kernel -- full and causal-diagonal blocks, GQA 8 over 4 heads -- against the
+    explicit kernel and against plain attention: fp64 within 1e-10; fp32 within 2e-6 of fp64's reference."""
+    from parallel.context_parallel.ring import BLOCK_PATHS
+
+    kinds = BlockMasks(seq_len=S, num_chunks=4, doc_ids=_doc_ids() if "doc" in masks_kind else None,
+                       window=WINDOW if "window" in masks_kind else None)
+    seen = {kinds.kind(qc, kc) for qc in range(4) for kc in range(4) if kinds.block(qc, kc)[0]}
+    # plain causal: off-diagonal blocks full, diagonal ones causal; the documents cut every block but two
+    # diagonal ones (rows 8-15 and 16-23 lie in one document in both batch rows); the window cuts each
+    # diagonal block (window 6 < chunk 8) and the nearest off-diagonal ones.
+    assert seen == {"causal": {"full", "causal"}, "causal+doc": {"causal", "masked"},
+                    "causal+window": {"masked"}}[masks_kind], seen
+    explicit, _ = _one_process_ring(masks_kind, torch.float64, False)
+    assert BLOCK_PATHS["cpu"] == "explicit"
+    fused, (q, k, v, go, docs, window) = _one_process_ring(masks_kind, torch.float64, True)
+    assert BLOCK_PATHS["cpu"] == "flash"
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = _reference(*ref_in, docs=docs, window=window)
+    ref = (ref.detach(), *torch.autograd.grad(ref, ref_in, go))
+    for name, a, b, r in zip(("out", "dq", "dk", "dv"), fused, explicit, ref):
+        assert (a - b).abs().max().item() < PARITY, name
+        assert (a - r).abs().max().item() < PARITY, name
+    fp32, _ = _one_process_ring(masks_kind, torch.float32, None)
+    for name, a, r in zip(("out", "dq", "dk", "dv"), fp32, ref):
+        assert (a.double() - r).abs().max().item() < 2e-6, name
+
+
+def test_flash_block_kernel_required_where_none_runs():
+    from parallel.context_parallel.ring import fused_dtype
+
+    with pytest.raises(ValueError, match="no flash kernel runs.*fused=None"):
+        fused_dtype(torch.empty(2, 2, 8, device="meta"), True)
+    assert fused_dtype(torch.empty(2, 2, 8, device="meta"), None) is None  # falls back to the explicit kernel
+    assert fused_dtype(torch.empty(2, 2, 8, dtype=torch.bfloat16), None) == torch.float32  # CPU: compute dtype
+
+
+@pytest.mark.gpu
+def test_flash_block_kernel_on_cuda_bf16():
+    """CUDA: bf16 ring blocks through aten's flash kernels (fp32 merge) vs the explicit fp32 kernel."""
+    from parallel.context_parallel import ring_attention
+    from parallel.context_parallel.ring import BLOCK_PATHS
+
+    g = torch.Generator().manual_seed(5)
+    s, b, nh, kvh, hd = 1024, 2, 8, 2, 64
+    q, k, v = (torch.randn(s, b, h, hd, generator=g).cuda().bfloat16() for h in (nh, kvh, kvh))
+    go = torch.randn(s, b, nh * hd, generator=g).cuda().bfloat16()
+    masks = BlockMasks(seq_len=s, num_chunks=4, doc_ids=None, window=None, device="cuda")
+    res = {}
+    for fused in (True, False):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*inputs, group=Group.trivial("cp"), chunks_of=lambda r: [0, 1, 2, 3], masks=masks,
+                             scale=hd ** -0.5, fused=fused)
+        res[fused] = (out.float(), *(t.float() for t in torch.autograd.grad(out, inputs, go)))
+        assert BLOCK_PATHS["cuda"] == ("flash" if fused else "explicit")
+    for name, a, r in zip(("out", "dq", "dk", "dv"), res[True], res[False]):
+        rel = ((a - r).norm() / r.norm()).item()
+        assert rel < 2e-2, (name, rel)  # bf16 operands: 1e-3..1e-2 expected
+
+
 def test_zigzag_shard_roundtrip_and_positions():
     x = torch.arange(2 * 24).reshape(2, 24)
     shards = [zigzag_shard(x, cp=3, rank=r, dim=1) for r in range(3)]

@@ -15,10 +15,12 @@ def test_tiny_run(tmp_path):
     assert bench_attention.main(argv) == 0
     res = json.loads(out.read_text())
     (row,) = res["rows"]
-    for key in ("one_process_sdpa_s", "one_process_blocks_s", "ring_s", "a2a_s"):
+    for key in ("one_process_sdpa_s", "one_process_blocks_s", "one_process_blocks_explicit_s", "ring_s", "a2a_s",
+                "ring_explicit_s"):
         assert row[key] > 0
     kv = 32 * 2 * 8 * 4  # this rank's K shard: s/cp tokens x kv heads x head dim, fp32
     q = 32 * 4 * 8 * 4
     assert row["ring_sent_bytes_per_rank"] == 2 * kv + (2 * kv + 2 * 2 * kv)
+    assert row["ring_explicit_sent_bytes_per_rank"] == row["ring_sent_bytes_per_rank"]  # the kernel moves nothing
     assert row["a2a_sent_bytes_per_rank"] == 2 * 0.5 * (2 * q + 2 * kv)
     assert "bench_attention.py" in md.read_text() and res["machine"]["cpu_count"] >= 1

@@ -35,6 +35,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -47,17 +49,22 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on CUDA, fp32 on the CPU")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
 
 def _median_time(fn, *, warmup: int, repeats: int) -> tuple[float, list[float]]:
+    """Median seconds of ``fn``; on CUDA each call is synchronised (the GPU's work, not the launch)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times), times
 
@@ -76,9 +83,10 @@ def expert_compute(args, device) -> list[dict]:
     layer = _layer(args, tp=Group.trivial("tp"), ep=Group.trivial("ep"))
     rows_n = args.tokens * args.top_k
     counts = [rows_n // args.experts + (e < rows_n % args.experts) for e in range(args.experts)]
-    rows = torch.randn(rows_n, args.hidden, device=device)
-    dy = torch.randn(rows_n, args.hidden, device=device)
-    layer.to(device)
+    dtype = DTYPES[args.dtype]
+    rows = torch.randn(rows_n, args.hidden, device=device, dtype=dtype)
+    dy = torch.randn(rows_n, args.hidden, device=device, dtype=dtype)
+    layer.to(device=device, dtype=dtype)
     experts = list(layer.experts.values())
 
     def loop():
@@ -148,22 +156,27 @@ def dispatch(args) -> list[dict]:
     return rows
 
 
-def matmul_tflops(device) -> float:
-    a, b = torch.randn(1024, 1024, device=device), torch.randn(1024, 1024, device=device)
-    med, _ = _median_time(lambda: a @ b, warmup=1, repeats=5)
-    return 2 * 1024 ** 3 / med / 1e12
+def matmul_tflops(device, dtype=torch.float32, n: int = 1024) -> float:
+    """The machine's dense matmul rate in ``dtype`` at n^3 (the ceiling the expert GEMMs are read against)."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    med, _ = _median_time(lambda: a @ b, warmup=2, repeats=5)
+    return 2 * n ** 3 / med / 1e12
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
+    n = 8192 if device == "cuda" else 1024
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": platform.platform(), "device": device, "torch": torch.__version__, "args": vars(args),
-              "matmul_1024_tflops": matmul_tflops(device), "experts": expert_compute(args, device),
-              "dispatch": dispatch(args)}
+              "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
+              "matmul_ceiling_n": n, "matmul_ceiling_tflops": matmul_tflops(device, DTYPES[args.dtype], n),
+              "experts": expert_compute(args, device), "dispatch": dispatch(args)}
     print(f"expert compute, {args.tokens} tokens x top-{args.top_k}, {args.experts} experts, h={args.hidden}, "
-          f"f={args.ffn}, fwd+bwd ({device}; 1024^3 matmul {result['matmul_1024_tflops']:.3f} TFLOP/s):")
+          f"f={args.ffn}, {args.dtype}, fwd+bwd ({device}; {n}^3 {args.dtype} matmul "
+          f"{result['matmul_ceiling_tflops']:.3f} TFLOP/s):")
     for r in result["experts"]:
         line = (f"{r['s_median'] * 1e3:9.2f} ms  x{r['ratio_vs_loop']:.2f} vs loop  {r['tflops']:.3f} TFLOP/s"
                 if "s_median" in r else f"unavailable: {r['error']}")

@@ -3,8 +3,8 @@
 #
 #   OUT=/some/folder bash tools/gpu_session.sh [STEP ...]      (from the repository root)
 #
-# STEP: info build test fp8 train overlap kernels (default: all, in that order: the issues' GPU checks
-# first, the long benchmark last). Each step is time-boxed, a failing step does not stop the next ones,
+# STEP: info build test fp8 overlap attention moe train kernels (default: all, in that order: the issues'
+# GPU checks first, the long benchmarks last). Each step is time-boxed, a failing step does not stop the next ones,
 # and the whole script keeps within $GPU_SESSION_BUDGET_S (default 420 s). A session has 15 minutes of
 # device time in all, machine starts (a minute or more each) included, and no machine starts with under
 # 4 minutes left: 420 s plus a start leaves room for one shorter rerun of the steps that failed
@@ -22,8 +22,13 @@
 #                      results at the end of the same file
 #   bench_fp8.log      tools/bench_fp8.py --device cuda: FP8 vs bf16 GEMMs (8B/70B layers) and the gpu-1b
 #                      train step per recipe; its JSON results at the end of the same file
-#   bench_overlap.log  tools/bench_overlap.py --gemm-overhead --device cuda: the ring's chunk GEMMs vs one
-#                      GEMM at 8B shapes (one GPU: no multi-rank overlap); JSON at the end
+#   bench_parallel.log three steps, one after another, each with its JSON at its end:
+#                      overlap: tools/bench_overlap.py --gemm-overhead --device cuda: the ring's chunk GEMMs vs
+#                      one GEMM at 8B shapes (one GPU: no multi-rank overlap; issue 17);
+#                      attention: tools/bench_attention.py --device cuda: the ring's blocks (flash, explicit)
+#                      vs SDPA over the whole sequence, 8B heads, bf16 (issue 18);
+#                      moe: tools/bench_moe.py --ep '': grouped GEMM vs the expert loop vs dense, bf16, against
+#                      the 8192^3 bf16 matmul (issue 19)
 #   bench_kernels.log  tools/bench_kernels.py (GPU defaults)
 #   bench_kernels.json its results
 #
@@ -41,7 +46,7 @@ mkdir -p "$OUT" || exit 2
 PY=${PYTHON:-python3}
 BUDGET=${GPU_SESSION_BUDGET_S:-420}
 TAIL_LINES=${TAIL_LINES:-40}
-ALL_STEPS=(info build test fp8 train overlap kernels)
+ALL_STEPS=(info build test fp8 overlap attention moe train kernels)
 STEPS=("$@")
 [[ ${#STEPS[@]} -eq 0 ]] && STEPS=("${ALL_STEPS[@]}")
 for s in "${STEPS[@]}"; do
@@ -67,7 +72,8 @@ run_step() {
     fi
     echo "== $name (time box ${limit} s): $*"
     local t0=$SECONDS rc=0
-    timeout -k 10 "$limit" "$@" >"$log" 2>&1 || rc=$?
+    echo "== $name: $*" >>"$log"
+    timeout -k 10 "$limit" "$@" >>"$log" 2>&1 || rc=$?  # appended: several steps may share a log
     local what="rc=$rc"
     ((rc == 124 || rc == 137)) && what="TIMED OUT after ${limit} s (rc=$rc)"
     echo "-- $name: $what, $((SECONDS - t0)) s; last lines of $(basename "$log"):"
@@ -109,22 +115,30 @@ EOF
         ls -l engine/_*.so 2>/dev/null | sed 's/^/   built: /'
     fi
     if wanted test; then
-        run_step test 120 "$OUT/pytest_gpu.log" "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+        run_step test 100 "$OUT/pytest_gpu.log" "$PY" -m pytest -q -m gpu -p no:cacheprovider \
             --continue-on-collection-errors tests/
     fi
     if wanted fp8; then
         # shellcheck disable=SC2086
-        run_step fp8 120 "$OUT/bench_fp8.log" "$PY" tools/bench_fp8.py --device cuda --json /dev/stdout \
+        run_step fp8 100 "$OUT/bench_fp8.log" "$PY" tools/bench_fp8.py --device cuda --json /dev/stdout \
             ${FP8_ARGS:-}
+    fi
+    if wanted overlap; then
+        run_step overlap 40 "$OUT/bench_parallel.log" "$PY" tools/bench_overlap.py --gemm-overhead --device cuda \
+            --json /dev/stdout
+    fi
+    if wanted attention; then
+        run_step attention 60 "$OUT/bench_parallel.log" "$PY" tools/bench_attention.py --device cuda \
+            --json /dev/stdout
+    fi
+    if wanted moe; then
+        run_step moe 40 "$OUT/bench_parallel.log" "$PY" tools/bench_moe.py --ep "" --tokens 8192 --hidden 4096 \
+            --ffn 14336 --experts 8 --top-k 2 --json /dev/stdout
     fi
     if wanted train; then
         # shellcheck disable=SC2086  # TRAIN_ARGS is a list of words
         run_step train 150 "$OUT/train_step.log" "$PY" tools/bench_train_step.py --device cuda --preset gpu-1b \
             --compare-kernels --json /dev/stdout ${TRAIN_ARGS:-}
-    fi
-    if wanted overlap; then
-        run_step overlap 40 "$OUT/bench_overlap.log" "$PY" tools/bench_overlap.py --gemm-overhead --device cuda \
-            --json /dev/stdout
     fi
     if wanted kernels; then
         local kargs=${KERNELS_ARGS:-}

@@ -20,5 +20,5 @@ def test_tiny_run(tmp_path, capsys):
     rows = {r["dispatcher"]: r for r in res["dispatch"]}
     assert set(rows) == {"alltoall", "allgather"} and all(r["ep"] == 2 for r in rows.values())
     assert rows["alltoall"]["a2a_sent_bytes_per_step"] > 0 == rows["allgather"]["a2a_sent_bytes_per_step"]
-    assert res["matmul_1024_tflops"] > 0
+    assert res["matmul_ceiling_tflops"] > 0 and res["matmul_ceiling_n"] == 1024 and res["args"]["dtype"] == "fp32"
     assert "vs ep=1" in capsys.readouterr().out

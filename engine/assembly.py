@@ -57,6 +57,7 @@ class MemoryPlan:
     fits_instead: tuple[str, ...] = ()
     frozen: bool = False  # LoRA: the base holds weights only
     zero_stage: int = 1  # the stage the fitting layouts of ``fits_instead`` were sized with
+    expert_dp: int = 0  # > 0: ZeRO shards the experts' share over this many ranks (edp), so bytes_per_param is a mean
 
     @property
     def need(self) -> float:
@@ -69,8 +70,10 @@ class MemoryPlan:
     def line(self) -> str:
         have = "unknown" if self.available is None else f"{self.available / 1e9:.2f} GB ({self.source})"
         what = "frozen weights under LoRA adapters" if self.frozen else "parameters, fp32 gradients and optimizer state"
+        each = (f"{self.bytes_per_param:.3g} bytes each on average: the experts' share sharded over edp = "
+                f"{self.expert_dp}" if self.expert_dp else f"{self.bytes_per_param:g} bytes each")
         return (f"tessel: plan: the largest rank holds {self.numel:,} parameters: {self.need / 1e9:.2f} GB of "
-                f"{what} ({self.bytes_per_param:g} bytes each); a rank has {have}")
+                f"{what} ({each}); a rank has {have}")
 
     def error(self) -> str:
         alt = (f"Layouts of the same ranks that would fit (optim.distributed=true, zero_stage={self.zero_stage}): "
@@ -92,16 +95,33 @@ def _bytes_per_param(dtype: str, *, zero_stage: int, dp: int, frozen: bool = Fal
             + state / (dp if zero_stage >= 1 else 1))
 
 
-def _largest_rank_numel(model, *, tp: int, pp: int, vp: int, layout, placement: str = "loop", ep: int = 1) -> int:
-    """Parameters of the rank holding the most; with ``ep`` > 1 each MoE layer's experts count 1/ep."""
+def _rank_numels(model, *, tp: int, pp: int, vp: int, layout, placement: str = "loop",
+                 ep: int = 1) -> list[tuple[int, int]]:
+    """Per pipeline rank: (parameters, of which experts held apart at ``ep`` > 1; 0 at ep = 1). Each MoE layer's
+    experts count 1/ep."""
     from engine.memory import stage_param_sizes
 
     stages = pp * vp
     ranges = split_layers(model.num_layers, stages, layout)
-    return max(sum(n for s in rank_stages(r, pp=pp, vp=vp, placement=placement)
-                   for _, n, _, _ in stage_param_sizes(model, tp=tp, ep=ep, layer_range=ranges[s],
-                                                       pre_process=s == 0, post_process=s == stages - 1))
-               for r in range(pp))
+    out = []
+    for r in range(pp):
+        sizes = [(n, expert) for s in rank_stages(r, pp=pp, vp=vp, placement=placement)
+                 for _, n, _, expert in stage_param_sizes(model, tp=tp, ep=ep, layer_range=ranges[s],
+                                                          pre_process=s == 0, post_process=s == stages - 1)]
+        out.append((sum(n for n, _ in sizes), sum(n for n, expert in sizes if expert and ep > 1)))
+    return out
+
+
+def _largest_need(model, *, dtype: str, zero_stage: int, dp: int, ep: int, frozen: bool, **layout) -> tuple[int, float]:
+    """(parameters, bytes per parameter) of the rank needing the most bytes: under ZeRO the experts (ep > 1)
+    shard over edp = dp / ep, the rest over dp, so a rank's bytes per parameter is their weighted mean."""
+    dense = _bytes_per_param(dtype, zero_stage=zero_stage, dp=dp, frozen=frozen)
+    expert = _bytes_per_param(dtype, zero_stage=zero_stage, dp=dp // ep, frozen=frozen)
+    best = (0.0, 0, dense)
+    for n, e in _rank_numels(model, ep=ep, **layout):
+        need = (n - e) * dense + e * expert
+        best = max(best, (need, n, need / n if e else dense))  # without experts apart: exactly dense
+    return best[1], best[2]
 
 
 def _available_bytes(world: int) -> tuple[int | None, str]:
@@ -123,32 +143,34 @@ def memory_plan(cfg: TesselConfig, model, *, world: int, available: int | None =
     derives parameter counts without building). ``available`` overrides the measured bytes per rank."""
     p, o = cfg.parallel, cfg.optim
     dp = cfg.validate_world(world)
-    numel = _largest_rank_numel(model, tp=p.tp, pp=p.pp, vp=p.vp, layout=p.pipeline_layout,
-                                placement=placement_of(p.schedule), ep=p.ep)
+    frozen = bool(cfg.posttrain.lora.rank)
+    numel, bpp = _largest_need(model, dtype=cfg.model.dtype, zero_stage=o.zero_stage if o.distributed else 0, dp=dp,
+                               ep=p.ep, frozen=frozen, tp=p.tp, pp=p.pp, vp=p.vp, layout=p.pipeline_layout,
+                               placement=placement_of(p.schedule))
     source = "given"
     if available is None:
         available, source = _available_bytes(world)
-    frozen = bool(cfg.posttrain.lora.rank)
     plan = MemoryPlan(world=world, numel=numel, source=source, available=available, frozen=frozen,
-                      bytes_per_param=_bytes_per_param(cfg.model.dtype, zero_stage=o.zero_stage if o.distributed else 0,
-                                                       dp=dp, frozen=frozen))
+                      bytes_per_param=bpp, expert_dp=dp // p.ep if p.ep > 1 and o.distributed else 0)
     if plan.fits or available is None:
         return plan
     fits = []
     for tp in (d for d in range(1, world + 1) if world % d == 0):
         for pp in (d for d in range(1, world // tp + 1) if (world // tp) % d == 0):
+            dp_alt = world // (tp * pp)
+            ep = p.ep if dp_alt % p.ep == 0 else 1  # keep the run's ep where it divides the layout's dp
             try:
                 model.config.check_tensor_parallel(tp)
-                n = _largest_rank_numel(model, tp=tp, pp=pp, vp=1, layout=None)
+                n, alt_bpp = _largest_need(model, dtype=cfg.model.dtype, zero_stage=max(1, o.zero_stage), dp=dp_alt,
+                                           ep=ep, frozen=frozen, tp=tp, pp=pp, vp=1, layout=None)
             except ValueError:
                 continue
-            need = n * _bytes_per_param(cfg.model.dtype, zero_stage=max(1, o.zero_stage), dp=world // (tp * pp),
-                                        frozen=frozen)
+            need = n * alt_bpp
             if need <= available:
-                fits.append((need, f"tp={tp} pp={pp} dp={world // (tp * pp)}{' ep=1' if p.ep > 1 else ''} "
-                                   f"({need / 1e9:.2f} GB)"))  # ZeRO is refused with ep > 1
+                fits.append((need, f"tp={tp} pp={pp} dp={dp_alt}{f' ep={ep}' if p.ep > 1 else ''} "
+                                   f"({need / 1e9:.2f} GB)"))
     return MemoryPlan(world=world, numel=numel, bytes_per_param=plan.bytes_per_param, available=available,
-                      zero_stage=max(1, o.zero_stage),
+                      zero_stage=max(1, o.zero_stage), expert_dp=plan.expert_dp,
                       source=source, fits_instead=tuple(text for _, text in sorted(fits)[:4]), frozen=frozen)
 
 

@@ -404,17 +404,37 @@ def stage_param_sizes(model, *, tp: int, ep: int = 1, layer_range: tuple[int, in
     return [(q.name, prod(q.local_shape), q.shared_embedding, q.expert) for q in params]
 
 
-def _buffer_numel(sizes, *, dp: int, bucket: int | None, zero: int, ep: int) -> tuple[int, int, int]:
-    """:func:`_padded_numel` of one rank's ``(chunk, name, numel, shared, expert)`` entries. With ``ep``
-    > 1 DataParallel keeps the expert parameters in a buffer of their own (reduced over edp), laid out,
-    bucketed and padded to a multiple of dp like the dense one: the two are sized apart and added."""
+def _buffer_numel(sizes, *, dp: int, bucket: int | None, zero: int, ep: int) -> tuple[int, int, int, int]:
+    """``(dense elements, expert elements, the largest layer's elements, the other parameters' elements)``
+    of one rank's ``(chunk, name, numel, shared, expert)`` entries, the buffers padded as DataParallel pads
+    them. With ``ep`` > 1 the expert parameters have a buffer of their own, reduced (and under ZeRO sharded)
+    over edp = dp / ep ranks, so it is padded to a multiple of edp; the expert elements are 0 at ep = 1."""
     dense = [(c, name, n, shared) for c, name, n, shared, expert in sizes if not (expert and ep > 1)]
     experts = [(c, name, n, shared) for c, name, n, shared, expert in sizes if expert and ep > 1]
     total, layer, root = _padded_numel(dense, dp=dp, bucket=bucket, zero=zero)
-    if experts:
-        more, _, _ = _padded_numel(experts, dp=dp, bucket=bucket, zero=zero)
-        total += more
-    return total, layer, root
+    more = 0
+    if experts:  # a MoE layer's unit gathers its ep rank's experts with its dense part (ZeRO-3)
+        more, _, _ = _padded_numel(experts, dp=dp // ep, bucket=bucket, zero=zero)
+        _, layer, _ = _padded_numel(dense + experts, dp=1, bucket=bucket, zero=zero)
+    return total, more, layer, root
+
+
+def dp_buffer_numel(cfg, model, *, world: int, pp_rank: int = 0) -> tuple[int, int, int, int]:
+    """``(dense, expert, largest layer, other)`` elements of the data-parallel buffers of pipeline rank
+    ``pp_rank``'s ranks, padded as DataParallel pads them (:func:`_buffer_numel`). The dense set is reduced
+    (under ZeRO sharded) over dp x cp, the expert set (0 at ep = 1) over edp = dp x cp / ep, so a ZeRO step
+    reduce-scatters 4 bytes and all-gathers one parameter's bytes per element of each set over its group."""
+    p, o = cfg.parallel, cfg.optim
+    dp, ep = cfg.validate_world(world), getattr(p, "ep", 1)
+    num_stages = p.pp * p.vp
+    ranges = split_layers(model.num_layers, num_stages, p.pipeline_layout)
+    placement = build_schedule(p.schedule, pp=p.pp, vp=p.vp, microbatches=cfg.num_microbatches(dp)).placement
+    sizes = [(c, *entry) for c, st in enumerate(rank_stages(pp_rank, pp=p.pp, vp=p.vp, placement=placement))
+             for entry in stage_param_sizes(model, tp=p.tp, ep=ep, layer_range=ranges[st], pre_process=st == 0,
+                                            post_process=st == num_stages - 1)]
+    bucket = bucket_size_elements(bucket_size=None, bucket_size_mb=o.bucket_size_mb)
+    return _buffer_numel(sizes, dp=dp * getattr(p, "cp", 1), bucket=bucket,
+                         zero=o.zero_stage if o.distributed else 0, ep=ep)
 
 
 def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_sample: int = 1) -> MemoryPrediction:
@@ -440,7 +460,6 @@ def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_samp
     vocab_local = model.config.padded_vocab_size(
         tp=p.tp, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by) // p.tp
     fused = model.fused_cross_entropy if model.fused_cross_entropy is not None else device == "cuda"
-    bucket = bucket_size_elements(bucket_size=None, bucket_size_mb=o.bucket_size_mb)
     adam = resolve_adamw("auto", device=device)[0]
     notes = []
     if cfg.model.fp8 != "none":
@@ -454,13 +473,12 @@ def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_samp
     ranks = []
     for r in range(p.pp):
         mine = rank_stages(r, pp=p.pp, vp=p.vp, placement=schedule.placement)  # chunk order
-        sizes = [(c, *entry) for c, st in enumerate(mine)
-                 for entry in stage_param_sizes(model, tp=p.tp, ep=ep, layer_range=ranges[st], pre_process=st == 0,
-                                                post_process=st == num_stages - 1)]
-        total, layer, root = _buffer_numel(sizes, dp=dpr, bucket=bucket, zero=zero, ep=ep)
-        params = total * elem if zero < 3 else total // dpr * elem
-        grads = total * 4 if zero < 2 else total // dpr * 4
-        owned = total // dpr if zero >= 1 else total
+        dense, expert, layer, root = dp_buffer_numel(cfg, model, world=world, pp_rank=r)
+        total = dense + expert
+        shard = dense // dpr + expert * ep // dpr  # ZeRO: the dense set over dp x cp, the experts over edp
+        params = total * elem if zero < 3 else shard * elem
+        grads = total * 4 if zero < 2 else shard * 4
+        owned = shard if zero >= 1 else total
         optimizer = owned * (8 + (4 if elem != 4 else 0))
         per_stage = {}
         for st in mine:
@@ -480,7 +498,7 @@ def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_samp
             pipe += (root + 2 * layer) * elem
         step = owned * 4 if adam == "foreach" else 0  # foreach AdamW's denominator
         if dpr > 1 and zero in (1, 2):
-            reduce = total // dpr * 4 + (total * 4 if device == "cpu" else 0)  # gloo reduce-scatters a copy
+            reduce = shard * 4 + (total * 4 if device == "cpu" else 0)  # gloo reduce-scatters a copy
             # ... then gathers the parameters (on gloo into a copy too: measured at dp x cp = 2, where the
             # halved activations leave the step as the peak)
             step = max(step, reduce + (total * 4 if zero == 2 else 0), total * elem * (2 if device == "cpu" else 1))

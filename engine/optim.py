@@ -397,9 +397,11 @@ class Optimizer:
 
     def grad_norm(self) -> torch.Tensor:
         """Global gradient norm of the reduced gradients (call after the reduction finished)."""
+        # Sharded with experts: each dp rank's shard holds distinct expert pieces (its ep rank's experts, its
+        # edp shard of them), so the sum over the dp group already counts each expert once; no ep sum.
         return global_grad_norm(((pc.param, pc.grad) for pc in self.dist.pieces), tp_group=self.tp_group,
                                 pp_group=self.pp_group, shard_group=self.ddp.dp_group if self.ddp.sharded else None,
-                                device=self.device, ep_group=self.ep_group)
+                                device=self.device, ep_group=None if self.ddp.sharded else self.ep_group)
 
     def step(self) -> StepResult:
         """Finish the gradient reduction, measure, check, clip and apply one scheduled AdamW update."""

@@ -172,10 +172,6 @@ class TesselConfig:
 
     def _check_expert_parallel(self) -> None:
         p, o = self.parallel, self.optim
-        if p.ep > 1 and o.distributed:
-            raise ValueError(f"parallel.ep={p.ep} with optim.distributed=true: ZeRO sharding of the expert "
-                             "parameters over their edp group is not built; set optim.distributed=false (expert "
-                             "gradients are all-reduced over edp, the rest over dp) or parallel.ep=1")
         if p.ep > 1 and o.grad_compression != "none":
             raise ValueError(f"parallel.ep={p.ep} with optim.grad_compression={o.grad_compression!r}: the compressed "
                              "reduction runs over dp, but expert gradients must reduce over edp; set "

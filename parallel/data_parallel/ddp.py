@@ -56,7 +56,11 @@ Expert parallelism (``expert_group``): parameters with ``p.expert = True`` live 
 whose buckets are reduced over ``expert_group`` (the edp ranks that hold the same experts) instead of
 ``dp_group``, with the same ``1 / dp_group.size`` average: each expert's gradient already sums the
 tokens the whole ep group routed to it, so summing over edp and dividing by dp gives the global mean
-(docs/moe.md). Sharded stages (ZeRO) do not shard expert buffers yet and are refused with experts.
+(docs/moe.md). Under ZeRO each set is sharded within its own group: an expert buffer's buckets are padded
+to a multiple of the edp size, reduce-scattered over edp into ``1/edp`` shards (the optimizer state of
+those shards), and its parameters all-gathered (ZeRO-3: gathered per unit) over edp; the dense buffers
+over dp as before. Every dp rank then holds a distinct piece of the expert set (its ep rank's experts,
+its edp shard of them), so a sum over the dp group counts every expert element once.
 """
 from __future__ import annotations
 
@@ -167,25 +171,23 @@ class DataParallel(torch.nn.Module):
                 chunk_of[id(p)] = int(name.split(".", 1)[0]) if chunks else 0
         if not by_dtype:
             raise ValueError("DataParallel: the module has no trainable parameters (requires_grad=True)")
-        if zero_stage >= 1 and any(is_expert for _, is_expert in by_dtype):
-            raise ValueError(f"zero_stage={zero_stage} with expert parallelism: sharding the expert buffers over "
-                             "the edp group is not built yet; use zero_stage=0 (optim.distributed=false) with "
-                             "parallel.ep > 1, or parallel.ep=1")
         # ZeRO-3: buckets never span two gather units, so the bucket "group" is the unit.
         units = self._build_units(module, chunks=chunks) if zero_stage == 3 else []
         unit_of = {id(p): u.index for u in units for p in u.params}
         self.flat_buffers: list[ParamAndGradBuffer] = []
         self._group_of_buf: dict[int, Group] = {}  # id(buffer) -> its reduction group (expert buffers: edp)
         for (dtype, is_expert), plist in by_dtype.items():
+            group = expert_group if is_expert else dp_group  # each set is reduced (and sharded) over its own group
             self.flat_buffers.append(ParamAndGradBuffer(
-                plist, dtype=dtype, bucket_size=size, dp=dp_group.size, align=align,
+                plist, dtype=dtype, bucket_size=size, dp=group.size, align=align,
                 grads="lazy" if zero_stage >= 2 else "full",
                 separate=[bool(getattr(p, "shared_embedding", False) or getattr(p, "defer_grad_reduce", False))
                           for p in plist],
                 groups=([unit_of[id(p)] for p in plist] if units else
                         [chunk_of[id(p)] for p in plist] if chunks else None),
                 shard_params=zero_stage == 3))
-            self._group_of_buf[id(self.flat_buffers[-1])] = expert_group if is_expert else dp_group
+            self._group_of_buf[id(self.flat_buffers[-1])] = group
+        self._group_of_bucket = {id(b): self._group_of_buf[id(buf)] for buf in self.flat_buffers for b in buf.buckets}
         if grad_compressor is not None:  # sizes its state and validates (e.g. PowerSGD's rank) before any traffic
             grad_compressor.attach(self)
         if broadcast_params:
@@ -207,8 +209,8 @@ class DataParallel(torch.nn.Module):
                 for b in buf.buckets:
                     b.unit = unit_of[id(b.params[0])]
                     units[b.unit].buckets.append((buf, b))
-                buf.shard_out(dp_group.rank)
-            self.gatherer = Gatherer([u for u in units if u.params], group=dp_group)
+                buf.shard_out(self.reduce_group(buf).rank)
+            self.gatherer = Gatherer([u for u in units if u.params], group_of=self.reduce_group)
             # A micro-batch's reductions overlap the rest of its backward; the next forward waits for
             # them, so their fp32 buckets are freed before it allocates activations.
             for root in (list(module) if chunks else [module]):
@@ -245,9 +247,9 @@ class DataParallel(torch.nn.Module):
         return units
 
     def _setup_shards(self) -> None:
-        dp = self.dp_group.size
         self.shard_grad_data: list[torch.Tensor | None] = []
         for buf in self.flat_buffers:
+            dp = buf.dp  # the size of the group this buffer is sharded over (expert buffers: edp)
             data = None
             if self.zero_stage >= 2:
                 data = torch.zeros(buf.numel // dp, dtype=GRAD_DTYPE, device=buf.device)
@@ -262,15 +264,18 @@ class DataParallel(torch.nn.Module):
                     b.shard_grad = data[b.start // dp:b.end // dp]
 
     def reduce_group(self, buf: ParamAndGradBuffer) -> Group:
-        """The group ``buf``'s gradients are reduced over: ``expert_group`` for expert buffers, else dp."""
+        """The group ``buf``'s gradients are reduced (and, sharded, its state sharded) over:
+        ``expert_group`` for expert buffers, else dp."""
         return self._group_of_buf[id(buf)]
 
     def owned_range(self, bucket: Bucket) -> tuple[int, int]:
-        """This rank's ``[lo, hi)`` of the bucket (bucket-relative): 1/dp of it when sharded, else all."""
+        """This rank's ``[lo, hi)`` of the bucket (bucket-relative): when sharded, its 1/p of it over the
+        bucket's group (dp; edp for an expert bucket), else all of it."""
         if not self.sharded:
             return 0, bucket.numel
-        n = bucket.numel // self.dp_group.size
-        return self.dp_group.rank * n, (self.dp_group.rank + 1) * n
+        group = self._group_of_bucket[id(bucket)]
+        n = bucket.numel // group.size
+        return group.rank * n, (group.rank + 1) * n
 
     def buckets(self) -> Iterator[tuple[ParamAndGradBuffer, Bucket]]:
         for buf in self.flat_buffers:
@@ -374,7 +379,7 @@ class DataParallel(torch.nn.Module):
             self.grad_compressor.reduce((self.flat_buffers.index(buf), bucket.index), bucket.grad, bucket)
             bucket.work = None
         elif self.sharded:
-            bucket.out, bucket.work = comm.reduce_scatter(bucket.grad, self.dp_group, async_op=True)
+            bucket.out, bucket.work = comm.reduce_scatter(bucket.grad, self.reduce_group(buf), async_op=True)
         else:
             bucket.work = comm.all_reduce(bucket.grad, self.reduce_group(buf), op="sum", async_op=True)
         bucket.state = "launched"
@@ -463,12 +468,12 @@ class DataParallel(torch.nn.Module):
                                        "call finish_param_sync() first")
                 lo, hi = self.owned_range(b)
                 shard = buf.param_data[b.start + lo:b.start + hi]
-                b.gather_out, b.gather_work = comm.all_gather(shard, self.dp_group, async_op=True)
+                b.gather_out, b.gather_work = comm.all_gather(shard, self.reduce_group(buf), async_op=True)
         if not self.overlap_param_gather:
             self.finish_param_sync()
 
     def _wait_gather(self, buf: ParamAndGradBuffer, b: Bucket) -> None:
-        comm.wait(b.gather_work, self.dp_group)
+        comm.wait(b.gather_work, self.reduce_group(buf))
         region = buf.param_region(b)
         if b.gather_out.data_ptr() != region.data_ptr():
             with torch.no_grad():
@@ -493,13 +498,37 @@ class DataParallel(torch.nn.Module):
                     early.append(self._where[id(p)])
             if early:
                 self._handles.append(root.register_forward_pre_hook(self._make_gather_prehook(early)))
+        # A module without a forward of its own (a bare weight holder, e.g. an expert's ``fc1``) never fires a
+        # hook: its parameters are waited for by the nearest ancestor that has one and is not an element of a
+        # ModuleList/ModuleDict (such elements may be skipped: an MoE layer's grouped GEMM reads its experts'
+        # weights without calling them), at the latest by the chunk's root.
+        parent: dict[int, torch.nn.Module] = {}
+        for root in roots:
+            for m in root.modules():
+                for child in m.children():
+                    parent.setdefault(id(child), m)
+        is_root = {id(r) for r in roots}
+
+        def reader(m: torch.nn.Module) -> torch.nn.Module:
+            if type(m).forward is not torch.nn.Module.forward or id(m) in is_root:
+                return m
+            while id(m) not in is_root:
+                m = parent[id(m)]
+                if id(m) in is_root or (type(m).forward is not torch.nn.Module.forward and not isinstance(
+                        parent.get(id(m)), (torch.nn.ModuleList, torch.nn.ModuleDict))):
+                    break
+            return m
+
+        owned_by: dict[int, tuple[torch.nn.Module, list]] = {}
         for module in self.module.modules():
-            owned = []
             for p in module.parameters(recurse=False):
-                if id(p) in self._where and self._where[id(p)] not in owned:
-                    owned.append(self._where[id(p)])
-            if owned:
-                self._handles.append(module.register_forward_pre_hook(self._make_gather_prehook(owned)))
+                if id(p) in self._where:
+                    m = reader(module)
+                    owned = owned_by.setdefault(id(m), (m, []))[1]
+                    if self._where[id(p)] not in owned:
+                        owned.append(self._where[id(p)])
+        for m, owned in owned_by.values():
+            self._handles.append(m.register_forward_pre_hook(self._make_gather_prehook(owned)))
 
     def _make_gather_prehook(self, owned: list[tuple[ParamAndGradBuffer, Bucket]]):
         def prehook(module, args):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -71,7 +72,7 @@ class Unit:
     params: list[torch.nn.Parameter] = field(repr=False)
     buckets: list[tuple[ParamAndGradBuffer, Bucket]] = field(default_factory=list, repr=False)
     gathered: bool = False
-    works: list = field(default_factory=list)  # gathers in flight
+    works: list = field(default_factory=list)  # gathers in flight: (work, group)
     holds: int = 0  # root: forwards with gradients whose backward has not completed
     pending: set[int] = field(default_factory=set)  # parameters without a gradient in this backward
 
@@ -93,13 +94,14 @@ def _tensors(output) -> list[torch.Tensor]:
 class Gatherer:
     """The units of a ZeRO-3 :class:`DataParallel` and the hooks that gather and free them.
 
-    ``units`` in forward order per chunk (root first); ``unit_of[id(param)]``. Counters for tests and
+    ``units`` in forward order per chunk (root first); ``unit_of[id(param)]``. ``group_of(buffer)``: the
+    group a buffer's buckets are sharded over (dp; edp for expert buffers). Counters for tests and
     the memory report: ``gathered_bytes`` now and ``gathered_bytes_peak``.
     """
 
-    def __init__(self, units: list[Unit], *, group: comm.Group):
+    def __init__(self, units: list[Unit], *, group_of: Callable[[ParamAndGradBuffer], comm.Group]):
         self.units = units
-        self.group = group
+        self.group_of = group_of
         self.unit_of = {id(p): u for u in units for p in u.params}
         self.gathered_bytes = 0
         self.gathered_bytes_peak = 0
@@ -144,29 +146,32 @@ class Gatherer:
         """Launch the asynchronous all-gather of ``unit`` (no-op when gathered or in flight)."""
         if unit.gathered or unit.works:
             return
-        dp = self.group.size
         for buf, b in unit.buckets:
+            group = self.group_of(buf)
             alloc_storage(b.full)
             self.gathered_bytes += b.full.numel() * b.full.element_size()
-            shard = buf.param_data[b.start // dp:b.end // dp]
-            _, work = comm.all_gather(shard, self.group, async_op=True, out=b.full)
-            unit.works.append(work)
+            shard = buf.param_data[b.start // group.size:b.end // group.size]
+            _, work = comm.all_gather(shard, group, async_op=True, out=b.full)
+            unit.works.append((work, group))
         self.gathered_bytes_peak = max(self.gathered_bytes_peak, self.gathered_bytes)
 
     def ensure(self, unit: Unit) -> None:
         """``unit``'s full parameters are in place on return."""
         self.gather(unit)
         if unit.works:
-            comm.wait(unit.works, self.group)
-            unit.works = []
+            self._wait(unit)
         if not unit.gathered:
             self._point(unit, gathered=True)
         unit.gathered = True
 
+    def _wait(self, unit: Unit) -> None:
+        for work, group in unit.works:
+            comm.wait(work, group)
+        unit.works = []
+
     def free(self, unit: Unit) -> None:
         if unit.works:  # a prefetch nobody used: let it land before releasing its storage
-            comm.wait(unit.works, self.group)
-            unit.works = []
+            self._wait(unit)
         if not unit.gathered:
             return
         for _, b in unit.buckets:
@@ -199,7 +204,7 @@ class Gatherer:
 
     @contextlib.contextmanager
     def gathered(self):
-        """Inside: every parameter gathered and readable (a collective over the dp group: every rank
+        """Inside: every parameter gathered and readable (a collective over the dp (and edp) groups: every rank
         enters it). Values written inside are lost: the shards are the parameters."""
         before = [u for u in self.units if u.gathered]
         for u in self.units:

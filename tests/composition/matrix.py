@@ -140,6 +140,8 @@ DEFAULT_ROWS: tuple[Row, ...] = (
     Row(L(dp=2), "plain", family="qwen3", reshard=None, extra=("optim.grad_compression=powersgd",)),
     # Expert parallelism (docs/moe.md): expert keys are global, so an ep2 checkpoint resumes into tp2 at ep1.
     Row(L(dp=2, ep=2), "plain", family="mixtral", reshard=L(tp=2, sp=True)),
+    # ZeRO with experts: expert state sharded over edp (2 ranks), the rest over dp (4); resumed into ZeRO-3 at ep4.
+    Row(L(dp=4, ep=2), "zero2", family="mixtral", reshard=L(dp=4, ep=4), reshard_optimizer="zero3"),
 )
 METHODS = ("pretrain", "sft", "dpo", "grpo")
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
@@ -160,8 +162,7 @@ REFUSED: tuple[tuple[tuple[str, ...], str], ...] = (
     (("parallel.tp_overlap=symm_mem",), "symm_mem"),
     (("parallel.tp_overlap=ring", "parallel.sequence_parallel=false"), "sequence_parallel = true"),
     (("parallel.tp_overlap=ring", "model.fp8=delayed"), "FP8 ring collective matmuls are not implemented"),
-    # Expert parallelism (docs/moe.md): ZeRO over edp and ep x cp are not built.
-    (("parallel.ep=2", "optim.distributed=true"), "ZeRO sharding of the expert"),
+    # Expert parallelism (docs/moe.md): ep x cp is not built.
     (("parallel.ep=2", "parallel.cp=2"), "expert parallelism together with context parallelism is not built"),
     # Split backward (docs/pipeline.md) does not compose with ZeRO-3, V placement included.
     (("parallel.pp=2", "parallel.vp=2", "parallel.schedule=zbv", "optim.distributed=true", "optim.zero_stage=3"),

@@ -12,7 +12,9 @@
   from B to W, are counted) and cp2 (ring; state exact too); the 3-layout table is tools/bench_memory.py's;
   the records reach metrics.jsonl; ``logging.memory_report=false`` turns the report off.
 * Expert parallelism (tiny Mixtral at ep2 on 2 ranks): state byte for byte (expert buffers apart, 1/ep of
-  the experts), the start-up plan's parameter count equal to the parameters held, the peak within 10%.
+  the experts), plain and under ZeRO-2 (the experts' gradients and state sharded over edp, the rest over dp),
+  the start-up plan's parameter count equal to the parameters held, the peak within 10%; the start-up
+  plan's bytes under ZeRO 1-3 with the experts' share over edp.
 * PeakMemory on CPU counts frees that happen on gloo's threads (a sum of profiler events does not).
 """
 from __future__ import annotations
@@ -161,6 +163,13 @@ def _worker():
                       m * run.model.num_layers * 4 * moe_dispatch_bytes(run.model.config, ep=2, elem=4,
                                                                         tokens=run.cfg.train.seq_length))
     del run
+    # ... under ZeRO-2: the dense set's gradients and state sharded over dp = 2, the experts' over edp = 1.
+    run = build_moe(["parallel.ep=2", "optim.distributed=true", "optim.zero_stage=2"])
+    with PeakMemory() as peak:
+        run.trainer.train_step(run.train_loader)
+    r = run.trainer.memory.ranks[run.trainer.pp_rank]
+    out["ep2-zero2"] = (_state(run), _predicted_state(run), sum(_state(run)) + peak.peak, r.total)
+    del run
     gc.collect()
     # Reduce-scatters whose input the gloo thread frees: the allocator's total sees it, events do not.
     group = Mesh.build(ParallelDims.for_world(dist.get_world_size())).dp
@@ -220,6 +229,38 @@ def test_ep2_state_exact_plan_counts_half_the_experts_and_peak_within_10_percent
         assert state == predicted_state, (rank, state, predicted_state)
         assert plan_numel == held, (rank, plan_numel, held)
         assert abs(predicted - measured) <= 0.10 * measured, (rank, measured, predicted)
+
+
+def test_ep2_zero2_state_exact_with_experts_sharded_over_edp(two_ranks):
+    """ZeRO-2 at ep2 (dp2, edp1): the dense gradients and state count half, the experts' whole (their edp
+    group is one rank), byte for byte; the peak within 10%."""
+    for rank, out in enumerate(two_ranks):
+        state, predicted_state, measured, predicted = out["ep2-zero2"]
+        assert state == predicted_state, (rank, state, predicted_state)
+        assert state != out["ep2"][0]  # sharding moved bytes
+        assert abs(predicted - measured) <= 0.10 * measured, (rank, measured, predicted)
+
+
+def test_memory_plan_shards_the_experts_over_edp():
+    """The start-up plan (engine.assembly.memory_plan): under ZeRO a rank's expert parameters carry their
+    state (ZeRO-2: and gradients, ZeRO-3: and parameters) over edp = dp / ep, the rest over dp."""
+    from engine.assembly import memory_plan
+    from engine.memory import stage_param_sizes
+    from models.hook import ModelHook
+    from tests.parallel.test_moe_training import HF, _config
+
+    model = ModelHook.from_hf(HF, dtype=torch.float32)
+    sizes = stage_param_sizes(model, tp=1, ep=2, layer_range=(0, model.num_layers), pre_process=True,
+                              post_process=True)
+    n, e = sum(x[1] for x in sizes), sum(x[1] for x in sizes if x[3])
+    assert 0 < e < n
+    # fp32: parameters 4, gradients 4, Adam moments 8 bytes (the parameters are their own masters)
+    for zero, want in ((0, n * 16), (1, (n - e) * (8 + 8 / 4) + e * (8 + 8 / 2)),
+                       (2, (n - e) * (4 + 12 / 4) + e * (4 + 12 / 2)), (3, (n - e) * 16 / 4 + e * 16 / 2)):
+        sets = ["parallel.ep=2"] + (["optim.distributed=true", f"optim.zero_stage={zero}"] if zero else [])
+        plan = memory_plan(_config(sets), model, world=4, available=10**12)
+        assert plan.numel == n and plan.need == pytest.approx(want, rel=1e-12), (zero, plan.need, want)
+        assert ("edp = 2" in plan.line()) == (zero > 0), plan.line()
 
 
 def test_ep2_all_to_all_bytes_near_the_planners_balanced_figure(two_ranks):

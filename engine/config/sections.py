@@ -437,6 +437,9 @@ class OptimConfig(Section):
             raise ValueError("optim.overlap_param_gather=true is for zero_stage 1 and 2 (the post-step parameter "
                              "gather); zero_stage=3 gathers each layer before use and prefetches the next one "
                              "itself: set optim.overlap_param_gather=false")
+        if self.zero_stage != 1 and not self.distributed:  # a ZeRO stage with nothing sharded would be ignored
+            raise ValueError(f"optim.zero_stage={self.zero_stage} applies only to the sharded optimizer; set "
+                             "optim.distributed=true to use it, or leave optim.zero_stage unset")
         if self.overlap_param_gather and not self.distributed:
             raise ValueError("optim.overlap_param_gather=true needs the sharded optimizer; set "
                              "optim.distributed=true or optim.overlap_param_gather=false")

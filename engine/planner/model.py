@@ -9,9 +9,11 @@ memory is the start-up report's, byte for byte.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import load_config
 from engine.config.schema import TesselConfig
@@ -19,8 +21,35 @@ from models.hook import ModelHook, hf_config_from_run
 
 
 @dataclass(frozen=True)
+class PlanHook(ModelHook):
+    """A :class:`ModelHook` whose per-stage parameter lists are remembered: a plan asks for the same
+    stages (tp, layer range, first/last) hundreds of times across layouts (engine/memory.py's buffer
+    layout per pipeline rank, the state bound of every candidate), and deriving one walks every
+    parameter of every layer. The lists are the hook's own, shared read-only."""
+
+    _memo: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
+
+    def stage_params(self, *, tp: int, layer_range: tuple[int, int], pre_process: bool, post_process: bool,
+                     ep: int = 1):
+        key = ("params", tp, tuple(layer_range), pre_process, post_process, ep)
+        if key not in self._memo:
+            self._memo[key] = tuple(super().stage_params(tp=tp, layer_range=layer_range, pre_process=pre_process,
+                                                         post_process=post_process, ep=ep))
+        return list(self._memo[key])
+
+    def stage_param_sizes(self, *, tp: int, layer_range: tuple[int, int], pre_process: bool,
+                          post_process: bool) -> list[tuple[str, int, bool]]:
+        key = ("sizes", tp, tuple(layer_range), pre_process, post_process)
+        if key not in self._memo:
+            self._memo[key] = tuple(super().stage_param_sizes(tp=tp, layer_range=layer_range,
+                                                              pre_process=pre_process, post_process=post_process))
+        return list(self._memo[key])
+
+
+@dataclass(frozen=True)
 class PlanModel:
-    """``base``: a TesselConfig as a dict (model section complete); ``hook``: the model; ``name`` for output."""
+    """``base``: a TesselConfig as a dict (model section complete); ``hook``: the model (a :class:`PlanHook`);
+    ``name`` for output."""
 
     base: dict
     hook: ModelHook
@@ -31,38 +60,54 @@ class PlanModel:
         return self.hook.config
 
     def run_config(self, *, tp: int, pp: int, vp: int, dp: int, cp: int, mbs: int, gbs: int, seq: int,
-                   recompute: str, zero: int, dtype: str | None = None, fp8: bool = False, ep: int = 1) -> TesselConfig:
+                   recompute: str, zero: int, dtype: str | None = None, fp8: bool = False, ep: int = 1,
+                   sequence_parallel: bool = True, tp_overlap: str = "none") -> TesselConfig:
         """The validated run config of one layout (ValueError: the layout is illegal, and why). ``ep`` > 1:
-        expert parallelism inside dp (the config refuses it with ZeRO, cp or a dense model)."""
+        expert parallelism inside dp (the config refuses it with ZeRO, cp or a dense model); sequence
+        parallelism whenever tp > 1 unless ``sequence_parallel`` is false; ``tp_overlap``: parallel.tp_overlap."""
+        base = self.base_config
+        par = {"tp": tp, "pp": pp, "vp": vp, "dp": dp, "cp": cp, "ep": ep,
+               "sequence_parallel": sequence_parallel and tp > 1, "tp_overlap": tp_overlap,
+               "schedule": "interleaved" if vp > 1 else "1f1b", "pipeline_layout": None, "p2p_early_recv": False}
+        if cp > 1:
+            par.update(cp_comm="ring", cp_a2a_size=_default(base.parallel, "cp_a2a_size"))
+        train = {"micro_batch_size": mbs, "global_batch_size": gbs, "seq_length": seq,
+                 "activation_checkpointing": recompute, "recompute_num_layers": None}
+        optim = {"distributed": zero > 0, "zero_stage": max(zero, 1)}
+        if zero in (0, 3):  # the post-step parameter gather exists at ZeRO 1 and 2 only
+            optim["overlap_param_gather"] = False
+        model = {"fp8": "tensorwise" if fp8 else "none"}
+        if dtype is not None:
+            model["dtype"] = dtype
+        positions = base.model.max_position_embeddings
+        if positions is not None and positions < seq:
+            model["max_position_embeddings"] = seq
+        # each section re-validated by its own __post_init__, then the config's cross-section checks: the
+        # config TesselConfig.from_dict would give (tests/engine/test_planner.py round-trips it), without
+        # re-parsing every section's typed fields per layout
+        return dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, **par),
+                                   train=dataclasses.replace(base.train, **train),
+                                   optim=dataclasses.replace(base.optim, **optim),
+                                   model=dataclasses.replace(base.model, **model))
+
+    @functools.cached_property
+    def base_config(self) -> TesselConfig:
+        """``base`` parsed once (without its source and overrides)."""
         data = copy.deepcopy(self.base)
         for key in ("source", "overrides"):
             data.pop(key, None)
-        par = data.setdefault("parallel", {})
-        par.update(tp=tp, pp=pp, vp=vp, dp=dp, cp=cp, ep=ep, sequence_parallel=tp > 1,
-                   schedule="interleaved" if vp > 1 else "1f1b", pipeline_layout=None, p2p_early_recv=False)
-        if cp > 1:
-            par["cp_comm"] = "ring"
-            par.pop("cp_a2a_size", None)
-        tr = data.setdefault("train", {})
-        tr.update(micro_batch_size=mbs, global_batch_size=gbs, seq_length=seq, activation_checkpointing=recompute,
-                  recompute_num_layers=None)
-        opt = data.setdefault("optim", {})
-        opt.update(distributed=zero > 0, zero_stage=max(zero, 1))
-        if zero == 0:
-            opt["overlap_param_gather"] = False
-        model = data.setdefault("model", {})
-        if dtype is not None:
-            model["dtype"] = dtype
-        model["fp8"] = "tensorwise" if fp8 else "none"
-        if model.get("max_position_embeddings") is not None and model["max_position_embeddings"] < seq:
-            model["max_position_embeddings"] = seq
         return TesselConfig.from_dict(data)
+
+
+def _default(section, name: str):
+    field_ = next(f for f in dataclasses.fields(section) if f.name == name)
+    return field_.default_factory() if field_.default is dataclasses.MISSING else field_.default
 
 
 def _hook(cfg: TesselConfig) -> ModelHook:
     hf = hf_config_from_run(cfg.model, vocab_size=None)
-    return ModelHook.from_hf(hf, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
-                             fused_cross_entropy=cfg.model.fused_cross_entropy)
+    return PlanHook.from_hf(hf, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+                            fused_cross_entropy=cfg.model.fused_cross_entropy)
 
 
 def from_preset(path: str, overrides=()) -> PlanModel:
@@ -107,5 +152,5 @@ def from_dims(*, family: str, hidden_size: int, num_layers: int, num_heads: int,
     hf = hf_config_from_run(cfg.model, vocab_size=None)
     if num_experts:
         hf.update(num_local_experts=num_experts, num_experts_per_tok=top_k)
-    hook = ModelHook.from_hf(hf, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+    hook = PlanHook.from_hf(hf, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
     return PlanModel(base=cfg.to_dict(), hook=hook, name=f"{family}-h{hidden_size}-l{num_layers}")

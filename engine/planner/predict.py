@@ -26,15 +26,14 @@ and the tests that assert it against the allocator use the same call). Step time
 """
 from __future__ import annotations
 
-import functools
+import dataclasses
 from dataclasses import dataclass, field
 
 from engine.memory import MemoryPrediction, predict_memory
 from engine.metrics import model_flops_per_step
 from engine.planner.hardware import GPU
+from engine.planner.pipeline import memory_schedules, pipeline_time, schedule
 from models.hook import flops_spec
-from parallel.pipeline import build_schedule
-from parallel.pipeline.simulate import dataflow_times
 from parallel.pipeline.split import split_layers
 
 GIB = 2 ** 30
@@ -333,24 +332,6 @@ def stage_costs(model, lay: Layout, tr: Training, cluster: Cluster) -> list[_Cos
     return out
 
 
-@functools.lru_cache(maxsize=64)
-def _schedule_order(name: str, pp: int, vp: int, microbatches: int):
-    schedule = build_schedule(name, pp=pp, vp=vp, microbatches=microbatches)
-    return [[a.key for a in actions] for actions in schedule.ranks], schedule.num_stages, schedule.placement
-
-
-def pipeline_time(name: str, *, pp: int, vp: int, microbatches: int, fwd, bwd, p2p: float):
-    """(makespan, busy seconds per rank) of the schedule ``name`` by parallel/pipeline/simulate.py's
-    dataflow model (:func:`simulate` without its validation pass: ``build_schedule``'s schedules are
-    validated by their own tests, and validating costs 20x the simulation at hundreds of micro-batches)."""
-    order, num_stages, placement = _schedule_order(name, pp, vp, microbatches)
-    times = dataflow_times(order, pp=pp, num_stages=num_stages, fwd=tuple(fwd), bwd=tuple(bwd), wgt=None,
-                           latency=float(p2p), placement=placement)
-    makespan = max(ts[-1][1] for ts in times if ts)
-    busy = [sum(e - b for b, e in ts) for ts in times]
-    return makespan, busy
-
-
 def expert_numel(model, lay: Layout, pp_rank: int) -> int:
     """Expert parameters pipeline rank ``pp_rank`` holds at ``lay.ep`` (1/ep of each MoE layer's, TP-local;
     unpadded: the padding of the expert buffer is at most dp elements per bucket)."""
@@ -358,8 +339,8 @@ def expert_numel(model, lay: Layout, pp_rank: int) -> int:
     from parallel.pipeline.actions import rank_stages
 
     ranges = split_layers(model.config.num_layers, lay.pp * lay.vp)
-    placement = build_schedule("interleaved" if lay.vp > 1 else "1f1b", pp=lay.pp, vp=lay.vp,
-                               microbatches=lay.pp).placement
+    placement = schedule("interleaved" if lay.vp > 1 else "1f1b", pp=lay.pp, vp=lay.vp,
+                         microbatches=lay.pp).placement
     return sum(n for st in rank_stages(pp_rank, pp=lay.pp, vp=lay.vp, placement=placement)
                for _, n, _, expert in stage_param_sizes(model.hook, tp=lay.tp, ep=lay.ep, layer_range=ranges[st],
                                                         pre_process=st == 0, post_process=st == lay.pp * lay.vp - 1)
@@ -387,11 +368,10 @@ def predict(model, lay: Layout, tr: Training, cluster: Cluster, *, steady_state:
     # stages. Simulating m_sim keeps plans of thousands of micro-batches fast; tests/engine/test_planner.py
     # checks both against the full schedule.
     m_sim = min(m, lay.pp * (lay.vp + 3)) if steady_state else m
-    if m_sim != m:
-        cfg = model.run_config(tp=lay.tp, pp=lay.pp, vp=lay.vp, dp=lay.dp, cp=lay.cp, mbs=lay.mbs,
-                               gbs=m_sim * lay.dp * lay.mbs, seq=tr.seq_length, recompute=tr.recompute,
-                               zero=tr.zero, dtype=dtype, fp8=tr.precision == "fp8", ep=lay.ep)
-    memory = predict_memory(cfg, model.hook, world=world, device=cluster.device)
+    if m_sim != m:  # the same validated config with fewer micro-batches (re-parsing it costs more than all else)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=m_sim * lay.dp * lay.mbs))
+    with memory_schedules():
+        memory = predict_memory(cfg, model.hook, world=world, device=cluster.device)
     costs = stage_costs(model, lay, tr, cluster)
     fwd = [sum(cs.fwd.values()) for cs in costs]
     bwd = [sum(cs.bwd.values()) for cs in costs]

@@ -350,6 +350,8 @@ def test_toml_error_names_the_file(tmp_path):
     (["optim.decay_style=step"], "optim.decay_style='step' is not valid"),
     (["optim.overlap_param_gather=true"],
      "optim.overlap_param_gather=true needs the sharded optimizer"),
+    (["optim.distributed=false", "optim.zero_stage=3"],
+     r"optim.zero_stage=3 applies only to the sharded optimizer; set optim.distributed=true"),
     (["optim.no_decay_on=norms,bias"], "optim.no_decay_on[1]='bias' is not a parameter group"),
     (["optim.no_decay_on=norms,norms"], "repeats a group"),
     (["optim.nonfinite=ignore"],

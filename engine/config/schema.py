@@ -166,9 +166,6 @@ class TesselConfig:
 
         par = self.parallel
         check_tp_overlap(par.tp_overlap, tp=par.tp, sequence_parallel=par.sequence_parallel, device_type="any")
-        if par.tp_overlap != "none" and self.model.fp8 != "none":
-            raise ValueError(f"parallel.tp_overlap={par.tp_overlap!r} with model.fp8={self.model.fp8!r}: FP8 ring "
-                             "collective matmuls are not implemented; set one of them to 'none'")
 
     def _check_expert_parallel(self) -> None:
         p, o = self.parallel, self.optim

@@ -336,13 +336,22 @@ def _check(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: str, state
         raise ValueError(f"{_OP}: state is only used by recipe='delayed', not {recipe!r}; pass state=None")
 
 
-def _pad_rows(t: Tensor) -> Tensor:
+def pad_rows(t: Tensor) -> Tensor:
     """Zero rows up to a multiple of ALIGN (the weight gradient contracts over the rows)."""
     extra = -t.shape[0] % ALIGN
     return torch.nn.functional.pad(t, (0, 0, 0, extra)) if extra else t
 
 
-class _Scaler:
+def weight_grad_requantized(recipe: str, gemm, g: Tensor, x: Tensor, w_dtype: torch.dtype) -> Tensor:
+    """``dw = g.T @ x`` (g (M, N), x (M, K)) for the row and block recipes, which quantise g and x again
+    along the tokens M (zero-padded to ALIGN): per row of the transposes, or in 1 x 128 tiles."""
+    quantize = quantize_rowwise if recipe == "rowwise" else quantize_tiles
+    gt = quantize(pad_rows(g).t(), E5M2)  # (N, M')
+    xt = quantize(pad_rows(x).t(), E4M3)  # (K, M')
+    return gemm(gt, xt, torch.float32).to(w_dtype)
+
+
+class Scaler:
     """Per-tensor scales of one call: current (tensorwise, or delayed before its first update) or
     from the delayed state; amaxes of sharded operands reduced with ``amax_reduce``."""
 
@@ -359,6 +368,16 @@ class _Scaler:
         if role in self.reduce:
             amax = self.reduce[role](amax)
         return amax_to_scale(amax, _FORMAT[role])
+
+    def scales(self, items: list[tuple[str, Tensor]], reduce: AmaxReduce) -> list[Tensor]:
+        """The scales of several operands, their current amaxes reduced by ONE call of ``reduce`` on
+        the stacked (n,) tensor (a collective matmul reduces a shard's amax beside the weight's)."""
+        if not self.current:
+            return [self.scale(role, t) for role, t in items]
+        amax = torch.cat([t.float().abs().amax().reshape(1) if t.numel() else t.new_zeros(1, dtype=torch.float32)
+                          for _, t in items])  # (n,)
+        amax = reduce(amax)
+        return [amax_to_scale(amax[i:i + 1], _FORMAT[role]) for i, (role, _) in enumerate(items)]
 
     def record(self, role: str, amax: Tensor) -> None:
         if self.state is not None and self.recording:
@@ -406,30 +425,26 @@ class _Fp8Linear(torch.autograd.Function):
                 grad_x = gemm(gq, Quantized(wt_data, wt_inv, "tensor"), ctx.out_dtype)  # (M, K)
             if need_w:
                 gq_t = Quantized(gq.data.t().contiguous(), gq.scale_inv, "tensor")  # (N, M)
-                grad_w = _wgrad(gemm, gq_t, Quantized(xt_data, xt_inv, "tensor"), ctx.w_dtype)
+                grad_w = wgrad_from_transposes(gemm, gq_t, Quantized(xt_data, xt_inv, "tensor"), ctx.w_dtype)
         elif recipe == "rowwise":
             x, weight = ctx.saved_tensors
             if need_x:
                 grad_x = gemm(quantize_rowwise(g, E5M2), quantize_rowwise(weight.t(), E4M3), ctx.out_dtype)
             if need_w:
-                gt = quantize_rowwise(_pad_rows(g).t(), E5M2)  # (N, M')
-                xt = quantize_rowwise(_pad_rows(x).t(), E4M3)  # (K, M')
-                grad_w = gemm(gt, xt, torch.float32).to(ctx.w_dtype)
+                grad_w = weight_grad_requantized(recipe, gemm, g, x, ctx.w_dtype)
         else:
             x, w_data, w_inv = ctx.saved_tensors
             if need_x:
                 wq_t = Quantized(w_data, w_inv, "block").t()  # (K, N)
                 grad_x = gemm(quantize_tiles(g, E5M2), wq_t, ctx.out_dtype)
             if need_w:
-                gt = quantize_tiles(_pad_rows(g).t(), E5M2)   # (N, M') tiles along M
-                xt = quantize_tiles(_pad_rows(x).t(), E4M3)   # (K, M')
-                grad_w = gemm(gt, xt, torch.float32).to(ctx.w_dtype)
+                grad_w = weight_grad_requantized(recipe, gemm, g, x, ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.float().sum(0).to(ctx.w_dtype)
         return grad_x, grad_w, grad_b, None, None, None
 
 
-def _wgrad(gemm, gq_t: Quantized, xq_t: Quantized, w_dtype: torch.dtype) -> Tensor:
+def wgrad_from_transposes(gemm, gq_t: Quantized, xq_t: Quantized, w_dtype: torch.dtype) -> Tensor:
     """``dw = dy.T @ x`` from per-tensor fp8 transposes (N, M) and (K, M); M padded to ALIGN."""
     extra = -gq_t.data.shape[1] % ALIGN
     if extra:
@@ -455,6 +470,6 @@ def fp8_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, 
     x2d = input.reshape(-1, input.shape[-1])  # (M, K)
     gemm = scaled_gemm_reference if reference else scaled_gemm
     # Per-tensor scales: built here, where grad mode is still the caller's (evaluation records no amax).
-    scaler = _Scaler(recipe, state, dict(amax_reduce or {})) if recipe in ("tensorwise", "delayed") else None
+    scaler = Scaler(recipe, state, dict(amax_reduce or {})) if recipe in ("tensorwise", "delayed") else None
     y = _Fp8Linear.apply(x2d, weight, bias, recipe, scaler, gemm)
     return y.reshape(*lead, weight.shape[0])  # (..., N)

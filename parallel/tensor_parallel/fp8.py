@@ -28,54 +28,65 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from engine.ops.fp8_linear import RECIPES, DelayedScaling, check_fp8_shapes, delayed_states, fp8_linear, \
+from engine.ops.fp8_linear import RECIPES, DelayedScaling, Scaler, check_fp8_shapes, delayed_states, fp8_linear, \
     update_delayed_states
 from parallel import comm
 from parallel.comm import Group
 from parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp
+from parallel.tensor_parallel.fp8_ring import fp8_ring_column, fp8_ring_row, max_over
 from parallel.tensor_parallel.layers import ColumnParallelLinear, LinearImpl, RowParallelLinear
+from parallel.tensor_parallel.overlap import RingLinearImpl
 
 ALWAYS_EXCLUDED = ("output_layer",)
 
 
-def _max_over(group: Group):
-    def reduce(amax: torch.Tensor) -> torch.Tensor:
-        out = amax.clone()
-        comm.all_reduce(out, group, op="max")
-        return out
-    return reduce
-
-
 class Fp8LinearImpl(LinearImpl):
-    """One layer's FP8 strategy: ``recipe`` and, for ``delayed``, that layer's scaling ``state``."""
+    """One layer's FP8 strategy: ``recipe`` and, for ``delayed``, that layer's scaling ``state``.
+    ``ring``: sequence-parallel layers run as FP8 ring collective matmuls (parallel.tp_overlap = "ring";
+    parallel/tensor_parallel/fp8_ring.py), computing what the non-ring path computes."""
 
-    def __init__(self, recipe: str, *, state: DelayedScaling | None = None):
+    def __init__(self, recipe: str, *, state: DelayedScaling | None = None, ring: bool = False):
         if recipe not in RECIPES:
             raise ValueError(f"FP8 recipe {recipe!r} is not one of {RECIPES}")
-        self.recipe, self.state = recipe, state
+        self.recipe, self.state, self.ring = recipe, state, ring
+        self.overlap_comm = ring
+
+    def _scaler(self, group: Group, sharded: Sequence[str]) -> Scaler | None:
+        """The per-tensor recipes' scales of one ring call (the ring reduces what it holds in chunks itself)."""
+        if self.recipe not in ("tensorwise", "delayed"):
+            return None
+        return Scaler(self.recipe, self.state, self._reduce(group, sharded))
 
     def _reduce(self, group: Group, sharded: Sequence[str]) -> dict:
         if self.recipe != "tensorwise" and not (self.recipe == "delayed" and not self.state.started):
             return {}  # row/block scales are local; delayed reduces once per step (update_fp8)
         if group.size == 1:
             return {}
-        r = _max_over(group)
+        r = max_over(group)
         return {role: r for role in sharded}
 
     def column_forward(self, x, weight, bias, *, group, sequence_parallel, gather_output):
+        if self.ring and sequence_parallel and group.size > 1:
+            y = fp8_ring_column(x, weight, bias, recipe=self.recipe, group=group,
+                                scaler=self._scaler(group, ("weight", "grad_output")))  # (s, b, out/tp)
+            return gather_from_tp(y, group) if gather_output else y
         x = gather_from_sp(x, group) if sequence_parallel else copy_to_tp(x, group)  # (s, b, in)
         y = fp8_linear(x, weight, bias, recipe=self.recipe, state=self.state,
                        amax_reduce=self._reduce(group, ("weight", "grad_output")))  # (s, b, out/tp)
         return gather_from_tp(y, group) if gather_output else y
 
     def row_forward(self, x, weight, bias, *, group, sequence_parallel):
+        if self.ring and sequence_parallel and group.size > 1:
+            y = fp8_ring_row(x, weight, recipe=self.recipe, group=group,
+                             scaler=self._scaler(group, ("input", "weight")))  # (s/tp, b, out)
+            return y if bias is None else y + bias
         y = fp8_linear(x, weight, None, recipe=self.recipe, state=self.state,
                        amax_reduce=self._reduce(group, ("input", "weight")))  # (s, b, out) partial
         y = reduce_scatter_to_sp(y, group) if sequence_parallel else reduce_from_tp(y, group)
         return y if bias is None else y + bias
 
     def __repr__(self) -> str:
-        return f"Fp8LinearImpl({self.recipe!r})"
+        return f"Fp8LinearImpl({self.recipe!r}{', ring=True' if self.ring else ''})"
 
 
 def _excluded(name: str, exclude: Iterable[str]) -> bool:
@@ -120,7 +131,8 @@ def apply_fp8(stage: nn.Module, recipe: str, *, exclude: Sequence[str] = (), his
         if recipe == "delayed":
             state = DelayedScaling(history_len=history_len, margin=margin, device=mod.weight.device)
             mod.fp8_scaling = state
-        mod.impl = Fp8LinearImpl(recipe, state=state)
+        # A ring layer (parallel.tp_overlap = "ring") stays a ring, with FP8 GEMMs.
+        mod.impl = Fp8LinearImpl(recipe, state=state, ring=isinstance(mod.impl, RingLinearImpl))
         converted.append(name)
     return converted
 

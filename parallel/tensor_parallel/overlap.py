@@ -131,14 +131,18 @@ class _ReduceScatterRing:
         return self.cw if self.ccw is None else self.cw + self.ccw
 
 
-def run_rings(group: Group, *rings) -> None:
+def run_rings(group: Group, *rings, under_first=None) -> None:
     """Run rings of the same group in lockstep: each round's transfers of every ring go out in ONE
     batch, every ring's compute runs under them, then one wait. Fusing two rings (a column-parallel
-    backward's regather of x and reduce-scatter of dx) halves the waits and puts two GEMMs under each."""
+    backward's regather of x and reduce-scatter of dx) halves the waits and puts two GEMMs under each.
+    ``under_first``: work with no transfer of its own, run under the first round's (a weight gradient
+    whose operands are all local)."""
     for k in range(rings[0].rounds):
         works = comm.batch_p2p([op for ring in rings for op in ring.sends(k)], group)
         for ring in rings:
             ring.compute(k)  # under the transfer
+        if k == 0 and under_first is not None:
+            under_first()
         comm.wait(works, group)
         for ring in rings:
             ring.arrived(k)
@@ -152,11 +156,11 @@ def ring_all_gather(shard: torch.Tensor, group: Group, consume) -> None:
     ring.finish()
 
 
-def ring_reduce_scatter(group: Group, partial) -> torch.Tensor:
+def ring_reduce_scatter(group: Group, partial, *, under_first=None) -> torch.Tensor:
     """The sum over ranks of ``partial(c)`` for c = this rank: ``partial(c)`` is this rank's
     contribution to sequence chunk c, computed while the previous running sums travel."""
     ring = _ReduceScatterRing(group, partial)
-    run_rings(group, ring)
+    run_rings(group, ring, under_first=under_first)
     return ring.finish()
 
 

@@ -142,6 +142,8 @@ DEFAULT_ROWS: tuple[Row, ...] = (
     Row(L(dp=2, ep=2), "plain", family="mixtral", reshard=L(tp=2, sp=True)),
     # ZeRO with experts: expert state sharded over edp (2 ranks), the rest over dp (4); resumed into ZeRO-3 at ep4.
     Row(L(dp=4, ep=2), "zero2", family="mixtral", reshard=L(dp=4, ep=4), reshard_optimizer="zero3"),
+    # FP8 ring collective matmuls (docs/fp8.md): the delayed recipe's state resumes into the non-ring FP8 path.
+    Row(L(tp=2, pp=2, sp=True, tp_overlap="ring"), "plain", fp8="delayed", reshard=L(dp=2, tp=2, sp=True)),
 )
 METHODS = ("pretrain", "sft", "dpo", "grpo")
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
@@ -161,7 +163,6 @@ REFUSED: tuple[tuple[tuple[str, ...], str], ...] = (
     (("model.fp8_margin=1",), "model.fp8 = 'none'"),
     (("parallel.tp_overlap=symm_mem",), "symm_mem"),
     (("parallel.tp_overlap=ring", "parallel.sequence_parallel=false"), "sequence_parallel = true"),
-    (("parallel.tp_overlap=ring", "model.fp8=delayed"), "FP8 ring collective matmuls are not implemented"),
     # Expert parallelism (docs/moe.md): ep x cp is not built.
     (("parallel.ep=2", "parallel.cp=2"), "expert parallelism together with context parallelism is not built"),
     # Split backward (docs/pipeline.md) does not compose with ZeRO-3, V placement included.
@@ -202,6 +203,13 @@ def full_rows() -> list[Row]:
         rows.append(Row(layout, opt, dtype, False, "llama", reshard=L(dp=4) if layout != L(dp=4) else L(tp=2, pp=2),
                         fp8=recipe,
                         recompute=RECOMPUTE_CYCLE[(layouts.index(layout) + FP8_RECIPES.index(recipe)) % 3]))
+    # FP8 with the ring collective matmuls: every recipe on both ring layouts with TP = 2, fp32 and bf16.
+    for layout, recipe, dtype in itertools.product([L(dp=2, tp=2, sp=True, tp_overlap="ring"),
+                                                    L(tp=2, pp=2, sp=True, tp_overlap="ring")], FP8_RECIPES,
+                                                   ("fp32", "bf16")):
+        opt = "plain" if layout.dp == 1 else ("zero1", "zero2", "overlap_param_gather", "plain")[
+            FP8_RECIPES.index(recipe)]
+        rows.append(Row(layout, opt, dtype, False, "llama", reshard=L(dp=4), fp8=recipe))
     # Post-training from a converted base: every layout, each method (SFT also with LoRA), fp32, one
     # optimizer mode each. GRPO resumes into a layout of the same dp size (its rollout seeds are per dp rank).
     same_dp = {1: [L(tp=2, pp=2, sp=True), L(tp=4), L(pp=4)], 2: [L(dp=2, tp=2, sp=True), L(dp=2, pp=2)], 4: [L(dp=4)]}

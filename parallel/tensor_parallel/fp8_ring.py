@@ -1,0 +1,264 @@
+"""FP8 ring collective matmuls: ``parallel.tp_overlap = "ring"`` with ``model.fp8``.
+
+The rings of parallel/tensor_parallel/overlap.py with every GEMM in FP8 through engine/ops/fp8_linear.py's
+quantisers and ``scaled_gemm``, computing what the non-ring FP8 path (:class:`Fp8LinearImpl` without the
+ring: gather in high precision, ``fp8_linear``, reduce-scatter) computes:
+
+    column forward    the gather ring moves the high-precision x shards (the all-gather's bytes); each
+                      chunk is quantised as it arrives with the scale of the WHOLE gathered x, and its rows
+                      of y are one FP8 GEMM. Saved for backward: what the non-ring path saves of the
+                      gathered x (fp8 x^T for the per-tensor recipes, x itself for row/block), assembled
+                      from the chunks, so the backward regathers nothing (as the non-ring FP8 path).
+    column backward   dy (s, b, out/tp) is quantised whole as in the non-ring path; dx's reduce-scatter is
+                      a ring of per-chunk FP8 GEMMs, and the weight-gradient GEMM (all its operands are
+                      local) runs under the ring's first round.
+    row forward       x (s, b, in/tp) is quantised whole (its amax reduced over tp, as the non-ring
+                      path does); the reduce-scatter ring sums per-chunk FP8 GEMMs.
+    row backward      the gather ring moves high-precision dy chunks; each is quantised on arrival with
+                      the scale of the whole gathered dy and gives its rows of dx; the weight gradient
+                      is one GEMM over the assembled dy, as in the non-ring path.
+
+Scales. Row- and block-wise recipes scale rows and 1 x 128 tiles of the token dimension, which a
+sequence chunk never splits: no communication, the same scales as the non-ring path. The per-tensor
+recipes (``tensorwise``, and ``delayed`` before its first update) need the amax of a tensor that the
+ring only ever holds in chunks -- the column input in forward and the row output-gradient in
+backward -- so its shard's amax is all-reduced (MAX) over tp: 4 bytes. In the column forward it rides
+in the weight's amax all-reduce (one stacked call of 8 bytes instead of 4: no extra call); in the row
+backward it is one extra call of 4 bytes. ``delayed`` after its first update scales from its history
+(nothing reduced per call); each chunk's amax is recorded, so the state's pending amax is the whole
+tensor's, as in the non-ring path.
+
+Results: the same quantised values and the same scales as the non-ring FP8 path; the per-chunk GEMMs
+give the rows of the whole GEMM, and sums over ranks are added in the ring's order (at tp 2, two
+terms: the same float).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from engine.ops.fp8_linear import (E4M3, E5M2, Quantized, Scaler, quantize_blocks, quantize_rowwise,
+                                   quantize_tensorwise, quantize_tiles, scaled_gemm, weight_grad_requantized,
+                                   wgrad_from_transposes)
+from parallel import comm
+from parallel.comm import Group
+from parallel.tensor_parallel.overlap import ring_all_gather, ring_reduce_scatter
+
+PER_TENSOR = ("tensorwise", "delayed")
+
+
+def _rows(t: Tensor, c: int, n: int) -> Tensor:
+    return t[c * n:(c + 1) * n]  # rows of sequence chunk c in a (M, C) matrix (n = rows per chunk)
+
+
+def max_over(group: Group):
+    """An amax reduction (all-reduce MAX over ``group``, through parallel/comm) for fp8_linear's scalers."""
+    def reduce(amax: Tensor) -> Tensor:
+        out = amax.clone()
+        comm.all_reduce(out, group, op="max")
+        return out
+    return reduce
+
+
+class _Fp8RingColumn(torch.autograd.Function):
+    """(s/tp, b, in) -> (s, b, out/tp) = FP8(all_gather(x) @ W^T) + b, as a ring."""
+
+    @staticmethod
+    def forward(ctx, x_shard, weight, bias, recipe, scaler, group):
+        k = x_shard.shape[-1]
+        n = x_shard.numel() // k  # rows of one chunk
+        m = n * group.size
+        out_dtype = x_shard.dtype
+        ctx.recipe, ctx.scaler, ctx.group, ctx.n = recipe, scaler, group, n
+        ctx.out_dtype, ctx.w_dtype, ctx.has_bias = out_dtype, weight.dtype, bias is not None
+        y = x_shard.new_empty((m, weight.shape[0]))  # (M, out/tp)
+        bias_c = None if bias is None else bias.to(out_dtype)
+        if recipe in PER_TENSOR:
+            # The whole gathered x's amax, beside the weight's in the weight's own all-reduce.
+            s_x, s_w = scaler.scales([("input", x_shard), ("weight", weight)], max_over(group))
+            wq, wq_t, w_amax = quantize_tensorwise(weight, E4M3, s_w, transpose=True)
+            scaler.record("weight", w_amax)
+            xq_t = torch.empty((k, m), dtype=E4M3, device=x_shard.device)  # fp8 x^T of the gathered x
+            x_amax = []
+
+            def consume(chunk, c):
+                q, q_t, amax = quantize_tensorwise(chunk.reshape(n, k), E4M3, s_x, transpose=True)
+                out = scaled_gemm(q, wq, out_dtype)  # (n, out/tp)
+                _rows(y, c, n).copy_(out if bias_c is None else out + bias_c)
+                xq_t[:, c * n:(c + 1) * n].copy_(q_t.data)
+                x_amax.append(amax)
+            ring_all_gather(x_shard, group, consume)
+            scaler.record("input", torch.stack(x_amax).amax().reshape(1))
+            x_inv = (1.0 / s_x.reshape(1).float()).reshape(())  # quantize_tensorwise's scale_inv
+            ctx.save_for_backward(xq_t, x_inv, wq_t.data, wq_t.scale_inv)
+        else:
+            wq = quantize_rowwise(weight, E4M3) if recipe == "rowwise" else quantize_blocks(weight, E4M3)
+            quantize = quantize_rowwise if recipe == "rowwise" else quantize_tiles
+            x_full = x_shard.new_empty((m, k))  # the gathered x, saved as the non-ring path saves it
+
+            def consume(chunk, c):
+                rows = chunk.reshape(n, k)
+                out = scaled_gemm(quantize(rows, E4M3), wq, out_dtype)  # (n, out/tp)
+                _rows(y, c, n).copy_(out if bias_c is None else out + bias_c)
+                _rows(x_full, c, n).copy_(rows)
+            ring_all_gather(x_shard, group, consume)
+            if recipe == "rowwise":
+                ctx.save_for_backward(x_full, weight)
+            else:
+                ctx.save_for_backward(x_full, wq.data, wq.scale_inv)
+        return y.view(x_shard.shape[0] * group.size, *x_shard.shape[1:-1], weight.shape[0])  # (s, b, out/tp)
+
+    @staticmethod
+    def backward(ctx, dy):
+        recipe, group, n = ctx.recipe, ctx.group, ctx.n
+        g = dy.reshape(-1, dy.shape[-1]).contiguous()  # (M, out/tp)
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_x = grad_w = grad_b = None
+        shard_shape = (dy.shape[0] // group.size, *dy.shape[1:-1])
+        wgrad = {}
+        if recipe in PER_TENSOR:
+            xt_data, xt_inv, wt_data, wt_inv = ctx.saved_tensors
+            scaler = ctx.scaler
+            gq, _, g_amax = quantize_tensorwise(g, E5M2, scaler.scale("grad_output", g))
+            scaler.record("grad_output", g_amax)
+            wt = Quantized(wt_data, wt_inv, "tensor")  # (K, N)
+
+            def partial(c):
+                return scaled_gemm(Quantized(_rows(gq.data, c, n), gq.scale_inv, "tensor"), wt, ctx.out_dtype)
+
+            def weight_grad():
+                gq_t = Quantized(gq.data.t().contiguous(), gq.scale_inv, "tensor")  # (N, M)
+                wgrad["w"] = wgrad_from_transposes(scaled_gemm, gq_t, Quantized(xt_data, xt_inv, "tensor"), ctx.w_dtype)
+        else:
+            if recipe == "rowwise":
+                x_full, weight = ctx.saved_tensors
+                wt = quantize_rowwise(weight.t(), E4M3)  # (K, N)
+            else:
+                x_full, w_data, w_inv = ctx.saved_tensors
+                wt = Quantized(w_data, w_inv, "block").t()  # (K, N)
+            quantize = quantize_rowwise if recipe == "rowwise" else quantize_tiles
+
+            def partial(c):  # a row or a 1 x 128 tile of dy lies within one chunk: the whole dy's scales
+                return scaled_gemm(quantize(_rows(g, c, n), E5M2), wt, ctx.out_dtype)
+
+            def weight_grad():
+                wgrad["w"] = weight_grad_requantized(recipe, scaled_gemm, g, x_full, ctx.w_dtype)
+        if need_x:
+            k = (xt_data.shape[0] if recipe in PER_TENSOR else x_full.shape[1])
+            grad_x = ring_reduce_scatter(group, lambda c: partial(c).view(*shard_shape, k),
+                                         under_first=weight_grad if need_w else None)  # (s/tp, b, in)
+        elif need_w:
+            weight_grad()
+        grad_w = wgrad.get("w")
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.float().sum(0).to(ctx.w_dtype)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+class _Fp8RingRow(torch.autograd.Function):
+    """(s, b, in/tp) -> (s/tp, b, out) = reduce_scatter(FP8(x @ W^T)), as a ring."""
+
+    @staticmethod
+    def forward(ctx, x, weight, recipe, scaler, group):
+        k = x.shape[-1]
+        x2d = x.reshape(-1, k)  # (M, in/tp)
+        n = x2d.shape[0] // group.size
+        out_dtype = x.dtype
+        ctx.recipe, ctx.scaler, ctx.group, ctx.n = recipe, scaler, group, n
+        ctx.out_dtype, ctx.w_dtype = out_dtype, weight.dtype
+        if recipe in PER_TENSOR:
+            # x and W are sharded along K: each amax all-reduced over tp, as the non-ring path does.
+            xq, xq_t, x_amax = quantize_tensorwise(x2d, E4M3, scaler.scale("input", x2d), transpose=True)
+            wq, wq_t, w_amax = quantize_tensorwise(weight, E4M3, scaler.scale("weight", weight), transpose=True)
+            scaler.record("input", x_amax)
+            scaler.record("weight", w_amax)
+            ctx.save_for_backward(xq_t.data, xq_t.scale_inv, wq_t.data, wq_t.scale_inv)
+
+            def partial(c):
+                return scaled_gemm(Quantized(_rows(xq.data, c, n), xq.scale_inv, "tensor"), wq, out_dtype)
+        else:
+            quantize = quantize_rowwise if recipe == "rowwise" else quantize_tiles
+            xq = quantize(x2d, E4M3)  # row / tile scales: local to each row
+            wq = quantize_rowwise(weight, E4M3) if recipe == "rowwise" else quantize_blocks(weight, E4M3)
+            if recipe == "rowwise":
+                ctx.save_for_backward(x2d, weight)
+            else:
+                ctx.save_for_backward(x2d, wq.data, wq.scale_inv)
+
+            def partial(c):
+                return scaled_gemm(Quantized(_rows(xq.data, c, n), _rows(xq.scale_inv, c, n), xq.granularity), wq,
+                                   out_dtype)
+        shard_shape = (x.shape[0] // group.size, *x.shape[1:-1], weight.shape[0])
+        return ring_reduce_scatter(group, lambda c: partial(c).view(shard_shape))  # (s/tp, b, out)
+
+    @staticmethod
+    def backward(ctx, dy_shard):
+        recipe, group, n = ctx.recipe, ctx.group, ctx.n
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dy_shard = dy_shard.contiguous()
+        n_out = dy_shard.shape[-1]
+        m = n * group.size
+        grad_x = None
+        if recipe in PER_TENSOR:
+            xt_data, xt_inv, wt_data, wt_inv = ctx.saved_tensors
+            scaler, k = ctx.scaler, wt_data.shape[0]
+            wt = Quantized(wt_data, wt_inv, "tensor")  # (K, N)
+            if need_x:
+                grad_x = dy_shard.new_empty((m, k), dtype=ctx.out_dtype)
+            # The scale of the whole gathered dy: its shard's amax all-reduced (MAX) over tp first
+            # (current scaling only; delayed scales from its history).
+            s_g = scaler.scales([("grad_output", dy_shard)], max_over(group))[0]
+            gq = torch.empty((m, n_out), dtype=E5M2, device=dy_shard.device)  # the gathered dy, fp8
+            g_amax = []
+
+            def consume(chunk, c):
+                q, _, amax = quantize_tensorwise(chunk.reshape(n, n_out), E5M2, s_g)
+                _rows(gq, c, n).copy_(q.data)
+                g_amax.append(amax)
+                if need_x:
+                    _rows(grad_x, c, n).copy_(scaled_gemm(q, wt, ctx.out_dtype))  # (n, in/tp)
+        else:
+            if recipe == "rowwise":
+                x2d, weight = ctx.saved_tensors
+                wt = quantize_rowwise(weight.t(), E4M3)  # (K, N)
+            else:
+                x2d, w_data, w_inv = ctx.saved_tensors
+                wt = Quantized(w_data, w_inv, "block").t()  # (K, N)
+            k = x2d.shape[1]
+            if need_x:
+                grad_x = dy_shard.new_empty((m, k), dtype=ctx.out_dtype)
+            quantize = quantize_rowwise if recipe == "rowwise" else quantize_tiles
+            g_full = dy_shard.new_empty((m, n_out))  # the gathered dy, for the weight gradient
+
+            def consume(chunk, c):
+                rows = chunk.reshape(n, n_out)
+                _rows(g_full, c, n).copy_(rows)
+                if need_x:
+                    _rows(grad_x, c, n).copy_(scaled_gemm(quantize(rows, E5M2), wt, ctx.out_dtype))  # (n, in/tp)
+        ring_all_gather(dy_shard, group, consume)
+        grad_w = None
+        if grad_x is not None:
+            grad_x = grad_x.view(dy_shard.shape[0] * group.size, *dy_shard.shape[1:-1], k)  # (s, b, in/tp)
+        if recipe in PER_TENSOR:
+            scaler.record("grad_output", torch.stack(g_amax).amax().reshape(1))
+            if need_w:
+                g_inv = (1.0 / s_g.reshape(1).float()).reshape(())
+                gq_t = Quantized(gq.t().contiguous(), g_inv, "tensor")  # (N, M)
+                grad_w = wgrad_from_transposes(scaled_gemm, gq_t, Quantized(xt_data, xt_inv, "tensor"), ctx.w_dtype)
+        elif need_w:
+            grad_w = weight_grad_requantized(recipe, scaled_gemm, g_full, x2d, ctx.w_dtype)
+        return grad_x, grad_w, None, None, None
+
+
+def fp8_ring_column(x_shard: Tensor, weight: Tensor, bias, *, recipe: str, scaler: Scaler | None,
+                    group: Group) -> Tensor:
+    """(s/tp, b, in) -> (s, b, out/tp): the FP8 column-parallel linear of a sequence-parallel layer as a ring."""
+    return _Fp8RingColumn.apply(x_shard, weight, bias, recipe, scaler, group)
+
+
+def fp8_ring_row(x: Tensor, weight: Tensor, *, recipe: str, scaler: Scaler | None, group: Group) -> Tensor:
+    """(s, b, in/tp) -> (s/tp, b, out): the FP8 row-parallel linear of a sequence-parallel layer as a ring."""
+    if x.shape[0] % group.size:
+        raise ValueError(f"ring row-parallel linear: sequence length {x.shape[0]} is not divisible by "
+                         f"tp={group.size}; pad or pack sequences to a multiple of it")
+    return _Fp8RingRow.apply(x, weight, recipe, scaler, group)

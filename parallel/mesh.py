@@ -18,8 +18,9 @@ Groups provided (all :class:`parallel.comm.Group`, sharing the mesh's :class:`Le
   lm-head gradients are all-reduced over it); just this rank when pp == 1, on middle stages
   (which hold neither copy), and under the V placement (both copies on pp rank 0).
 * ``ep`` and ``edp``: expert parallelism carves ``ep`` out of dp: the dp ranks are split into
-  blocks of ``ep`` consecutive dp indices (``ep`` group), and ``edp`` links the ranks with the same
-  position in every block (expert-data-parallel gradient reduction).
+  blocks of ``ep`` consecutive dp indices (``ep`` group, at one cp index), and ``edp`` links the ranks
+  that hold the same experts: the same position in every block, at every cp index (expert-data-parallel
+  gradient reduction and ZeRO sharding; group rank ``edp_index * cp + cp_index``, dp x cp / ep ranks).
 """
 from __future__ import annotations
 
@@ -254,15 +255,19 @@ def group_rank_lists(name: str, dims: ParallelDims, order: str = DEFAULT_ORDER, 
             out.append([rank_of({**c, "pp": s}, dims, order) for s in stages])
         return out
     if name in ("ep", "edp"):
-        for combo in itertools.product(*(range(getattr(dims, a)) for a in ("pp", "cp", "tp"))):
-            c = dict(zip(("pp", "cp", "tp"), combo))
-            n_blocks = dims.dp // dims.ep
-            if name == "ep":
+        n_blocks = dims.dp // dims.ep
+        if name == "ep":
+            for combo in itertools.product(*(range(getattr(dims, a)) for a in ("pp", "cp", "tp"))):
+                c = dict(zip(("pp", "cp", "tp"), combo))
                 for blk in range(n_blocks):
                     out.append([rank_of({**c, "dp": blk * dims.ep + i}, dims, order) for i in range(dims.ep)])
-            else:
-                for i in range(dims.ep):
-                    out.append([rank_of({**c, "dp": blk * dims.ep + i}, dims, order) for blk in range(n_blocks)])
+            return out
+        # The cp ranks hold the same experts too (they route other tokens of the same sequences).
+        for combo in itertools.product(*(range(getattr(dims, a)) for a in ("pp", "tp"))):
+            c = dict(zip(("pp", "tp"), combo))
+            for i in range(dims.ep):
+                out.append([rank_of({**c, "dp": blk * dims.ep + i, "cp": k}, dims, order)
+                            for blk in range(n_blocks) for k in range(dims.cp)])
         return out
     for combo in itertools.product(*(range(getattr(dims, a)) for a in fixed)):
         c = dict(zip(fixed, combo))

@@ -242,10 +242,10 @@ class TesselConfig:
             raise ValueError(f"train.global_batch_size={gbs} is not divisible by dp * "
                              f"train.micro_batch_size = {dp}*{mbs} = {dp * mbs}; choose a "
                              f"multiple of {dp * mbs}, or change train.micro_batch_size")
-        if (dp * cp) % ep:
-            raise ValueError(f"parallel.ep={ep} does not divide dp*cp = {dp}*{cp} = {dp * cp} "
-                             "(expert parallelism is carved out of the data- and "
-                             f"context-parallel ranks); choose ep among {_divisors(dp * cp)}")
+        if dp % ep:
+            raise ValueError(f"parallel.ep={ep} does not divide dp = {dp} (expert parallelism is carved out of "
+                             f"the data-parallel ranks, at each of the cp={cp} context-parallel indices); choose "
+                             f"ep among {_divisors(dp)}")
 
     # ----------------------------------------------------------------------------------------
     # world size

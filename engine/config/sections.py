@@ -197,7 +197,7 @@ class ParallelConfig(Section):
     """Parallel degrees and layout.
 
     ``dp=-1`` infers the data-parallel size from the world size (see
-    ``TesselConfig.validate_world``). ``ep`` (expert parallel) is carved out of the dp x cp ranks,
+    ``TesselConfig.validate_world``). ``ep`` (expert parallel) is carved out of the dp ranks,
     so it is not a factor of the world size. ``order`` lists the mesh axes outermost first: in
     the default "dp-pp-cp-tp", tp is innermost (consecutive ranks form a TP group).
     ``pipeline_layout`` gives the number of transformer layers of each of the ``pp * vp``
@@ -215,9 +215,10 @@ class ParallelConfig(Section):
     ``cp_comm`` says how attention spans them: "ring" (K/V rotate by p2p), "a2a" (all-to-all over heads;
     the heads after tp must divide by cp) or "hybrid" (all-to-all inside blocks of ``cp_a2a_size`` cp
     ranks, ring across the blocks; ``cp_a2a_size`` is read by "hybrid" only).
-    ``ep`` (docs/moe.md): each MoE layer's experts are split over ``ep`` consecutive dp ranks; expert
-    gradients reduce over the dp ranks holding the same experts. ``moe_dispatcher``: "alltoall" (tokens
-    travel to their experts' ranks) or "allgather" (every rank gathers the ep group's tokens; small ep).
+    ``ep`` (docs/moe.md): each MoE layer's experts are split over ``ep`` consecutive dp ranks (at each cp
+    index; ep divides dp); expert gradients reduce over the dp x cp ranks holding the same experts.
+    ``moe_dispatcher``: "alltoall" (tokens travel to their experts' ranks) or "allgather" (every rank gathers
+    the ep group's tokens; small ep).
     ``moe_bias_update_rate`` > 0: aux-loss-free load balancing (DeepSeek-V3), a per-expert router bias for
     the top-k selection moved by that step toward balance after every step (0: off).
     """
@@ -261,11 +262,6 @@ class ParallelConfig(Section):
                              f"(cp_comm is {self.cp_comm!r}); remove it or set parallel.cp_comm='hybrid'")
         check_choice(self, "moe_dispatcher", MOE_DISPATCHERS)
         check_min(self, "moe_bias_update_rate", 0, why="0 turns aux-loss-free balancing off; DeepSeek-V3 uses 1e-3")
-        if self.ep > 1 and self.cp > 1:
-            # The mesh carves ep out of dp only; the expert gradients would need an edp x cp group.
-            raise ValueError(f"parallel.ep={self.ep} with parallel.cp={self.cp}: expert parallelism together with "
-                             "context parallelism is not built (expert gradients would reduce over edp x cp); "
-                             "set parallel.cp=1 or parallel.ep=1")
         if self.dp != -1 and self.dp < 1:
             raise ValueError(f"parallel.dp={self.dp} is not valid; set parallel.dp=-1 to infer it "
                              "from the world size, or a degree >= 1")

@@ -4,6 +4,11 @@ Groups (given at construction):
 
 * ``ep_group``: the experts are split over it (rank r holds a contiguous block of ``E / ep``); tokens
   travel by the dispatcher (docs/moe.md).
+* ``cp_group`` (context parallelism; optional, or given later by :func:`use_cp_group`): this rank holds 1/cp
+  of each sequence, so the load-balancing loss takes the experts' assignment shares summed over cp (one
+  all-reduce of E counts per forward) and this rank's mean probabilities; the loss is then linear in the
+  local probabilities and the cp ranks' mean (what data parallelism over dp x cp averages) is the loss of
+  the whole sequences. Routing, dispatch and experts are token-local and need nothing more.
 * ``tp_group``: every expert's FFN is sharded like the dense MLP (fc1 ``[gate_r; up_r]`` rows, fc2
   columns). The router runs on the full (replicated) tokens, so every TP rank routes identically;
   an expert's partial output is all-reduced over TP in expert order, before the routing weights
@@ -41,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.ops.grouped_gemm import GROUPED_BACKENDS, grouped_mm
+from parallel import comm
 from parallel.comm import Group
 from parallel.expert_parallel.dispatch import DISPATCHERS, make_dispatcher
 from parallel.expert_parallel.router import (DROP_POLICIES, AuxLossInjector, TopKRouter, check_routing,
@@ -108,7 +114,7 @@ class MoELayer(nn.Module):
                  score_func: str = "softmax", norm_topk_prob: bool = True, shared_expert_ffn_hidden_size: int = 0,
                  aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, dtype=None, device=None,
                  init: InitFn | None = None, name_prefix: str = "", expert_gemm: str = "auto",
-                 capacity_factor: float | None = None, drop_policy: str = "probs"):
+                 capacity_factor: float | None = None, drop_policy: str = "probs", cp_group: Group | None = None):
         super().__init__()
         if expert_gemm not in GROUPED_BACKENDS:
             raise ValueError(f"expert_gemm={expert_gemm!r}: use one of {GROUPED_BACKENDS}")
@@ -125,7 +131,7 @@ class MoELayer(nn.Module):
             if v < 0:
                 raise ValueError(f"{name}={v} must be >= 0")
         init = init or default_init()
-        self.tp_group, self.ep_group = tp_group, ep_group
+        self.tp_group, self.ep_group, self.cp_group = tp_group, ep_group, cp_group
         self.sequence_parallel = sequence_parallel and tp_group.size > 1
         self.num_experts, self.top_k = num_experts, top_k
         self.num_local_experts = num_experts // ep_group.size
@@ -191,7 +197,7 @@ class MoELayer(nn.Module):
         if self.shared_expert is not None:
             shared = reduce_from_tp(self.shared_expert(copy_to_tp(tokens, self.tp_group)), self.tp_group)  # (T, h)
             out = out + torch.sigmoid(F.linear(tokens, self.shared_expert_gate.weight)) * shared
-        self.last_aux_loss = load_balancing_loss([self.last_stats], num_experts=self.num_experts)
+        self.last_aux_loss = self._aux_loss(self.last_stats)
         self.last_z_loss = z_loss(routing.logits)
         if self.training:  # the step's load (metrics); a recomputed forward adds again, ratios stay exact
             extra = torch.tensor([0.0, float(dropped), float(routing.indices.numel()), 1.0], dtype=torch.float64,
@@ -205,7 +211,30 @@ class MoELayer(nn.Module):
         out = out.view(s, b, h)  # (s, b, h)
         return scatter_to_sp(out, self.tp_group) if self.sequence_parallel else out
 
+    def _aux_loss(self, stats) -> torch.Tensor:
+        """The layer's load-balancing loss; under context parallelism with the assignment shares of the whole
+        sequences (summed over cp, no gradient) and this rank's probabilities (equal token counts per cp rank,
+        as the zigzag split gives)."""
+        if self.cp_group is None or self.cp_group.size == 1:
+            return load_balancing_loss([stats], num_experts=self.num_experts)
+        counts = stats.counts.detach().clone()  # (E,)
+        comm.all_reduce(counts, self.cp_group)
+        rows = float(stats.tokens)
+        return self.num_experts * torch.sum((counts / (rows * self.cp_group.size)) * (stats.prob_sum / rows))
+
     def extra_repr(self) -> str:
         last = self.first_expert + self.num_local_experts - 1
         return (f"experts={self.num_experts} (local {self.first_expert}..{last}), top_k={self.top_k}, "
                 f"ep={self.ep_group.size}, tp={self.tp_group.size}")
+
+
+def use_cp_group(module: nn.Module, cp_group: Group) -> int:
+    """Give every :class:`MoELayer` under ``module`` built without one the context-parallel group its aux
+    loss's expert counts are summed over (for model builders that do not pass ``cp_group``). Returns how many
+    layers took it."""
+    n = 0
+    for m in module.modules():
+        if isinstance(m, MoELayer) and m.cp_group is None:
+            m.cp_group = cp_group
+            n += 1
+    return n

@@ -140,8 +140,9 @@ DEFAULT_ROWS: tuple[Row, ...] = (
     Row(L(dp=2), "plain", family="qwen3", reshard=None, extra=("optim.grad_compression=powersgd",)),
     # Expert parallelism (docs/moe.md): expert keys are global, so an ep2 checkpoint resumes into tp2 at ep1.
     Row(L(dp=2, ep=2), "plain", family="mixtral", reshard=L(tp=2, sp=True)),
-    # ZeRO with experts: expert state sharded over edp (2 ranks), the rest over dp (4); resumed into ZeRO-3 at ep4.
-    Row(L(dp=4, ep=2), "zero2", family="mixtral", reshard=L(dp=4, ep=4), reshard_optimizer="zero3"),
+    # ZeRO and context parallelism with experts: expert state sharded over edp (the 2 cp ranks holding the same
+    # experts), the rest over dp x cp (4); resumed into ZeRO-3 at dp4 x ep4.
+    Row(L(dp=2, cp=2, ep=2), "zero2", family="mixtral", reshard=L(dp=4, ep=4), reshard_optimizer="zero3"),
     # FP8 ring collective matmuls (docs/fp8.md): the delayed recipe's state resumes into the non-ring FP8 path.
     Row(L(tp=2, pp=2, sp=True, tp_overlap="ring"), "plain", fp8="delayed", reshard=L(dp=2, tp=2, sp=True)),
 )
@@ -163,8 +164,6 @@ REFUSED: tuple[tuple[tuple[str, ...], str], ...] = (
     (("model.fp8_margin=1",), "model.fp8 = 'none'"),
     (("parallel.tp_overlap=symm_mem",), "symm_mem"),
     (("parallel.tp_overlap=ring", "parallel.sequence_parallel=false"), "sequence_parallel = true"),
-    # Expert parallelism (docs/moe.md): ep x cp is not built.
-    (("parallel.ep=2", "parallel.cp=2"), "expert parallelism together with context parallelism is not built"),
     # Split backward (docs/pipeline.md) does not compose with ZeRO-3, V placement included.
     (("parallel.pp=2", "parallel.vp=2", "parallel.schedule=zbv", "optim.distributed=true", "optim.zero_stage=3"),
      "does not compose with ZeRO-3"),

@@ -374,10 +374,9 @@ def test_toml_error_names_the_file(tmp_path):
      "logging.progress_bar='maybe' is not valid; choose one of: auto, on, off"),
     (["logging.peak_tflops=-3"], "logging.peak_tflops=-3.0 must be > 0"),
     # expert parallelism (docs/moe.md): ep divides dp; combinations not built yet are refused, not ignored
-    # (ZeRO with ep is built: tests/parallel/test_moe_training.py)
+    # (ZeRO and cp with ep are built: tests/parallel/test_moe_training.py)
     (["parallel.dp=2", "parallel.ep=4", "train.global_batch_size=32"],
-     "parallel.ep=4 does not divide dp*cp = 2*1 = 2"),
-    (["parallel.ep=2", "parallel.cp=2"], "context parallelism is not built"),
+     "parallel.ep=4 does not divide dp = 2"),
     (["parallel.moe_dispatcher=ring"], "parallel.moe_dispatcher='ring' is not valid; choose one of: alltoall"),
 ])
 def test_validation_errors(sets, fragment):

@@ -3,9 +3,9 @@
 * Parity (fp32, dropless, aux loss on): a tiny Mixtral trained 3 steps on 4 gloo ranks at ep=2 (dp=4, so
   ep < dp and the expert gradients reduce over edp = 2 ranks) with the plain optimizer and with ZeRO-1
   (also with overlap_param_gather), 2 and 3 (each set sharded within its own group: dense over dp, experts
-  over edp), ep=4 (allgather
-  dispatcher), ep2 x tp2 (with SP) and ep2 x pp2; and on 8 ranks at dp4 x tp2 (SP) and dp4 x pp2 (ZeRO-2)
-  with ep=2; against one process on the same global batch: every step's loss and gradient norm within
+  over edp), ep=4 (allgather dispatcher), ep2 x tp2 (with SP), ep2 x pp2, cp2 (ep1: the aux loss's expert
+  counts summed over cp) and dp2 x cp2 x ep2 under ZeRO-1 (edp = the 2 cp ranks); and on 8 ranks at
+  dp4 x tp2 (SP) and dp4 x pp2 (ZeRO-2) with ep=2; against one process on the same global batch: every step's loss and gradient norm within
   1e-5 (relative), and the last step's reduced gradients (``main_grad``, or the ZeRO shards, assembled from
   every rank's pieces by their checkpoint layouts) and the final parameters within 1e-5 (absolute; the
   values are O(1e-2)). The gradient norm counts each expert once (summed over ep, not dp; under ZeRO over
@@ -28,8 +28,8 @@
 * Metrics: each step's per-layer expert load (min, max, CV), aux loss and dropped share (metrics.jsonl's
   ``moe.*`` keys), reduced over pp and dp, equal one process's.
 * Bad input, before any process group: experts not divisible by ep, ep on a dense model, ep not dividing
-  dp, ep with cp, ep with gradient compression, an unknown dispatcher, a negative bias rate; top-k above the
-  number of experts (when config.json is read).
+  dp (also where it divides dp x cp), ep with gradient compression, an unknown dispatcher, a negative bias
+  rate; top-k above the number of experts (when config.json is read).
 """
 from __future__ import annotations
 
@@ -61,6 +61,9 @@ LAYOUTS = {  # name: overrides (4 ranks)
     "ep4_allgather": ["parallel.ep=4", "parallel.moe_dispatcher=allgather"],
     "ep2xtp2": ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
     "ep2xpp2": ["parallel.ep=2", "parallel.pp=2"],
+    # context parallelism: the aux loss's expert counts summed over cp; at ep2 the edp group is the 2 cp ranks
+    "cp2": ["parallel.cp=2"],
+    "ep2xcp2_zero1": ["parallel.ep=2", "parallel.cp=2", *ZERO[1]],
 }
 LAYOUTS_8 = {  # dp (4) above ep (2), with tp2 or pp2
     "ep2xtp2_dp4": ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
@@ -364,8 +367,8 @@ def test_dp_above_ep_with_tp_or_pp_and_hf_oracle_on_8_ranks(reference, tmp_path)
 @pytest.mark.parametrize("extra, hf, world, message", [
     (["parallel.ep=3"], HF, 3, "num_experts=4 is not divisible by parallel.ep=3"),
     (["parallel.ep=2"], {**HF, "model_type": "llama"}, 4, "has none"),
-    (["parallel.ep=2", "parallel.dp=3"], HF, 3, "parallel.ep=2 does not divide dp*cp"),
-    (["parallel.ep=2", "parallel.cp=2"], HF, 4, "context parallelism is not built"),
+    (["parallel.ep=2", "parallel.dp=3"], HF, 3, "parallel.ep=2 does not divide dp = 3"),
+    (["parallel.ep=2", "parallel.dp=1", "parallel.cp=2"], HF, 2, "parallel.ep=2 does not divide dp = 1"),
     (["parallel.moe_dispatcher=broadcast"], HF, 4, "parallel.moe_dispatcher='broadcast' is not valid"),
     (["parallel.ep=2", "optim.grad_compression=onebit"], HF, 4, "expert gradients must reduce over edp"),
     (["parallel.moe_bias_update_rate=-1"], HF, 4, "parallel.moe_bias_update_rate=-1.0 must be >= 0"),

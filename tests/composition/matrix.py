@@ -138,11 +138,10 @@ DEFAULT_ROWS: tuple[Row, ...] = (
     # the export sees the shared weights, not replica 0's local ones.
     Row(L(dp=2, tp=2, sp=True), "plain", reshard=None, extra=("outer.method=diloco", "outer.inner_steps=4")),
     Row(L(dp=2), "plain", family="qwen3", reshard=None, extra=("optim.grad_compression=powersgd",)),
-    # Expert parallelism (docs/moe.md): expert keys are global, so an ep2 checkpoint resumes into tp2 at ep1.
-    Row(L(dp=2, ep=2), "plain", family="mixtral", reshard=L(tp=2, sp=True)),
-    # ZeRO and context parallelism with experts: expert state sharded over edp (the 2 cp ranks holding the same
-    # experts), the rest over dp x cp (4); resumed into ZeRO-3 at dp4 x ep4.
-    Row(L(dp=2, cp=2, ep=2), "zero2", family="mixtral", reshard=L(dp=4, ep=4), reshard_optimizer="zero3"),
+    # Expert parallelism (docs/moe.md) with ZeRO and context parallelism: expert state sharded over edp (the 2 cp
+    # ranks holding the same experts), the rest over dp x cp (4); expert keys are global, so the checkpoint
+    # resumes into tp2 at ep1 with the plain optimizer.
+    Row(L(dp=2, cp=2, ep=2), "zero2", family="mixtral", reshard=L(dp=2, tp=2, sp=True), reshard_optimizer="plain"),
     # FP8 ring collective matmuls (docs/fp8.md): the delayed recipe's state resumes into the non-ring FP8 path.
     Row(L(tp=2, pp=2, sp=True, tp_overlap="ring"), "plain", fp8="delayed", reshard=L(dp=2, tp=2, sp=True)),
 )

@@ -26,7 +26,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from engine.planner import (GPUS, Cluster, Training, from_dims, from_hf_config, from_preset, gpu,  # noqa: E402
-                            ep_note, plan, smallest_fit)
+                            plan, smallest_fit)
 
 GIB = 2 ** 30
 PINS = ("tp", "pp", "vp", "dp", "cp", "ep", "mbs")
@@ -59,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="default: the preset's, else selective")
     t.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3])
     t.add_argument("--attention", default="flash", choices=["flash", "unfused"])
+    t.add_argument("--tp-overlap", choices=["none", "ring"],
+                   help="parallel.tp_overlap: 'ring' runs each sequence-parallel all-gather / reduce-scatter as tp - 1 "
+                        "p2p steps under the linear's GEMM chunks (docs/overlap.md); default: the preset's, else none")
     p = ap.add_argument_group("pins (keep one value of a degree)")
     for k in PINS:
         p.add_argument(f"--{k}", type=int)
@@ -100,8 +103,11 @@ def build_training(a, model) -> Training:
     if seq is None or gbs is None:
         raise ValueError("give --seq-length and --global-batch-size (no preset to take them from)")
     recompute = a.recompute or tr.get("activation_checkpointing") or "selective"
+    overlap = a.tp_overlap or model.base.get("parallel", {}).get("tp_overlap") or "none"
+    if overlap not in ("none", "ring"):
+        raise ValueError(f"parallel.tp_overlap={overlap!r} (the preset's) is not planned: use --tp-overlap none or ring")
     return Training(seq_length=seq, global_batch_size=gbs, precision=a.precision, recompute=recompute, zero=a.zero,
-                    attention=a.attention)
+                    attention=a.attention, tp_overlap=overlap)
 
 
 def _fmt_row(p) -> str:
@@ -114,7 +120,8 @@ def _fmt_row(p) -> str:
 def report(preds, model, cluster, tr, *, top: int, out=sys.stdout) -> None:
     print(f"{model.name} on {cluster.world} x {cluster.gpu.name} ({cluster.nodes} nodes x {cluster.gpus_per_node}), "
           f"seq {tr.seq_length}, global batch {tr.global_batch_size}, {tr.precision}, {tr.recompute} recompute, "
-          f"ZeRO {tr.zero}; fits = at most {cluster.capacity_bytes / GIB:.1f} GiB "
+          f"ZeRO {tr.zero}" + (", TP ring overlap" if tr.tp_overlap == "ring" else "")
+          + f"; fits = at most {cluster.capacity_bytes / GIB:.1f} GiB "
           f"({100 * cluster.memory_fraction:.0f}% of {cluster.gpu.hbm_gb:g} GB)", file=out)
     print(f"{'tp':>3} {'pp':>3} {'vp':>3} {'dp':>4} {'cp':>3} {'ep':>3} {'mbs':>4} {'mem GiB':>9} {'step s':>10} "
           f"{'TFLOP/s':>9} {'MFU':>7} {'causal':>7}  fits", file=out)
@@ -151,13 +158,10 @@ def main(argv=None) -> int:
         return 2
     doc = {"model": model.name, "gpu": cluster.gpu.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node,
            "seq_length": tr.seq_length, "global_batch_size": tr.global_batch_size, "precision": tr.precision,
-           "recompute": tr.recompute, "zero": tr.zero, "layouts": [p.as_dict() for p in preds]}
+           "recompute": tr.recompute, "zero": tr.zero, "tp_overlap": tr.tp_overlap,
+           "layouts": [p.as_dict() for p in preds]}
     out = sys.stderr if a.json == "-" else sys.stdout
     report(preds, model, cluster, tr, top=a.top, out=out)
-    note = ep_note(model, tr, {k: getattr(a, k) for k in PINS if getattr(a, k) is not None})
-    if note:  # an MoE model planned with ZeRO: why no ep > 1 layout is listed
-        doc["notes"] = [note]
-        print(f"note: {note}", file=out)
     if not preds[0].fits:
         nodes, least = smallest_fit(model, cluster, tr, {k: getattr(a, k) for k in PINS})
         doc["fits"] = False

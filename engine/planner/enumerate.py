@@ -3,8 +3,8 @@
 Legal: tp divides the heads, the k/v heads and the MLP width (models/config.py's rule) and stays inside
 a node; pp * vp stages of at least one layer; interleaving (vp > 1) only where every stage gets the
 same number of layers; cp splits the sequence into 2 * cp zigzag chunks; tp * pp * cp * dp is the world;
-mbs * dp divides the global batch; with an MoE model and --zero 0, ep divides dp and the expert count (cp 1;
-the trainer refuses ZeRO and cp with ep > 1); the run config accepts it (engine/config: the same checks as a run).
+mbs * dp divides the global batch; with an MoE model ep divides dp and the expert count (cp 1: the trainer
+refuses cp with ep > 1); the run config accepts it (engine/config: the same checks as a run).
 Pins (``--tp 8``) keep one value; a pin no layout can honour is an error that names the fix.
 """
 from __future__ import annotations
@@ -53,9 +53,6 @@ def check_pins(model, cluster: Cluster, tr: Training, pins: dict) -> None:
             model.hook.check_expert_parallel(ep)
         except ValueError as e:
             raise ValueError(f"--ep {ep}: {e}") from None
-        if tr.zero:
-            raise ValueError(f"--ep {ep} with --zero {tr.zero}: the trainer refuses ZeRO with expert parallelism "
-                             "(the expert buffers are not sharded over edp); plan with --zero 0 or --ep 1")
         if cp not in (None, 1):
             raise ValueError(f"--ep {ep} with --cp {cp}: the trainer refuses expert parallelism with context "
                              "parallelism; pin one of them to 1")
@@ -119,19 +116,12 @@ def candidates(model, cluster: Cluster, tr: Training, pins: dict) -> list[Layout
 
 def ep_choices(model, tr: Training, *, dp: int, cp: int) -> list[int]:
     """Expert-parallel degrees of one (dp, cp): 1, and with an MoE model every divisor of dp that divides
-    the expert count, only with ``--zero 0`` and cp 1 (the trainer refuses ZeRO and cp with ep > 1)."""
+    the expert count, with cp 1 (the trainer refuses cp with ep > 1), at any ZeRO stage (the expert buffers
+    shard over edp = dp / ep)."""
     e = model.config.num_experts
-    if not e or tr.zero or cp > 1:
+    if not e or cp > 1:
         return [1]
     return [d for d in _divisors(dp) if e % d == 0]
-
-
-def ep_note(model, tr: Training, pins: dict) -> str | None:
-    """Why an MoE model's plan holds no ep > 1 layout (None: it may, or the model has no experts)."""
-    if model.config.num_experts and tr.zero and pins.get("ep", 1) == 1:
-        return (f"expert parallelism not enumerated: the trainer refuses ZeRO with ep > 1, and this plan is for "
-                f"--zero {tr.zero}; plan with --zero 0 to include ep > 1 layouts")
-    return None
 
 
 def state_lower_bound(model, lay: Layout, tr: Training) -> float:
@@ -170,9 +160,6 @@ def plan(model, cluster: Cluster, tr: Training, pins: dict | None = None) -> tup
             preds.append(predict(model, lay, tr, cluster))
         except ValueError as e:
             refused.append(f"{lay.label()}: {e}")
-    note = ep_note(model, tr, pins)
-    if note:
-        refused.append(note)
     if not preds:
         detail = ("; the run config refused them: " + "; ".join(dict.fromkeys(refused))[:800]) if refused else ""
         raise ValueError(f"no layout of {model.name} on {cluster.world} GPUs honours the pins "

@@ -3,8 +3,9 @@
 Memory is engine/memory.py's :func:`predict_memory` on the layout's own run config (the start-up report
 and the tests that assert it against the allocator use the same call). Step time (docs/planner.md):
 
-* every GEMM of a layer by a roofline with a size-dependent efficiency: ``2mnk / (eff * peak) +
-  overhead`` (the fixed per-GEMM overhead is what makes small GEMMs slower than large ones);
+* every GEMM by a roofline at the GPU's large-GEMM efficiency, counted in whole waves of output tiles
+  over the SMs (:func:`gemm_time`: what makes a GEMM of few rows, or a tile count just past a wave,
+  slower than its FLOPs), plus a fixed per-GEMM overhead;
 * core attention (causal, flash) at ``attention_efficiency`` of the dense peak, backward 2.5x forward;
 * memory-bound work (norms, residual adds, RoPE, the activation function, cross-entropy, the optimizer)
   at HBM bandwidth;
@@ -13,20 +14,25 @@ and the tests that assert it against the allocator use the same call). Step time
   measured by ``--calibrate``: gloo's host/sync cost per call, docs/planner.md), with the bytes of
   parallel/comm.py's cost table (the ledger the tests assert):
   ``all_reduce`` ``2(p-1)/p N``, ``all_gather`` ``(p-1) N_shard``, ``reduce_scatter`` ``(p-1)/p N``;
-  TP collectives are exposed; context-parallel K/V rotation hides under attention up to its length;
-  data-parallel reduction hides under the last micro-batch's backward, the parameter all-gather under
-  the first forward, the rest is exposed;
+  TP collectives (the ledger's count per layer, :func:`tp_layer_comm`) exposed, or with
+  ``--tp-overlap ring`` each one tp - 1 steps under the linear's GEMM chunks; context-parallel K/V
+  rotation hides under attention up to its length; data-parallel reduction hides under the last
+  micro-batch's backward, the parameter all-gather under the first forward, the rest is exposed;
 * expert parallelism (docs/planner.md): expert weights, gradients and optimizer state at 1/ep (the
   memory is predict_memory's), each MoE layer's four token all-to-alls (dispatch and combine, forward and
   backward: :func:`moe_dispatch_bytes` each) exposed over the link the ep group spans, expert gradients
-  all-reduced over edp = dp / ep; GEMMs at the active parameters' FLOPs (:func:`mlp_gemm_time`);
-* pipeline: the per-stage forward/backward times and the p2p latency go into
-  parallel/pipeline/simulate.py's :func:`simulate` of the layout's own schedule; its makespan includes
-  the bubble.
+  reduced (ZeRO: sharded) over edp = dp / ep; GEMMs at the active parameters' FLOPs (:func:`mlp_gemm_time`);
+* pipeline: the per-stage forward/backward times and the p2p latency go into parallel/pipeline/simulate.py's
+  dataflow model of the layout's own schedule (engine/planner/pipeline.py); its makespan includes the bubble.
+
+:class:`Training`'s last fields describe published runs' software (Megatron-LM 2021-2024: no sequence
+parallelism, blocking pipeline exchanges, an unoverlapped fp16 gradient all-reduce, ...) for
+engine/planner/validate.py; Tessel's runs use their defaults.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from engine.memory import MemoryPrediction, predict_memory
@@ -85,10 +91,28 @@ class Training:
     recompute: str = "selective"
     zero: int = 1
     attention: str = "flash"  # or "unfused": scores materialised, softmax and dropout memory-bound (pre-2022 Megatron)
+    # tp_overlap: "none" (Tessel's plain path: every TP collective exposed), "ring" (parallel.tp_overlap = ring:
+    # each sequence-parallel collective a ring of tp - 1 p2p steps under the linear's GEMM chunks), or
+    # "async_backward" (Megatron-LM since 2022: the column-parallel backward's input-gradient reduction runs
+    # under the weight-gradient GEMM and its input regather under the input-gradient GEMM; validation rows only)
+    tp_overlap: str = "none"
+    # The rest describe published runs' software (engine/planner/validate.py); Tessel's own runs are the defaults.
+    sequence_parallel: bool = True  # with tp > 1 (Tessel always; Megatron-LM before 2022 never)
+    dp_overlap: bool = True  # gradient reduction under the last backward (Megatron-LM before 2023: after it)
+    grad_reduce_bytes: int = 4  # bytes per gradient element on the wire (Tessel: fp32 buffers)
+    p2p_scatter_gather: bool = False  # without SP: each TP rank sends 1/tp of the activation, all-gathered over NVLink
+    p2p_blocking: bool = False  # Megatron-LM before 2023: every pipeline exchange waited for (torch.cuda.synchronize)
 
     def __post_init__(self):
         if self.attention not in ("flash", "unfused"):
             raise ValueError(f"attention={self.attention!r}: use 'flash' or 'unfused'")
+        if self.tp_overlap not in ("none", "ring", "async_backward"):
+            raise ValueError(f"--tp-overlap {self.tp_overlap!r}: use none or ring")
+        if self.tp_overlap == "ring" and not self.sequence_parallel:
+            raise ValueError("--tp-overlap ring decomposes the sequence-parallel collectives: it needs sequence "
+                             "parallelism")
+        if self.grad_reduce_bytes not in (2, 4):
+            raise ValueError(f"grad_reduce_bytes={self.grad_reduce_bytes}: use 2 or 4")
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"--recompute {self.recompute!r}: use none, selective or full")
         if self.zero not in (0, 1, 2, 3):
@@ -144,9 +168,19 @@ class Prediction:
 # -- the cost pieces ---------------------------------------------------------------------------------
 
 def gemm_time(m: int, n: int, k: int, *, gpu: GPU, peak_tflops: float) -> float:
-    """Seconds of one (m x k) @ (k x n) GEMM: the roofline at the GPU's large-GEMM efficiency plus a fixed
-    per-GEMM overhead (launch, tail wave)."""
-    return 2.0 * m * n * k / (gpu.gemm_efficiency * peak_tflops * 1e12) + gpu.gemm_overhead_us * 1e-6
+    """Seconds of one (m x k) @ (k x n) GEMM: the roofline at the GPU's large-GEMM efficiency, in whole
+    waves of output tiles, plus a fixed per-GEMM overhead (launch). On a GPU with ``sms`` the output is
+    cut into ``gemm_tile`` tiles (either orientation, whichever needs fewer waves), each SM computes one
+    at a time at its share of the rate, and a wave costs as much whether it is full or not (the edge
+    tiles' padding and the last wave's idle SMs): at 2048 rows an A100's QKV GEMM of a 145B model
+    (4608 x 12288 per rank) takes 3 waves of 108 SMs for 2.67 waves of work. Many waves: the roofline."""
+    rate = gpu.gemm_efficiency * peak_tflops * 1e12
+    if not gpu.sms:
+        return 2.0 * m * n * k / rate + gpu.gemm_overhead_us * 1e-6
+    a, b = gpu.gemm_tile
+    waves = min(math.ceil(math.ceil(m / a) * math.ceil(n / b) / gpu.sms),
+                math.ceil(math.ceil(m / b) * math.ceil(n / a) / gpu.sms))
+    return waves * gpu.sms * 2.0 * a * b * k / rate + gpu.gemm_overhead_us * 1e-6
 
 
 def _split_link(link) -> tuple[float, float, float]:
@@ -216,6 +250,69 @@ def mlp_gemm_time(config, *, t: int, tp: int, ep: int, gpu: GPU, peak_tflops: fl
     return (n_moe * moe + (c.num_layers - n_moe) * dense) / c.num_layers
 
 
+def tp_layer_comm(config, *, t: int, tp: int, sp: bool, elem: int, tr: Training, cluster: Cluster, peak: float,
+                  attn_shapes) -> tuple[float, float, float]:
+    """(exposed forward seconds, exposed backward seconds, extra forward GEMM seconds) of one layer's TP
+    collectives on one rank and micro-batch. The collectives are the ledger's
+    (tests/parallel/test_tensor_parallel.py::test_layer_ledger, per column + row pair): with sequence
+    parallelism, forward an all-gather (column input) and a reduce-scatter (row output), backward a
+    reduce-scatter (column input gradient), an all-gather (the column input regathered for its weight
+    gradient) and an all-gather (row output gradient); without, one all-reduce each way. A layer has two
+    pairs (attention: QKV + out; MLP: fc1 + fc2).
+
+    ``tr.tp_overlap == "ring"`` (parallel/tensor_parallel/overlap.py): each of those collectives is a ring of
+    tp - 1 p2p steps of one (t / tp, h) chunk; step i's transfer runs while the linear's GEMM on chunk i
+    runs, and the next step waits for both, so a ring costs tp - 1 times max(transfer, chunk GEMM) plus the
+    last chunk's GEMM: exposed ``(tp - 1) max(0, transfer - chunk GEMM)``; the GEMM, cut into tp chunks of
+    t / tp rows, pays the per-GEMM overhead tp times (the returned extra). Backward: the column linear's
+    regather ring under its weight-gradient chunks, its reduce-scatter ring under its input-gradient chunks;
+    the row linear's gather ring under both. MoE layers' expert MLPs are not decomposed (their sequence
+    gather is plain in parallel/expert_parallel/layer.py): counted as plain collectives.
+    ``"async_backward"`` (Megatron-LM's column-parallel backward): the input-gradient reduction under the
+    weight-gradient GEMM, the regather under the input-gradient GEMM; the rest exposed."""
+    if tp <= 1:
+        return 0.0, 0.0, 0.0
+    c, gpu = config, cluster.gpu
+    link = cluster.link(tp)
+    act_bytes = elem * t * c.hidden_size
+    if not sp:
+        ar = collective_time("all_reduce", act_bytes, tp, link)
+        if tr.tp_overlap != "async_backward":
+            return 2 * ar, 2 * ar, 0.0
+        col = [gemm_time(t, nn, k, gpu=gpu, peak_tflops=peak) for nn, k in column_shapes(c, tp, attn_shapes)]
+        return 2 * ar, sum(max(0.0, ar - g) for g in col), 0.0
+    ag = collective_time("all_gather", act_bytes / tp, tp, link)
+    rs = collective_time("reduce_scatter", act_bytes, tp, link)
+    if tr.tp_overlap == "none":
+        return 2 * ag + 2 * rs, 4 * ag + 2 * rs, 0.0
+    if tr.tp_overlap == "async_backward":
+        col = [gemm_time(t, nn, k, gpu=gpu, peak_tflops=peak) for nn, k in column_shapes(c, tp, attn_shapes)]
+        return 2 * ag + 2 * rs, 2 * ag + sum(max(0.0, ag - g) + max(0.0, rs - g) for g in col), 0.0
+    step = collective_time("send", act_bytes / tp, 2, link)  # one ring step: a chunk to r + 1, one from r - 1
+    rows = max(1, t // tp)
+    pairs = [(column_shapes(c, tp, attn_shapes)[0], attn_shapes[1])]  # (column (n, k), row (n, k)) per pair
+    dense_mlp = not c.num_experts
+    if dense_mlp:
+        pairs.append((column_shapes(c, tp, attn_shapes)[1], (c.hidden_size, c.ffn_hidden_size // tp)))
+    fwd = bwd = extra = 0.0
+    for col, row in pairs:
+        g_col = gemm_time(rows, *col, gpu=gpu, peak_tflops=peak)
+        g_row = gemm_time(rows, *row, gpu=gpu, peak_tflops=peak)
+        fwd += (tp - 1) * (max(0.0, step - g_col) + max(0.0, step - g_row))
+        bwd += (tp - 1) * (2 * max(0.0, step - g_col) + max(0.0, step - 2 * g_row))
+        extra += tp * (g_col + g_row) - gemm_time(t, *col, gpu=gpu, peak_tflops=peak) - gemm_time(
+            t, *row, gpu=gpu, peak_tflops=peak)
+    if not dense_mlp:  # the MoE MLP's sequence collectives stay plain
+        fwd, bwd = fwd + ag + rs, bwd + 2 * ag + rs
+    return fwd, bwd, extra
+
+
+def column_shapes(config, tp: int, attn_shapes) -> list[tuple[int, int]]:
+    """(n, k) of the layer's column-parallel GEMMs: QKV, and the MLP's fc1 (gate and up fused)."""
+    c = config
+    return [attn_shapes[0], ((2 if c.gated else 1) * c.ffn_hidden_size // tp, c.hidden_size)]
+
+
 @dataclass
 class _Costs:
     """Seconds per micro-batch of one virtual stage, by kind; forward and backward."""
@@ -245,7 +342,7 @@ def layer_costs(config, lay: Layout, tr: Training, cluster: Cluster) -> _Costs:
     peak = gpu.peak_tflops(tr.precision)
     peak16 = gpu.peak_tflops("bf16") if tr.precision == "fp8" else peak
     tp, cp = lay.tp, lay.cp
-    sp = tp > 1
+    sp = tp > 1 and tr.sequence_parallel
     r = tp if sp else 1
     elem = 4 if tr.precision == "fp32" else 2
     s = tr.seq_length
@@ -270,14 +367,12 @@ def layer_costs(config, lay: Layout, tr: Training, cluster: Cluster) -> _Costs:
     act = (3 if c.gated else 2) * f
     mem = elem * t * (10 * h / r + (2 * (n + kvd) + act) / tp) / (gpu.hbm_gbps * 1e9)
     out.add("memory_bound", mem, 2 * mem)
-    link = cluster.link(tp)
-    act_bytes = elem * t * h  # one (s, b, h) activation of the layer
-    if sp:
-        tpc = 2 * collective_time("all_gather", act_bytes / tp, tp, link) + 2 * collective_time(
-            "reduce_scatter", act_bytes, tp, link)
-    else:
-        tpc = 2 * collective_time("all_reduce", act_bytes, tp, link)
-    out.add("tp_comm", tpc, tpc)
+    shapes = ((n + 2 * kvd) // tp, h), (h, n // tp)
+    tpc, tpc_bwd, ring_gemm = tp_layer_comm(c, t=t, tp=tp, sp=sp, elem=elem, tr=tr, cluster=cluster, peak=peak,
+                                            attn_shapes=shapes)
+    out.add("tp_comm", tpc, tpc_bwd)
+    if ring_gemm:  # the ring's GEMMs in tp chunks of t / tp rows: each chunk pays the per-GEMM overhead
+        out.add("gemm", ring_gemm, 2 * ring_gemm)
     if lay.ep > 1 and c.num_experts:  # the token all-to-all of each MoE layer (layers averaged)
         a2a = moe_dispatch_bytes(c, tokens=t, ep=lay.ep, elem=elem)
         moe = sum(map(c.is_moe_layer, range(c.num_layers))) / c.num_layers
@@ -290,7 +385,7 @@ def layer_costs(config, lay: Layout, tr: Training, cluster: Cluster) -> _Costs:
     if tr.recompute == "selective":
         out.add("recompute", 0.0, attn)
     elif tr.recompute == "full":
-        out.add("recompute", 0.0, gemm + attn + mem + tpc)
+        out.add("recompute", 0.0, gemm + ring_gemm + attn + mem + tpc)
     return out
 
 
@@ -332,34 +427,49 @@ def stage_costs(model, lay: Layout, tr: Training, cluster: Cluster) -> list[_Cos
     return out
 
 
-def expert_numel(model, lay: Layout, pp_rank: int) -> int:
-    """Expert parameters pipeline rank ``pp_rank`` holds at ``lay.ep`` (1/ep of each MoE layer's, TP-local;
-    unpadded: the padding of the expert buffer is at most dp elements per bucket)."""
+def pipeline_p2p_time(config, lay: Layout, tr: Training, cluster: Cluster, *, elem: int) -> float:
+    """Seconds of one stage-to-stage activation transfer over the link the pp group spans: with sequence
+    parallelism each TP rank sends its (s/tp, b, h) shard; without, the whole activation, unless
+    ``tr.p2p_scatter_gather`` (Narayanan et al. 2021, Sec. 4.1): each TP rank sends 1/tp of it over its own
+    NIC and the receiver all-gathers it over NVLink."""
+    if lay.pp == 1:
+        return 0.0
+    full = elem * lay.mbs * tr.seq_length // lay.cp * config.hidden_size
+    link = cluster.link(lay.tp * lay.cp * lay.pp)
+    if lay.tp > 1 and tr.sequence_parallel:
+        return collective_time("send", full // lay.tp, 2, link)
+    if lay.tp > 1 and tr.p2p_scatter_gather:
+        return (collective_time("send", full // lay.tp, 2, link)
+                + collective_time("all_gather", full // lay.tp, lay.tp, cluster.link(lay.tp)))
+    return collective_time("send", full, 2, link)
+
+
+def rank_numel(model, lay: Layout, pp_rank: int) -> tuple[int, int]:
+    """(dense, expert) parameters pipeline rank ``pp_rank`` holds, TP-local, at ``lay.ep`` (1/ep of each MoE
+    layer's experts; unpadded: the padding of a DataParallel buffer is at most dp elements per bucket)."""
     from engine.memory import stage_param_sizes
     from parallel.pipeline.actions import rank_stages
 
     ranges = split_layers(model.config.num_layers, lay.pp * lay.vp)
     placement = schedule("interleaved" if lay.vp > 1 else "1f1b", pp=lay.pp, vp=lay.vp,
                          microbatches=lay.pp).placement
-    return sum(n for st in rank_stages(pp_rank, pp=lay.pp, vp=lay.vp, placement=placement)
-               for _, n, _, expert in stage_param_sizes(model.hook, tp=lay.tp, ep=lay.ep, layer_range=ranges[st],
-                                                        pre_process=st == 0, post_process=st == lay.pp * lay.vp - 1)
-               if expert)
+    sizes = [(n, expert) for st in rank_stages(pp_rank, pp=lay.pp, vp=lay.vp, placement=placement)
+             for _, n, _, expert in stage_param_sizes(model.hook, tp=lay.tp, ep=lay.ep, layer_range=ranges[st],
+                                                      pre_process=st == 0, post_process=st == lay.pp * lay.vp - 1)]
+    return sum(n for n, e in sizes if not e), sum(n for n, e in sizes if e)
 
 
 def predict(model, lay: Layout, tr: Training, cluster: Cluster, *, steady_state: bool = True) -> Prediction:
     """The prediction of one layout (ValueError: the layout is illegal; the message says why).
     ``steady_state=False`` walks and simulates every micro-batch (slow; the tests compare the two)."""
-    if lay.ep > 1:  # the trainer's rules, with the planner's fix (before the run config's own refusal)
+    if lay.ep > 1:  # the trainer's rule, with the planner's fix (before the run config's own refusal)
         model.hook.check_expert_parallel(lay.ep)
-        if tr.zero:
-            raise ValueError(f"ep={lay.ep} with --zero {tr.zero}: the trainer refuses ZeRO with expert parallelism "
-                             "(the expert buffers are not sharded over edp); plan with --zero 0 or --ep 1")
     world = lay.tp * lay.pp * lay.cp * lay.dp
     dtype = "fp32" if tr.precision == "fp32" else "bf16"
     cfg = model.run_config(tp=lay.tp, pp=lay.pp, vp=lay.vp, dp=lay.dp, cp=lay.cp, mbs=lay.mbs,
                            gbs=tr.global_batch_size, seq=tr.seq_length, recompute=tr.recompute, zero=tr.zero,
-                           dtype=dtype, fp8=tr.precision == "fp8", ep=lay.ep)
+                           dtype=dtype, fp8=tr.precision == "fp8", ep=lay.ep, sequence_parallel=tr.sequence_parallel,
+                           tp_overlap="ring" if tr.tp_overlap == "ring" and lay.tp > 1 else "none")
     model.config.check_tensor_parallel(lay.tp)
     m = cfg.num_microbatches(lay.dp)
     # Past the warm-up, each further micro-batch repeats the steady state: the peak memory and the in-flight
@@ -373,12 +483,14 @@ def predict(model, lay: Layout, tr: Training, cluster: Cluster, *, steady_state:
     with memory_schedules():
         memory = predict_memory(cfg, model.hook, world=world, device=cluster.device)
     costs = stage_costs(model, lay, tr, cluster)
+    elem = 4 if dtype == "fp32" else 2
+    p2p = pipeline_p2p_time(model.config, lay, tr, cluster, elem=elem)
+    if tr.p2p_blocking and lay.pp > 1:  # each action waits for its output's transfer (and the receiver with it)
+        for st, cs in enumerate(costs):
+            cs.add("pp_p2p_blocking", p2p if st < len(costs) - 1 else 0.0, p2p if st > 0 else 0.0)
+        p2p = 0.0
     fwd = [sum(cs.fwd.values()) for cs in costs]
     bwd = [sum(cs.bwd.values()) for cs in costs]
-    elem = 4 if dtype == "fp32" else 2
-    sp_r = lay.tp if lay.tp > 1 else 1
-    p2p = collective_time("send", elem * lay.mbs * tr.seq_length // lay.cp * model.config.hidden_size // sp_r, 2,
-                          cluster.link(lay.tp * lay.cp * lay.pp)) if lay.pp > 1 else 0.0
     makespan, busy = pipeline_time(cfg.parallel.schedule, pp=lay.pp, vp=lay.vp, microbatches=m_sim, fwd=fwd,
                                    bwd=bwd, p2p=p2p)
     per_mb = [b / m_sim for b in busy]
@@ -401,23 +513,35 @@ def predict(model, lay: Layout, tr: Training, cluster: Cluster, *, steady_state:
     rank_fwd = sum(fwd[st] for st in range(len(fwd)) if rank_of[st] == busiest)
     rank_bwd = sum(bwd[st] for st in range(len(bwd)) if rank_of[st] == busiest)
     dp_hidden = dp_exposed = 0.0
+    gb = tr.grad_reduce_bytes
+    # with ep > 1 DataParallel keeps the experts in a buffer of their own, reduced (and, with ZeRO, sharded and
+    # gathered) over edp = dp / ep, the dense one over dp (docs/moe.md)
+    dense, experts = (total, 0) if lay.ep == 1 else rank_numel(model, lay, busiest)
+    edp = lay.dp // lay.ep
     if lay.dp > 1:
-        if tr.zero == 0:  # with ep: the expert buffer all-reduces over edp = dp / ep, the rest over dp
-            experts = expert_numel(model, lay, busiest) if lay.ep > 1 else 0
-            grad = (collective_time("all_reduce", 4 * (total - experts), lay.dp, link)
-                    + collective_time("all_reduce", 4 * experts, lay.dp // lay.ep, link))
+        if tr.zero == 0:
+            grad = (collective_time("all_reduce", gb * dense, lay.dp, link)
+                    + collective_time("all_reduce", gb * experts, edp, link))
             gather, gather_room = 0.0, 0.0
         else:
-            grad = collective_time("reduce_scatter", 4 * total, lay.dp, link)
-            gather = collective_time("all_gather", elem * total // lay.dp, lay.dp, link)
+            grad = (collective_time("reduce_scatter", gb * dense, lay.dp, link)
+                    + collective_time("reduce_scatter", gb * experts, edp, link))
+            gather = (collective_time("all_gather", elem * dense // lay.dp, lay.dp, link)
+                      + collective_time("all_gather", elem * experts // edp, edp, link))
             gather_room = rank_fwd
             if tr.zero == 3:  # parameters gathered in every forward and backward, under the layers' compute
                 gather *= 2 * m
                 gather_room = m * (rank_fwd + rank_bwd)
+        if not tr.dp_overlap:  # reduced after the last backward, gathered after the update
+            rank_bwd = gather_room = 0.0
         dp_hidden = min(grad, rank_bwd) + min(gather, gather_room)
         dp_exposed = max(0.0, grad - rank_bwd) + max(0.0, gather - gather_room)
-    owned = total // lay.dp if tr.zero >= 1 else total
-    optimizer = owned * (28 + elem) / (cluster.gpu.hbm_gbps * 1e9)  # read grad, master, moments; write back
+    owned = dense // lay.dp + experts // edp if tr.zero >= 1 else dense + experts
+    # AdamW reads the fp32 gradient, master and moments and writes them back with the low-precision
+    # parameter (28 + elem bytes per owned element), the gradient norm reads the gradients once more (4), and
+    # the next step starts from a zeroed fp32 gradient buffer (4 bytes per element held)
+    grads_held = big.grads // 4
+    optimizer = (owned * (28 + elem + 4) + 4 * grads_held) / (cluster.gpu.hbm_gbps * 1e9)
     step = makespan + dp_exposed + optimizer
     kinds.update(pp_bubble_and_p2p=makespan - busy[busiest], dp_comm_exposed=dp_exposed,
                  dp_comm_overlapped=dp_hidden, optimizer=optimizer)

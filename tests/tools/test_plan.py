@@ -42,18 +42,35 @@ def test_bad_input_exits_2_naming_the_fix(capsys):
     assert "exactly one model source" in capsys.readouterr().err
 
 
-def test_moe_plan_lists_ep_at_zero_0_and_says_why_not_with_zero(tmp_path, capsys):
+def test_moe_plan_lists_ep_at_every_zero_stage(tmp_path, capsys):
     from tests.parallel.test_moe_training import HF
 
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(HF))
     base = ["--hf-config", str(cfg), "--gpus-per-node", "4", "--seq-length", "16", "--global-batch-size", "8"]
     out = tmp_path / "plan.json"
-    assert main(base + ["--zero", "0", "--json", str(out)]) == 0
-    assert {x["ep"] for x in json.loads(out.read_text())["layouts"]} == {1, 2, 4}
-    assert main(base + ["--zero", "1", "--json", str(out)]) == 0
-    doc = json.loads(out.read_text())
-    assert {x["ep"] for x in doc["layouts"]} == {1} and "plan with --zero 0" in doc["notes"][0]
-    assert "note: expert parallelism not enumerated" in capsys.readouterr().out
-    assert main(base + ["--zero", "1", "--ep", "2"]) == 2
-    assert "--ep 2 with --zero 1" in capsys.readouterr().err
+    for zero in ("0", "1"):
+        assert main(base + ["--zero", zero, "--json", str(out)]) == 0
+        assert {x["ep"] for x in json.loads(out.read_text())["layouts"]} == {1, 2, 4}
+    assert main(base + ["--zero", "1", "--ep", "2", "--cp", "2"]) == 2
+    assert "--ep 2 with --cp 2" in capsys.readouterr().err
+
+
+def test_tp_overlap_ring_flag(tmp_path, capsys):
+    """--tp-overlap ring: recorded in the JSON and the header; tp > 1 layouts spend less exposed TP time than
+    the plain plan's, tp 1 layouts are unchanged."""
+    plain, ring = tmp_path / "plain.json", tmp_path / "ring.json"
+    base = ["--config", "tiny_llama_cpu", "--gpu", "h100-sxm", "--gpus-per-node", "4", "--mbs", "2"]
+    assert main(base + ["--json", str(plain)]) == 0
+    assert main(base + ["--tp-overlap", "ring", "--json", str(ring)]) == 0
+    assert "TP ring overlap" in capsys.readouterr().out
+    a, b = json.loads(plain.read_text()), json.loads(ring.read_text())
+    assert (a["tp_overlap"], b["tp_overlap"]) == ("none", "ring")
+    key = ("tp", "pp", "vp", "dp", "cp")
+    by = {tuple(x[k] for k in key): x for x in a["layouts"]}
+    for x in b["layouts"]:
+        y = by[tuple(x[k] for k in key)]
+        if x["tp"] == 1:
+            assert x["step_time_s"] == y["step_time_s"]
+        else:
+            assert x["time_s"]["tp_comm"] < y["time_s"]["tp_comm"]

@@ -32,7 +32,7 @@ class OuterConfig(Section):
     nesterov: bool = True
     fragments: int = 1
     mix: float = 1.0
-    fragment_layout: str = "contiguous"
+    fragment_layout: str = "strided"
     compression: str = "none"
     topk_fraction: float = 0.01
 

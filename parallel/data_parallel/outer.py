@@ -75,7 +75,7 @@ class OuterOptimizer:
     def __init__(self, dist_opt, *, dp_group: Group, method: str = "diloco", inner_steps: int = 10,
                  lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True, fragments: int = 1, mix: float = 1.0,
                  compression: str = "none", topk_fraction: float = 0.01, chunk: int = DEFAULT_INT8_CHUNK,
-                 layout: str = "contiguous", counts=None, norm_groups: tuple[Group | None, ...] = ()):
+                 layout: str = "strided", counts=None, norm_groups: tuple[Group | None, ...] = ()):
         if method not in ("diloco", "streaming_diloco"):
             raise ValueError(f"outer.method={method!r}: the outer optimizer runs 'diloco' or 'streaming_diloco'")
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:

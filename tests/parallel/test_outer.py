@@ -9,8 +9,10 @@
   2H steps DiLoCo sends exactly 2 x DDP's per-step volume x the compression ratio: 1 (none), 1/2 (bf16),
   (n_pad / n) (1 + 4 / 1024) / 4 (int8 with fp32 scales per 1024, padded to dp x 1024), and top-k the
   all-gather of k fp32 values + k int32 indices; Streaming DiLoCo's fragments add up to the same volume.
-* Resume is bitwise for DiLoCo (top-k, mid-cycle), Streaming DiLoCo (int8, with a reduction in flight
-  at the save) and both per-step compressors (tests/parallel/test_grad_compression.py shares the runs).
+* Fragments (strided layout): after each step the replicas agree exactly on the parameters of the fragment
+  just applied (its blocks, with the embedding or the final norm and output layer), and on no other.
+* Resume is bitwise for DiLoCo (top-k, mid-cycle), Streaming DiLoCo (int8, strided, with a reduction in
+  flight at the save) and both per-step compressors (tests/parallel/test_grad_compression.py shares the runs).
 * Bad inputs are refused with the fix named.
 """
 from __future__ import annotations
@@ -110,7 +112,8 @@ def _bytes():
     out = {"ddp_step": ddp_sent[-1], "numel": numel}
     for name, extra in (("none", []), ("bf16", ["outer.compression=bf16"]), ("int8", ["outer.compression=int8"]),
                         ("topk", ["outer.compression=topk", "outer.topk_fraction=0.05"]),
-                        ("streaming", ["outer.method=streaming_diloco", "outer.fragments=2"])):
+                        ("streaming", ["outer.method=streaming_diloco", "outer.fragments=2",
+                                       "outer.fragment_layout=contiguous"])):
         method = [] if name == "streaming" else ["outer.method=diloco"]
         run, losses, sent = _train(_cfg(steps=2 * H, extra=method + [f"outer.inner_steps={H}"] + extra), 2 * H)
         out[name] = {"sent": sent, "finite": all(math.isfinite(x) for x in losses)}
@@ -140,13 +143,12 @@ FRAGMENT_NAMES = {0: ("0.embedding.", "0.layers.0."), 1: ("0.layers.1.", "0.fina
 
 
 def _fragments():
-    """Streaming DiLoCo, strided layout, F = 2, H = 2 (fragment 0 sends after odd steps, fragment 1 after even
+    """Streaming DiLoCo, strided layout (the default), F = 2, H = 2 (fragment 0 sends after odd steps, fragment 1 after even
     ones, each applied one step later): after each step, the names of the parameters on which the two
     replicas agree (bitwise), and the refusal to load outer state laid out otherwise."""
     import torch.distributed as dist
 
-    run = _run(_cfg(steps=3, extra=["outer.method=streaming_diloco", "outer.inner_steps=2", "outer.fragments=2",
-                                    "outer.fragment_layout=strided"]))
+    run = _run(_cfg(steps=3, extra=["outer.method=streaming_diloco", "outer.inner_steps=2", "outer.fragments=2"]))
     agreed = []
     for _ in range(3):
         run.trainer.train_step(run.train_loader)
@@ -253,9 +255,8 @@ def test_resume_is_bitwise(dp2, name):
     (["outer.method=streaming_diloco", "outer.fragments=4", "outer.inner_steps=2"], "raise inner_steps"),
     (["outer.method=diloco", "optim.grad_compression=onebit"], "outer.compression instead"),
     (["outer.method=diloco", "outer.topk_fraction=0.5"], "outer.compression='topk'"),
-    (["outer.method=diloco", "outer.fragment_layout=strided"], "outer.fragment_layout='strided' is read only"),
-    (["outer.method=streaming_diloco", "outer.fragments=5", "outer.fragment_layout=strided"],
-     "set outer.fragments <= 4"),
+    (["outer.method=diloco", "outer.fragment_layout=contiguous"], "outer.fragment_layout='contiguous' is read only"),
+    (["outer.method=streaming_diloco", "outer.fragments=5"], "set outer.fragments <= 4"),
     (["outer.method=streaming_diloco", "outer.fragments=2", "outer.fragment_layout=rows"],
      "outer.fragment_layout"),
     (["optim.powersgd_rank=8"], "optim.grad_compression='powersgd'"),

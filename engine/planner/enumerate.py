@@ -3,8 +3,8 @@
 Legal: tp divides the heads, the k/v heads and the MLP width (models/config.py's rule) and stays inside
 a node; pp * vp stages of at least one layer; interleaving (vp > 1) only where every stage gets the
 same number of layers; cp splits the sequence into 2 * cp zigzag chunks; tp * pp * cp * dp is the world;
-mbs * dp divides the global batch; with an MoE model ep divides dp and the expert count (cp 1: the trainer
-refuses cp with ep > 1); the run config accepts it (engine/config: the same checks as a run).
+mbs * dp divides the global batch; with an MoE model ep divides dp and the expert count; the run config
+accepts it (engine/config: the same checks as a run).
 Pins (``--tp 8``) keep one value; a pin no layout can honour is an error that names the fix.
 """
 from __future__ import annotations
@@ -53,9 +53,6 @@ def check_pins(model, cluster: Cluster, tr: Training, pins: dict) -> None:
             model.hook.check_expert_parallel(ep)
         except ValueError as e:
             raise ValueError(f"--ep {ep}: {e}") from None
-        if cp not in (None, 1):
-            raise ValueError(f"--ep {ep} with --cp {cp}: the trainer refuses expert parallelism with context "
-                             "parallelism; pin one of them to 1")
         if dp is not None and dp % ep:
             raise ValueError(f"--ep {ep} must divide --dp {dp} (experts are sharded inside the data-parallel ranks)")
     fixed = [(k, v) for k, v in (("tp", tp), ("pp", pp), ("cp", cp), ("dp", dp)) if v is not None]
@@ -116,10 +113,10 @@ def candidates(model, cluster: Cluster, tr: Training, pins: dict) -> list[Layout
 
 def ep_choices(model, tr: Training, *, dp: int, cp: int) -> list[int]:
     """Expert-parallel degrees of one (dp, cp): 1, and with an MoE model every divisor of dp that divides
-    the expert count, with cp 1 (the trainer refuses cp with ep > 1), at any ZeRO stage (the expert buffers
-    shard over edp = dp / ep)."""
+    the expert count (the trainer carves ep out of dp at each cp index; expert buffers reduce, and under
+    ZeRO shard, over edp = dp x cp / ep)."""
     e = model.config.num_experts
-    if not e or cp > 1:
+    if not e:
         return [1]
     return [d for d in _divisors(dp) if e % d == 0]
 

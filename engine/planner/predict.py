@@ -21,7 +21,7 @@ and the tests that assert it against the allocator use the same call). Step time
 * expert parallelism (docs/planner.md): expert weights, gradients and optimizer state at 1/ep (the
   memory is predict_memory's), each MoE layer's four token all-to-alls (dispatch and combine, forward and
   backward: :func:`moe_dispatch_bytes` each) exposed over the link the ep group spans, expert gradients
-  reduced (ZeRO: sharded) over edp = dp / ep; GEMMs at the active parameters' FLOPs (:func:`mlp_gemm_time`);
+  reduced (ZeRO: sharded) over edp = dp x cp / ep; GEMMs at the active parameters' FLOPs (:func:`mlp_gemm_time`);
 * pipeline: the per-stage forward/backward times and the p2p latency go into parallel/pipeline/simulate.py's
   dataflow model of the layout's own schedule (engine/planner/pipeline.py); its makespan includes the bubble.
 
@@ -508,25 +508,26 @@ def predict(model, lay: Layout, tr: Training, cluster: Cluster, *, steady_state:
                 kinds[k] = kinds.get(k, 0.0) + v * m
     # data parallel: bytes of the rank's gradient buffer (engine/memory.py's padded layout)
     big = memory.ranks[busiest]
-    total = big.grads // 4 if tr.zero < 2 or lay.dp == 1 else big.grads * lay.dp // 4
+    dpr = lay.dp * lay.cp  # DataParallel's group (mesh.dp_cp): gradients reduce, and ZeRO shards, over dp x cp
+    total = big.grads // 4 if tr.zero < 2 or dpr == 1 else big.grads * dpr // 4
     link = cluster.link(world)
     rank_fwd = sum(fwd[st] for st in range(len(fwd)) if rank_of[st] == busiest)
     rank_bwd = sum(bwd[st] for st in range(len(bwd)) if rank_of[st] == busiest)
     dp_hidden = dp_exposed = 0.0
     gb = tr.grad_reduce_bytes
     # with ep > 1 DataParallel keeps the experts in a buffer of their own, reduced (and, with ZeRO, sharded and
-    # gathered) over edp = dp / ep, the dense one over dp (docs/moe.md)
+    # gathered) over edp = dp x cp / ep, the dense one over dp x cp (docs/moe.md, engine/memory.py)
     dense, experts = (total, 0) if lay.ep == 1 else rank_numel(model, lay, busiest)
-    edp = lay.dp // lay.ep
-    if lay.dp > 1:
+    edp = dpr // lay.ep
+    if dpr > 1:
         if tr.zero == 0:
-            grad = (collective_time("all_reduce", gb * dense, lay.dp, link)
+            grad = (collective_time("all_reduce", gb * dense, dpr, link)
                     + collective_time("all_reduce", gb * experts, edp, link))
             gather, gather_room = 0.0, 0.0
         else:
-            grad = (collective_time("reduce_scatter", gb * dense, lay.dp, link)
+            grad = (collective_time("reduce_scatter", gb * dense, dpr, link)
                     + collective_time("reduce_scatter", gb * experts, edp, link))
-            gather = (collective_time("all_gather", elem * dense // lay.dp, lay.dp, link)
+            gather = (collective_time("all_gather", elem * dense // dpr, dpr, link)
                       + collective_time("all_gather", elem * experts // edp, edp, link))
             gather_room = rank_fwd
             if tr.zero == 3:  # parameters gathered in every forward and backward, under the layers' compute
@@ -536,7 +537,7 @@ def predict(model, lay: Layout, tr: Training, cluster: Cluster, *, steady_state:
             rank_bwd = gather_room = 0.0
         dp_hidden = min(grad, rank_bwd) + min(gather, gather_room)
         dp_exposed = max(0.0, grad - rank_bwd) + max(0.0, gather - gather_room)
-    owned = dense // lay.dp + experts // edp if tr.zero >= 1 else dense + experts
+    owned = dense // dpr + experts // edp if tr.zero >= 1 else dense + experts
     # AdamW reads the fp32 gradient, master and moments and writes them back with the low-precision
     # parameter (28 + elem bytes per owned element), the gradient norm reads the gradients once more (4), and
     # the next step starts from a zeroed fp32 gradient buffer (4 bytes per element held)

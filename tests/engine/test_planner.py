@@ -10,7 +10,7 @@
 * The published-row check: the rule (80% of rows within 15%) and one row end to end.
 * Expert parallelism (test_moe_training.py's tiny Mixtral): the memory at ep2 is the start-up report's
   (predict_memory on the trainer's config, whose state test_memory_report.py asserts against the allocator),
-  at ZeRO 0, 1 and 2; ep > 1 is enumerated at every ZeRO stage and never with cp; the all-to-all time is 4
+  at ZeRO 0, 1 and 2; ep > 1 is enumerated at every ZeRO stage and with cp; the all-to-all time is 4
   dispatches of (ep-1)/ep * top_k * tokens * hidden bytes per MoE layer over the ep group's link; expert
   weights, gradients and optimizer state shrink with ep, and with ZeRO their reduction runs over edp; bad ep
   pins name the fix.
@@ -338,7 +338,8 @@ def test_ep_all_to_all_and_enumeration(tiny_moe):
     assert moe_dispatch_bytes(c, tokens=32, ep=2, elem=2) == 0.5 * 2 * 32 * 32 * 2
     preds, notes = plan(tiny_moe, cluster, tr)
     eps = {(p.layout.dp, p.layout.ep) for p in preds}
-    assert {(4, 1), (4, 2), (4, 4), (2, 2), (1, 1)} <= eps and all(p.layout.cp == 1 for p in preds if p.layout.ep > 1)
+    assert {(4, 1), (4, 2), (4, 4), (2, 2), (1, 1)} <= eps
+    assert any(p.layout.cp == 2 and p.layout.ep == 2 for p in preds)  # ep with cp: edp over dp x cp
     by = {(p.layout.tp, p.layout.pp, p.layout.dp, p.layout.ep, p.layout.mbs): p for p in preds if p.layout.vp == 1}
     p = by[(1, 1, 4, 4, 1)]  # ep4 spans both nodes: the NIC's link; 2 micro-batches x 2 layers x 4 all-to-alls
     want = 2 * c.num_layers * 4 * alltoall_time(moe_dispatch_bytes(c, tokens=16, ep=4, elem=2), 4, cluster.link(4))
@@ -361,8 +362,8 @@ def test_ep_all_to_all_and_enumeration(tiny_moe):
             + collective_time("all_gather", 2 * experts // 2, 2, link))
     got = zero1[(1, 1, 4, 2, 1, 1)].breakdown
     assert got["dp_comm_exposed"] + got["dp_comm_overlapped"] == pytest.approx(want, rel=1e-12)
-    with pytest.raises(ValueError, match="--ep 2 with --cp 2"):
-        plan(tiny_moe, cluster, Training(seq_length=16, global_batch_size=8, zero=1), {"ep": 2, "cp": 2})
+    with pytest.raises(ValueError, match="--ep 2 must divide --dp 1"):
+        plan(tiny_moe, cluster, Training(seq_length=16, global_batch_size=8, zero=1), {"ep": 2, "dp": 1})
     with pytest.raises(ValueError, match="--ep 3: .*"):
         plan(tiny_moe, cluster, tr, {"ep": 3})
 
@@ -434,3 +435,17 @@ def test_zero_3_plans_a_preset_that_overlaps_the_parameter_gather():
     preds, _ = plan(model, Cluster(gpu=gpu("h100-sxm"), nodes=1, gpus_per_node=2),
                     Training(seq_length=128, global_batch_size=16, zero=3), {"tp": 1, "pp": 1, "cp": 1, "mbs": 2})
     assert [p.layout.dp for p in preds] == [2]
+
+
+def test_gradients_reduce_over_dp_times_cp(tiny):
+    """DataParallel's group is dp x cp (mesh.dp_cp; engine/memory.py shards ZeRO over it): at dp 1 x cp 2 the
+    gradients still reduce-scatter over the two cp ranks and the parameters all-gather back."""
+    from engine.planner.predict import collective_time
+
+    cl = Cluster(gpu=gpu("h100-sxm"), nodes=1, gpus_per_node=2)
+    p = predict(tiny, Layout(tp=1, pp=1, vp=1, dp=1, cp=2, mbs=2), Training(seq_length=128, global_batch_size=16), cl)
+    total = p.memory.largest.grads // 4  # ZeRO 1: the whole fp32 gradient buffer
+    want = (collective_time("reduce_scatter", 4 * total, 2, cl.link(2))
+            + collective_time("all_gather", 2 * total // 2, 2, cl.link(2)))
+    assert want > 0
+    assert p.breakdown["dp_comm_exposed"] + p.breakdown["dp_comm_overlapped"] == pytest.approx(want, rel=1e-12)

@@ -52,8 +52,8 @@ def test_moe_plan_lists_ep_at_every_zero_stage(tmp_path, capsys):
     for zero in ("0", "1"):
         assert main(base + ["--zero", zero, "--json", str(out)]) == 0
         assert {x["ep"] for x in json.loads(out.read_text())["layouts"]} == {1, 2, 4}
-    assert main(base + ["--zero", "1", "--ep", "2", "--cp", "2"]) == 2
-    assert "--ep 2 with --cp 2" in capsys.readouterr().err
+    assert main(base + ["--zero", "1", "--ep", "2", "--dp", "1"]) == 2
+    assert "--ep 2 must divide --dp 1" in capsys.readouterr().err
 
 
 def test_tp_overlap_ring_flag(tmp_path, capsys):

@@ -167,19 +167,25 @@ class StageMemory:
 
 
 def cp_attention_transients(shape: LayerShape, *, s: int, b: int, tp: int = 1, cp: int = 1, comm: str = "ring",
-                            a2a_size: int | None = None, elem: int = 4) -> tuple[int, int]:
+                            a2a_size: int | None = None, elem: int = 4, blocks: str = "flash") -> tuple[int, int]:
     """``(forward, backward)`` bytes one context-parallel attention holds on top of the saved activations, on
     one rank (``s`` its local tokens, ``s_full / cp``), from parallel/context_parallel (docs/memory.md):
 
     * ring: the packed K/V block in hand and the one arriving (forward and backward), the dK/dV accumulator
-      in hand and the one arriving (backward), a q-sized copy and output (forward; dq in backward), and one
-      block's score-sized temporaries, ``(b, heads, L, L)`` with ``L = s_full / (2 cp)`` the chunk: 3 in
-      forward (scores, shifted scores, probabilities), 5 in backward (with dP, dP - delta, dS);
+      in hand and the one arriving (backward), a q-sized copy and output (forward; dq in backward), and the
+      block kernel's own buffers. ``blocks="explicit"`` (a sliding window cuts blocks, or no flash kernel
+      runs the dtype): one block's score-sized temporaries, ``(b, heads, L, L)`` with ``L = s_full / (2 cp)``
+      the chunk: 3 in forward (scores, shifted scores, probabilities), 5 in backward (with dP, dP - delta,
+      dS). ``blocks="flash"``: no score-sized buffer; the block's rows copied into the kernel's layout, its
+      output and the merge's temporaries (one more q-sized term in forward, two in backward), its k/v slices
+      made contiguous (half a kv term in forward; with the dK/dV slices, two more in backward);
     * a2a: q, k and v packed for the all-to-all, received, and put back in natural order (3 copies);
     * hybrid: the all-to-all's received q, k, v, then the ring over the ``cp / a2a_size`` groups with
       ``1 / a2a_size`` of the heads.
     Score temporaries and the dK/dV accumulators are in the compute dtype (fp32 for bf16). Counts read off
-    the code and checked against the allocator at one shape (docs/memory.md)."""
+    the code and checked against the allocator (explicit: one shape; flash: four, docs/memory.md)."""
+    if blocks not in ("flash", "explicit"):
+        raise ValueError(f"blocks={blocks!r} must be 'flash' or 'explicit'")
     if cp <= 1:
         return 0, 0
     cdt = max(elem, 4)
@@ -189,6 +195,8 @@ def cp_attention_transients(shape: LayerShape, *, s: int, b: int, tp: int = 1, c
 
     def ring(tokens, h, g, chunk):
         kvu, qu, blk = tokens * b * g * d, tokens * b * h * d, b * h * chunk * chunk
+        if blocks == "flash":
+            return (4 * kvu * elem + kvu * cdt // 2 + 3 * qu * cdt, 10 * kvu * cdt + 4 * qu * cdt)
         return (3 * blk * cdt + 4 * kvu * elem + 2 * qu * cdt,
                 5 * blk * cdt + 8 * kvu * cdt + 2 * qu * cdt)
     chunk = s // 2  # s_full / (2 cp)
@@ -231,7 +239,7 @@ def stage_memory(shape: LayerShape, *, s: int, b: int, layers: int, tp: int = 1,
                  recompute: str = "none", recompute_layers: int | None = None, pre_process: bool = False,
                  post_process: bool = False, vocab_local: int = 0, elem: int = 4, fused_ce: bool = False,
                  attention: str | None = None, cp: int = 1, cp_comm: str = "ring",
-                 cp_a2a_size: int | None = None) -> StageMemory:
+                 cp_a2a_size: int | None = None, cp_blocks: str = "flash") -> StageMemory:
     """:class:`StageMemory` of a stage with ``layers`` layers (the first ``recompute_layers`` of them
     fully recomputed when ``recompute='full'``; None: all). Beyond the layers: the rope tables (Hugging
     Face's expanded cos and sin, shared by the layers), the embedding's masked ids, the final norm and
@@ -272,7 +280,7 @@ def stage_memory(shape: LayerShape, *, s: int, b: int, layers: int, tp: int = 1,
     if layers and cp > 1:  # context-parallel attention's buffers (``s`` is the local share): while the
         # attention runs, its layer's MLP activations are not held (forward: not made yet; backward: freed)
         att_f, att_b = cp_attention_transients(shape, s=s, b=b, tp=tp, cp=cp, comm=cp_comm, a2a_size=cp_a2a_size,
-                                               elem=elem)
+                                               elem=elem, blocks=cp_blocks)
         mlp = elem * ((4 if shape.gated else 2) * sb * shape.active_ffn // tp)
         forward, backward = max(forward, att_f - mlp), max(backward, att_b - mlp)
     queued, w_step = wgrad_queue_bytes(shape, s=s, b=b, layers=layers, tp=tp, sp=sp, post_process=post_process,
@@ -464,6 +472,13 @@ def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_samp
     notes = []
     if cfg.model.fp8 != "none":
         notes.append("FP8 scales and casts")
+    # The ring's block kernel (parallel/context_parallel/ring.py): flash unless a sliding window cuts blocks or
+    # no flash kernel runs the dtype (CUDA: bf16/fp16, head dim a multiple of 8 up to 256). Documents packed
+    # in a sequence also cut blocks: data, not config, so not modeled (named below when cp > 1).
+    flash_ok = device != "cuda" or (elem == 2 and shape.head_dim % 8 == 0 and shape.head_dim <= 256)
+    cp_blocks = "flash" if flash_ok and not any(getattr(model.config, "sliding_windows", ()) or ()) else "explicit"
+    if cp > 1 and cp_blocks == "flash":
+        notes.append("the explicit kernel's block buffers where packed documents cut a ring block")
     if getattr(model.config, "qk_norm", False) or getattr(model.config, "sliding_windows", ()):
         notes.append("q/k norms and sliding-window masks")
     if ep > 1 and getattr(p, "moe_dispatcher", "alltoall") == "allgather":
@@ -486,7 +501,7 @@ def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_samp
                               recompute=t.activation_checkpointing, recompute_layers=t.recompute_num_layers,
                               pre_process=st == 0, post_process=st == num_stages - 1, vocab_local=vocab_local,
                               elem=elem, fused_ce=fused, attention=shape.attention_path(device), cp=cp,
-                              cp_comm=p.cp_comm, cp_a2a_size=p.cp_a2a_size)
+                              cp_comm=p.cp_comm, cp_a2a_size=p.cp_a2a_size, cp_blocks=cp_blocks)
             if zero == 3 and dpr > 1:  # one layer's fp32 gradient bucket (and, on gloo, its reduce-scatter copy)
                 sm = StageMemory(sm.saved, sm.forward, sm.backward + layer * 4 * (2 if device == "cpu" else 1)
                                  + layer // dpr * 4, sm.wgrad, sm.wgrad_step)

@@ -31,6 +31,7 @@ if ROOT not in sys.path:
 
 from parallel.testing import run_distributed  # noqa: E402
 
+LONG = ["train.seq_length=1024", "model.max_position_embeddings=1024", "optim.distributed=false"]
 # name -> (ranks, --set overrides of the preset)
 LAYOUTS = {
     "1 process": (1, ["parallel.tp=1", "parallel.pp=1"]),
@@ -42,6 +43,10 @@ LAYOUTS = {
     "dp4, ZeRO-1": (4, ["parallel.tp=1", "parallel.pp=1", "optim.zero_stage=1"]),
     "dp4, ZeRO-3": (4, ["parallel.tp=1", "parallel.pp=1", "optim.zero_stage=3"]),
     "dp2 x pp2, ZeRO-3": (4, ["parallel.tp=1", "parallel.pp=2", "optim.zero_stage=3"]),
+    "cp2 ring, ZeRO-1": (2, ["parallel.tp=1", "parallel.pp=1", "parallel.cp=2"]),
+    "cp2 x pp2 ring, s 1024, plain": (4, ["parallel.tp=1", "parallel.pp=2", "parallel.cp=2", *LONG]),
+    "cp2 x pp2 a2a, s 1024, plain": (4, ["parallel.tp=1", "parallel.pp=2", "parallel.cp=2", "parallel.cp_comm=a2a",
+                                         *LONG]),
 }
 
 

@@ -171,6 +171,25 @@ def _worker():
     out["ep2-zero2"] = (_state(run), _predicted_state(run), sum(_state(run)) + peak.peak, r.total)
     del run
     gc.collect()
+    # One ring attention (cp2) forward and backward, alone: the peak above the start against
+    # cp_attention_transients, for the flash and the explicit block kernels.
+    from parallel.context_parallel import BlockMasks, ring_attention, zigzag_chunks
+
+    cp_group = Mesh.build(ParallelDims(cp=2)).cp
+    s_local, b, nh, g, hd = RING_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s_local, b, h, hd, generator=gen).requires_grad_() for h in (nh, g, g))
+    go = torch.randn(s_local, b, nh * hd, generator=gen)
+    masks = BlockMasks(seq_len=2 * s_local, num_chunks=4, doc_ids=None, window=None)
+    for fused in (False, None, False, None):  # the second round is measured (the first warms the allocator)
+        with PeakMemory() as fwd:
+            o = ring_attention(q, k, v, group=cp_group, chunks_of=lambda r: zigzag_chunks(r, 2), masks=masks,
+                               scale=hd ** -0.5, fused=fused)
+        with PeakMemory() as bwd:
+            o.backward(go)
+        del o
+        q.grad = k.grad = v.grad = None
+        out["ring", "explicit" if fused is False else "flash"] = (fwd.peak, bwd.peak)
     # Reduce-scatters whose input the gloo thread frees: the allocator's total sees it, events do not.
     group = Mesh.build(ParallelDims.for_world(dist.get_world_size())).dp
     with PeakMemory() as rs:
@@ -179,6 +198,9 @@ def _worker():
         time.sleep(0.2)  # let gloo's threads drop their references
     out["reduce_scatter"] = (rs.peak, rs.end, rs.exact)
     return out
+
+
+RING_SHAPE = (512, 2, 4, 2, 32)  # local tokens, batch, query heads, kv heads, head dim: chunks of 256
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +261,22 @@ def test_ep2_zero2_state_exact_with_experts_sharded_over_edp(two_ranks):
         assert state == predicted_state, (rank, state, predicted_state)
         assert state != out["ep2"][0]  # sharding moved bytes
         assert abs(predicted - measured) <= 0.10 * measured, (rank, measured, predicted)
+
+
+@pytest.mark.parametrize("blocks", ["flash", "explicit"])
+def test_ring_attention_buffers_within_10_percent_of_the_formula(two_ranks, blocks):
+    """cp_attention_transients against one ring attention's measured forward and backward peaks (cp2, fp32):
+    the explicit kernel's score-sized block temporaries, the flash kernel's q- and kv-sized buffers."""
+    from engine.memory import LayerShape, cp_attention_transients
+
+    s_local, b, nh, g, hd = RING_SHAPE
+    shape = LayerShape(hidden_size=nh * hd, num_heads=nh, num_kv_heads=g, head_dim=hd, ffn_hidden_size=4 * nh * hd)
+    predicted = cp_attention_transients(shape, s=s_local, b=b, cp=2, blocks=blocks)
+    for rank, out in enumerate(two_ranks):
+        for what, got, want in zip(("forward", "backward"), out["ring", blocks], predicted):
+            assert got == pytest.approx(want, rel=0.10), (rank, blocks, what, got, want)
+    flash, explicit = two_ranks[0]["ring", "flash"], two_ranks[0]["ring", "explicit"]
+    assert flash[0] < explicit[0] / 2 and flash[1] < explicit[1] / 2  # no L x L scores
 
 
 def test_memory_plan_shards_the_experts_over_edp():

@@ -342,10 +342,6 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
         model.build_stage(mesh, pre_process=s == 0, post_process=s == num_stages - 1, layer_range=ranges[s],
                           device=device)
         for s in stages])
-    if p.cp > 1:  # MoE layers: the aux loss's expert counts span the cp ranks' shards of each sequence
-        from parallel.expert_parallel import use_cp_group
-
-        use_cp_group(chunks, mesh.cp)
     lora = cfg.posttrain.lora
     if lora.rank:  # adapters on the built chunks, base frozen: DataParallel and the optimizer see adapters only
         from engine.posttrain.lora import apply_lora

@@ -103,8 +103,9 @@ def moe_full_shape(name: str, cfg: TransformerConfig) -> tuple[int, ...] | None:
 
 
 def build_moe_mlp(cfg: TransformerConfig, *, layer_number: int, tp_group, ep_group, dispatcher: str,
-                  sequence_parallel: bool, dtype, device, init):
-    """The MoE MLP of layer ``layer_number``, initialised per global parameter name like every other weight."""
+                  sequence_parallel: bool, dtype, device, init, cp_group=None):
+    """The MoE MLP of layer ``layer_number``, initialised per global parameter name like every other weight.
+    ``cp_group``: the context-parallel group the aux loss's expert counts are summed over (None: cp = 1)."""
     from parallel.expert_parallel import MoELayer
 
     return MoELayer(hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.moe_ffn_hidden_size,
@@ -112,7 +113,7 @@ def build_moe_mlp(cfg: TransformerConfig, *, layer_number: int, tp_group, ep_gro
                     dispatcher=dispatcher, sequence_parallel=sequence_parallel, norm_topk_prob=cfg.norm_topk_prob,
                     shared_expert_ffn_hidden_size=cfg.shared_expert_ffn_hidden_size,
                     aux_loss_coef=cfg.router_aux_loss_coef, z_loss_coef=cfg.router_z_loss_coef, dtype=dtype,
-                    device=device, init=init, name_prefix=f"layers.{layer_number}.mlp.")
+                    device=device, init=init, name_prefix=f"layers.{layer_number}.mlp.", cp_group=cp_group)
 
 
 def moe_aux_loss(stage) -> torch.Tensor | None:

@@ -129,6 +129,7 @@ class TransformerLayer(nn.Module):
         if cfg.is_moe_layer(layer_number):  # mixture of experts (models/moe.py): tokens routed over ep_group
             self.mlp = build_moe_mlp(cfg, layer_number=layer_number, tp_group=tp_group, init=init,
                                      ep_group=comm.as_group(ep_group, axis="ep"), dispatcher=moe_dispatcher,
+                                     cp_group=None if cp is None else cp.group,
                                      sequence_parallel=sequence_parallel, dtype=dtype, device=device)
         else:
             self.mlp = MLP(cfg, layer_number=layer_number, tp_group=tp_group, init=init, linear_impl=linear_impl, **kw)

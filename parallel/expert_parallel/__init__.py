@@ -4,7 +4,7 @@ the mixture-of-experts MLP (docs/moe.md). Like the TP layers, the MoE layer is g
 """
 from parallel.expert_parallel.dispatch import (DISPATCHERS, AllGatherDispatcher, AllToAllDispatcher, make_dispatcher,
                                                permute, unpermute)
-from parallel.expert_parallel.layer import MoELayer, SwiGLUExpert, default_init, use_cp_group
+from parallel.expert_parallel.layer import MoELayer, SwiGLUExpert, default_init
 from parallel.expert_parallel.router import (DROP_POLICIES, SCORE_FUNCS, AuxLossInjector, Routing, RouterStats,
                                              TopKRouter, check_routing, drop_over_capacity, expert_capacity,
                                              load_balancing_loss, z_loss)
@@ -12,4 +12,4 @@ from parallel.expert_parallel.router import (DROP_POLICIES, SCORE_FUNCS, AuxLoss
 __all__ = ["MoELayer", "SwiGLUExpert", "TopKRouter", "Routing", "RouterStats", "AuxLossInjector",
            "AllToAllDispatcher", "AllGatherDispatcher", "make_dispatcher", "permute", "unpermute",
            "load_balancing_loss", "z_loss", "check_routing", "default_init", "drop_over_capacity", "expert_capacity",
-           "DISPATCHERS", "SCORE_FUNCS", "DROP_POLICIES", "use_cp_group"]
+           "DISPATCHERS", "SCORE_FUNCS", "DROP_POLICIES"]

@@ -4,7 +4,7 @@ Groups (given at construction):
 
 * ``ep_group``: the experts are split over it (rank r holds a contiguous block of ``E / ep``); tokens
   travel by the dispatcher (docs/moe.md).
-* ``cp_group`` (context parallelism; optional, or given later by :func:`use_cp_group`): this rank holds 1/cp
+* ``cp_group`` (context parallelism; optional): this rank holds 1/cp
   of each sequence, so the load-balancing loss takes the experts' assignment shares summed over cp (one
   all-reduce of E counts per forward) and this rank's mean probabilities; the loss is then linear in the
   local probabilities and the cp ranks' mean (what data parallelism over dp x cp averages) is the loss of
@@ -226,15 +226,3 @@ class MoELayer(nn.Module):
         last = self.first_expert + self.num_local_experts - 1
         return (f"experts={self.num_experts} (local {self.first_expert}..{last}), top_k={self.top_k}, "
                 f"ep={self.ep_group.size}, tp={self.tp_group.size}")
-
-
-def use_cp_group(module: nn.Module, cp_group: Group) -> int:
-    """Give every :class:`MoELayer` under ``module`` built without one the context-parallel group its aux
-    loss's expert counts are summed over (for model builders that do not pass ``cp_group``). Returns how many
-    layers took it."""
-    n = 0
-    for m in module.modules():
-        if isinstance(m, MoELayer) and m.cp_group is None:
-            m.cp_group = cp_group
-            n += 1
-    return n

@@ -445,10 +445,13 @@ def dp_buffer_numel(cfg, model, *, world: int, pp_rank: int = 0) -> tuple[int, i
                          zero=o.zero_stage if o.distributed else 0, ep=ep)
 
 
-def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_sample: int = 1) -> MemoryPrediction:
+def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_sample: int = 1,
+                   schedules=build_schedule) -> MemoryPrediction:
     """Bytes per rank of the run ``cfg`` of ``model`` (a models.hook.ModelHook: ``config``,
     ``stage_param_sizes``, ``make_vocab_size_divisible_by``, ``fused_cross_entropy``) over ``world``
-    ranks on ``device`` ("cpu": gloo, SDPA's CPU paths; "cuda": NCCL, fused cross-entropy by default)."""
+    ranks on ``device`` ("cpu": gloo, SDPA's CPU paths; "cuda": NCCL, fused cross-entropy by default).
+    ``schedules``: builds the layout's pipeline schedule, with parallel.pipeline.build_schedule's
+    arguments (the planner passes a remembering one: it meets the same schedules in many layouts)."""
     from engine.optim import resolve_adamw
 
     p, t, o = cfg.parallel, cfg.train, cfg.optim
@@ -461,7 +464,7 @@ def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_samp
     num_stages = p.pp * p.vp
     ranges = split_layers(model.num_layers, num_stages, p.pipeline_layout)
     m = cfg.num_microbatches(dp)
-    schedule = build_schedule(p.schedule, pp=p.pp, vp=p.vp, microbatches=m)
+    schedule = schedules(p.schedule, pp=p.pp, vp=p.vp, microbatches=m)
     shape = LayerShape.of(model.config)
     sp = p.sequence_parallel and p.tp > 1
     s, b = t.seq_length // cp, t.micro_batch_size * rows_per_sample

@@ -4,8 +4,8 @@ A plan meets the same few ``(schedule, pp, vp, micro-batches)`` in hundreds of l
 shortcut of predict.py simulates ``pp * (vp + 3)`` micro-batches whatever the batch), so:
 
 * :func:`schedule` is parallel.pipeline.build_schedule remembered (building one places every message on
-  the ideal timeline: up to seconds at pp 64), shared with engine/memory.py's walk through
-  :func:`memory_schedules`;
+  the ideal timeline: up to seconds at pp 64), also handed to engine/memory.py's ``predict_memory``
+  (``schedules=``);
 * :func:`pipeline_time` runs parallel/pipeline/simulate.py's dataflow model ("async": an action starts
   when its rank is free and its inputs exist, an input from another rank ``latency`` after its producer
   ends) on a form of the schedule compiled once: the order in which ``dataflow_times`` settles the
@@ -16,7 +16,6 @@ shortcut of predict.py simulates ``pp * (vp + 3)`` micro-batches whatever the ba
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 
 from parallel.pipeline import build_schedule
@@ -27,25 +26,6 @@ from parallel.pipeline.actions import BACKWARD, FORWARD, stage_rank
 def schedule(name: str, *, pp: int, vp: int = 1, microbatches: int, microbatch_group_size: int | None = None):
     """parallel.pipeline.build_schedule, remembered. A Schedule is frozen data: sharing it is safe."""
     return build_schedule(name, pp=pp, vp=vp, microbatches=microbatches, microbatch_group_size=microbatch_group_size)
-
-
-@contextlib.contextmanager
-def memory_schedules():
-    """engine/memory.py's predict_memory builds the layout's schedule itself by name; while it runs for
-    the planner it gets :func:`schedule`, the same function remembered (the same arguments give an equal
-    Schedule, so the memory is the same to the byte: tests/engine/test_planner.py compares). Restored
-    afterwards; if that module stops importing ``build_schedule`` this only costs speed."""
-    import engine.memory as memory
-
-    original = getattr(memory, "build_schedule", None)
-    if original is not build_schedule:
-        yield
-        return
-    memory.build_schedule = schedule
-    try:
-        yield
-    finally:
-        memory.build_schedule = original
 
 
 @functools.lru_cache(maxsize=64)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from engine.memory import MemoryPrediction, predict_memory
 from engine.metrics import model_flops_per_step
 from engine.planner.hardware import GPU
-from engine.planner.pipeline import memory_schedules, pipeline_time, schedule
+from engine.planner.pipeline import pipeline_time, schedule
 from models.hook import flops_spec
 from parallel.pipeline.split import split_layers
 
@@ -480,8 +480,7 @@ def predict(model, lay: Layout, tr: Training, cluster: Cluster, *, steady_state:
     m_sim = min(m, lay.pp * (lay.vp + 3)) if steady_state else m
     if m_sim != m:  # the same validated config with fewer micro-batches (re-parsing it costs more than all else)
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=m_sim * lay.dp * lay.mbs))
-    with memory_schedules():
-        memory = predict_memory(cfg, model.hook, world=world, device=cluster.device)
+    memory = predict_memory(cfg, model.hook, world=world, device=cluster.device, schedules=schedule)
     costs = stage_costs(model, lay, tr, cluster)
     elem = 4 if dtype == "fp32" else 2
     p2p = pipeline_p2p_time(model.config, lay, tr, cluster, elem=elem)

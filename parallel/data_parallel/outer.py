@@ -102,8 +102,8 @@ class OuterOptimizer:
         self.masters = [master for _, _, master, _, _, _ in dist_opt.owned]  # fp32 views, whole buckets
         self.numel = sum(m.numel() for m in self.masters)
         device = self.masters[0].device
-        # Pieces of the masters, each (master index, start, end, parameter or None), covering every element:
-        # a bucket's padding goes with the parameter before it.
+        # Pieces of the masters, each (master index, start, end, parameter), covering every element: a
+        # bucket's padding goes with the parameter before it (the first piece starts at the bucket's start).
         pieces, mask_parts = [], []
         for i, (_, b, master, _, _, _) in enumerate(dist_opt.owned):
             keep = torch.zeros(master.numel(), dtype=torch.float32, device=device)
@@ -127,6 +127,7 @@ class OuterOptimizer:
             self._segments.append((cursor, i, s, e))
             cursor += e - s
             ends.append(cursor)
+        assert cursor == self.numel, (cursor, self.numel)  # every master element in exactly one piece
         self._norm_mask = torch.cat([mask_parts[i][s:e] for _, i, s, e in self._segments])  # (numel,)
         self.norm_groups = tuple(g for g in norm_groups if g is not None)
         if frag is None:

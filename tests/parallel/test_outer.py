@@ -92,9 +92,24 @@ def _sanity(tp: int):
             "moved": max(float((a[k] - p).abs().max()) for k, p in ddp.initial.items())}
 
 
-@pytest.mark.parametrize("world,tp", [(2, 1), (4, 2)], ids=["dp2", "dp2xtp2"])
-def test_diloco_h1_equals_data_parallel(dp2, world, tp):
-    outs = [r["sanity"] for r in dp2] if world == 2 else run_distributed(_sanity, world, tp, timeout=300)
+def _all_4():
+    """The 4-rank parts in one launch: the dp2 x tp2 sanity check and the strided fragments at dp2 x pp2."""
+    return {"sanity": _sanity(2), "fragments": _fragments(pp=2)}
+
+
+_LAUNCHED4: list = []
+
+
+@pytest.fixture(scope="module")
+def four():
+    if not _LAUNCHED4:
+        _LAUNCHED4.append(run_distributed(_all_4, 4, timeout=300))
+    return _LAUNCHED4[0]
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["dp2", "dp2xtp2"])
+def test_diloco_h1_equals_data_parallel(request, world):
+    outs = [r["sanity"] for r in request.getfixturevalue("dp2" if world == 2 else "four")]
     for rank, r in enumerate(outs):
         ddp, outer = r["losses"]
         assert max(abs(x - y) for x, y in zip(ddp, outer)) < ATOL, (rank, ddp, outer)
@@ -142,20 +157,24 @@ def test_dp_bytes_per_inner_step_are_ddp_over_h_times_compression(dp2):
 FRAGMENT_NAMES = {0: ("0.embedding.", "0.layers.0."), 1: ("0.layers.1.", "0.final_norm.", "0.output_layer.")}
 
 
-def _fragments():
-    """Streaming DiLoCo, strided layout (the default), F = 2, H = 2 (fragment 0 sends after odd steps, fragment 1 after even
-    ones, each applied one step later): after each step, the names of the parameters on which the two
-    replicas agree (bitwise), and the refusal to load outer state laid out otherwise."""
+def _fragments(pp: int = 1):
+    """Streaming DiLoCo, strided layout (the default), F = 2, H = 2 (fragment 0 sends after odd steps, fragment 1
+    after even ones, each applied one step later), at dp2 (x pp2: each pp rank holds one block, so one of its
+    two fragments is empty): after each step, the names of this rank's parameters on which it and its dp
+    peer agree (bitwise), and the refusal to load outer state laid out otherwise."""
     import torch.distributed as dist
 
-    run = _run(_cfg(steps=3, extra=["outer.method=streaming_diloco", "outer.inner_steps=2", "outer.fragments=2"]))
-    agreed = []
+    run = _run(_cfg(steps=3, extra=["outer.method=streaming_diloco", "outer.inner_steps=2", "outer.fragments=2",
+                                    f"parallel.pp={pp}"]))
+    peer = next(r for r in run.mesh.dp_cp.ranks if r != run.mesh.rank)
+    agreed, norms = [], []
     for _ in range(3):
-        run.trainer.train_step(run.train_loader)
+        st = run.trainer.train_step(run.train_loader)
+        norms.append(st.outer is not None and "outer_step_norm" in st.outer)
         mine = _params(run)
-        both = [None, None]
-        dist.all_gather_object(both, mine)
-        agreed.append(sorted(k for k in mine if torch.equal(both[0][k], both[1][k])))
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        agreed.append(sorted(k for k in mine if torch.equal(mine[k], every[peer][k])))
     outer = run.trainer.outer
     state = outer.state_dict()
     try:
@@ -163,16 +182,21 @@ def _fragments():
         refused = ""
     except ValueError as err:
         refused = str(err)
-    return {"agreed": agreed, "names": sorted(mine), "refused": refused}
+    return {"agreed": agreed, "names": sorted(mine), "refused": refused, "pp_rank": run.mesh.coords["pp"],
+            "norms": norms}
 
 
-def test_strided_fragments_sync_whole_blocks(dp2):
-    for rank, r in enumerate(x["fragments"] for x in dp2):
+@pytest.mark.parametrize("layout", ["dp2", "dp2xpp2"])
+def test_strided_fragments_sync_whole_blocks(request, layout):
+    for rank, r in enumerate(x["fragments"] for x in request.getfixturevalue("dp2" if layout == "dp2" else "four")):
         frag = {f: sorted(k for k in r["names"] if k.startswith(pre)) for f, pre in FRAGMENT_NAMES.items()}
-        assert sorted(frag[0] + frag[1]) == r["names"]  # every parameter in exactly one fragment
+        assert sorted(frag[0] + frag[1]) == r["names"]  # every parameter of this rank in exactly one fragment
+        if layout == "dp2xpp2":  # pp rank 0: embedding + block 0 only (fragment 1 empty); pp rank 1 the reverse
+            assert (frag[1] if r["pp_rank"] == 0 else frag[0]) == [], (rank, r["names"])
         # step 1: fragment 0 in flight, nothing applied; step 2: fragment 0 applied (its replicas agree), fragment 1
         # in flight; step 3: fragment 1 applied, fragment 0 trained locally again and in flight
         assert r["agreed"] == [[], frag[0], frag[1]], (rank, r["agreed"])
+        assert r["norms"] == [False, True, True], (rank, r["norms"])  # every pp rank logs (and reduces) each sync
         assert "outer.fragment_layout='strided'" in r["refused"] and "resume with the saved" in r["refused"]
 
 

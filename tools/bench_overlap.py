@@ -11,10 +11,20 @@ and the ratios ring / none. The losses of both modes are compared step by step (
 only the summation order: they agree to fp32 rounding).
 
     .venv/bin/python tools/bench_overlap.py --json docs/benchmarks/overlap.json
+    .venv/bin/python tools/bench_overlap.py --no-breakdown --layouts tp2 tp4   (without the breakdown launches)
+    .venv/bin/python tools/bench_overlap.py --loss   (the loss's MAX all-reduce in line vs hidden, tp2 and tp4)
     python3 tools/bench_overlap.py --gemm-overhead --device cuda   (one GPU: the chunk GEMMs' overhead)
 
-Layouts (default): tp2 on 2 ranks, tp4 on 4 ranks (4 kv heads), tp2 x pp2 on 4 ranks, all with
-sequence parallelism, 8 x 512 tokens per step, on the CPU preset (configs/tiny_llama_cpu.toml; data from tools/prepare_corpus.py).
+The breakdown (on by default) adds one launch per mode with a flight recorder (parallel/flight.py) on
+every rank: each rank's tensor-parallel blocked time per kind of call (ring waits, the loss's hidden-MAX
+wait, each synchronous collective), split into "peer late" (the last rank of the group entered the call,
+or posted the round's transfers, after this rank began to wait: a slower or descheduled peer) and the
+rest (time after every rank had arrived: transfer and progress), averaged over the ranks and the timed
+steps. Its launches are separate from the timed ones, so its totals need not equal theirs.
+
+Layouts (default): tp2 on 2 ranks, tp4 on 4 ranks (4 kv heads), tp2 x pp2 on 4 ranks (and the same with
+pipeline receives posted early), all with sequence parallelism, 8 x 512 tokens per step, on the CPU
+preset (configs/tiny_llama_cpu.toml; data from tools/prepare_corpus.py).
 On a machine with fewer cores than ranks the ranks and gloo's transfer threads share cores, so a
 smaller exposed time need not give a shorter step; docs/overlap.md says what the numbers mean.
 """
@@ -37,7 +47,7 @@ LAYOUTS = {"tp2": dict(world=2, tp=2, pp=1), "tp4": dict(world=4, tp=4, pp=1, se
 KEYS = ("step_time_s", "comm_exposed_s", "comm_exposed_s_tp", "comm_exposed_s_pp", "comm_bytes_tp")
 
 
-def run_once(layout: str, mode: str, args, run_dir: str) -> list[dict]:
+def run_once(layout: str, mode: str, args, run_dir: str, *, flights: bool = False) -> list[dict]:
     lay = LAYOUTS[layout]
     sets = [f"parallel.tp={lay['tp']}", f"parallel.pp={lay['pp']}", "parallel.dp=1", "parallel.sequence_parallel=true",
             f"parallel.tp_overlap={mode}", f"train.steps={args.steps}", "optim.warmup_steps=1", "train.log_interval=1",
@@ -45,8 +55,11 @@ def run_once(layout: str, mode: str, args, run_dir: str) -> list[dict]:
             f"train.global_batch_size={args.global_batch}", f"train.micro_batch_size={args.micro_batch}",
             f"train.seq_length={args.seq}", f"model.max_position_embeddings={max(256, args.seq)}",
             *lay.get("sets", []), *args.set]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(lay["world"]),
-           os.path.join(ROOT, "tools", "pretrain.py"), "--config", args.config, "--run-dir", run_dir]
+    script = [os.path.join(ROOT, "tools", "pretrain.py")]
+    if flights:  # this file as the torchrun script: pretrain's path, with a flight recorder (--_worker)
+        script = [os.path.abspath(__file__), "--_worker", os.path.join(run_dir, "flights")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(lay["world"]), *script,
+           "--config", args.config, "--run-dir", run_dir]
     for s in sets:
         cmd += ["--set", s]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -58,7 +71,143 @@ def run_once(layout: str, mode: str, args, run_dir: str) -> list[dict]:
             recs = [r for r in map(json.loads, f) if r.get("split") == "train"]
     if proc.returncode:
         raise SystemExit(f"bench_overlap: {layout} {mode} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    if flights:
+        return [json.load(open(os.path.join(run_dir, f"flights.{r}.json"))) for r in range(lay["world"])]
     return recs
+
+
+def worker(out_prefix: str, argv: list[str]) -> int:
+    """Under torchrun: tools/pretrain.py's build-resume-train with a flight recorder on the mesh's ledger
+    (every call and wait, with its monotonic start and end); each rank writes its tp flights after the
+    first step, and the step boundaries, to ``<out_prefix>.<rank>.json``."""
+    import time
+
+    if ROOT not in sys.path:  # run as torchrun's script: tools/ is on the path, the checkout is not
+        sys.path.insert(0, ROOT)
+    from engine.config import add_config_args, config_from_args
+    from tools import pretrain
+
+    p = argparse.ArgumentParser()
+    add_config_args(p)
+    p.add_argument("--run-dir", required=True)
+    args = p.parse_args(argv)
+
+    def prepare():
+        cfg = config_from_args(args)
+        return (cfg, *pretrain.plan_run(cfg, world=int(os.environ.get("WORLD_SIZE", "1"))))
+
+    def run(prepared, world):
+        from engine.assembly import build_run
+        from parallel.flight import FlightRecorder
+
+        cfg, model, plan, tok = prepared
+        r = build_run(cfg, model=model, run_dir=args.run_dir, world=world, plan=plan, tokenizer=tok)
+        rec = r.mesh.ledger.recorder = FlightRecorder(capacity=1_000_000)
+        ends = []
+        r.resume()
+        r.train(on_step=lambda tr, st: ends.append(time.monotonic()))
+        keep = [f for f in rec.snapshot()[0] if f.axis == "tp" and f.start >= ends[0]]
+        with open(f"{out_prefix}.{r.mesh.rank}.json", "w") as f:
+            json.dump({"steps": len(ends) - 1, "flights": [(x.op, list(x.ranks), x.seq, x.start, x.end, x.async_op)
+                                                            for x in keep]}, f)
+    return pretrain.launch("bench_overlap", prepare, run, timeout_s=lambda prepared: 600.0)
+
+
+def loss_worker(out: str, iters: int) -> int:
+    """Under torchrun: the vocab-parallel loss forward on (512, 2) tokens of a 4096 vocabulary sharded over
+    the world, hide_max off and on alternately (``iters`` each, the first 4 not timed); rank 0 writes the
+    medians of the forward's wall time and of its blocked time (the ledger's) to ``out``."""
+    import time
+
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    import torch
+    import torch.distributed as dist
+
+    from parallel.comm import Group, Ledger
+    from parallel.tensor_parallel import vocab_parallel_cross_entropy
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    p, r = dist.get_world_size(), dist.get_rank()
+    ledger = Ledger()
+    tp = Group(axis="tp", ranks=list(range(p)), rank=r, pg=dist.group.WORLD, ledger=ledger)
+    g = torch.Generator().manual_seed(0)
+    v_local = 4096 // p
+    logits = torch.randn(512, 2, v_local * p, generator=g)[..., r * v_local:(r + 1) * v_local].contiguous()
+    target = torch.randint(0, v_local * p, (512, 2), generator=g)
+    wall, blocked = {False: [], True: []}, {False: [], True: []}
+    for i in range(iters):
+        for hide in (False, True) if i % 2 == 0 else (True, False):
+            dist.barrier()
+            b0, t0 = ledger.exposed_seconds(), time.perf_counter()
+            vocab_parallel_cross_entropy(logits, target, tp_group=tp, hide_max=hide)
+            wall[hide].append(time.perf_counter() - t0)
+            blocked[hide].append(ledger.exposed_seconds() - b0)
+    if r == 0:
+        with open(out, "w") as f:
+            json.dump({str(h).lower(): {"forward_s": statistics.median(wall[h][4:]),
+                                        "blocked_s": statistics.median(blocked[h][4:])} for h in (False, True)}, f)
+    dist.destroy_process_group()
+    return 0
+
+
+def loss_bench(world_sizes=(2, 4), *, iters: int = 44) -> dict:
+    """The loss's MAX all-reduce in line vs hidden under the exp pass, at each world size (one launch each)."""
+    res = {}
+    with tempfile.TemporaryDirectory(prefix="tessel_overlap_") as tmp:
+        for w in world_sizes:
+            out = os.path.join(tmp, f"loss{w}.json")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(w),
+                   os.path.abspath(__file__), "--_loss_worker", out, str(iters)]
+            proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                                  text=True)
+            if proc.returncode:
+                raise SystemExit(f"bench_overlap: loss bench at tp{w} failed:\n{proc.stderr[-3000:]}")
+            res[f"tp{w}"] = d = json.load(open(out))
+            print(f"loss tp{w}: hide_max off: forward {d['false']['forward_s'] * 1e3:.2f} ms, blocked "
+                  f"{d['false']['blocked_s'] * 1e3:.2f} ms; on: forward {d['true']['forward_s'] * 1e3:.2f} ms, "
+                  f"blocked {d['true']['blocked_s'] * 1e3:.2f} ms", flush=True)
+    return res
+
+
+def breakdown(ranks: list[dict]) -> dict:
+    """{kind: seconds per step} of tp blocked time, averaged over ranks, each kind split into "late"
+    (waiting for the last rank of the group to arrive) and "rest". A wait's kind is the async call it
+    finishes (a ring round's transfers: "ring"); the i-th wait (or collective #seq) of every rank of a
+    tp group is the same call, since they run the same program."""
+    calls = []  # per rank: [(kind, match key, entry, arrival, end)]
+    for d in ranks:
+        mine, last_async, n_wait = [], None, 0
+        for op, group, seq, start, end, is_async in d["flights"]:
+            if is_async:
+                last_async = (op, start)
+                continue
+            if end is None:
+                continue
+            if op == "wait":
+                kind = "ring waits" if last_async and last_async[0] == "batch_p2p" else f"{last_async[0]} (async) wait"
+                # arrival: when this rank posted what it waits for (a ring round: its transfers)
+                mine.append((kind, (tuple(group), "wait", n_wait), start, last_async[1], end))
+                n_wait += 1
+            else:
+                mine.append((op, (tuple(group), op, seq), start, start, end))
+        calls.append(mine)
+    arrive: dict = {}
+    for mine in calls:
+        for kind, key, start, arrival, end in mine:
+            arrive[key] = max(arrive.get(key, 0.0), arrival)
+    out: dict = {}
+    steps = max(1, ranks[0]["steps"])
+    for mine in calls:
+        for kind, key, start, arrival, end in mine:
+            blocked = end - start
+            late = min(max(0.0, arrive[key] - start), blocked)
+            d = out.setdefault(kind, {"s": 0.0, "late_s": 0.0, "calls": 0})
+            d["s"] += blocked / steps / len(calls)
+            d["late_s"] += late / steps / len(calls)
+            d["calls"] += 1 / steps / len(calls)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["s"]))
 
 
 def gemm_overhead(args) -> dict:
@@ -108,6 +257,11 @@ def gemm_overhead(args) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--_worker"]:
+        return worker(argv[1], argv[2:])
+    if argv[:1] == ["--_loss_worker"]:
+        return loss_worker(argv[1], int(argv[2]))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["tp2", "tp4", "tp2xpp2", "tp2xpp2-early"])
     p.add_argument("--repeats", type=int, default=2, help="launches per mode, alternating (default 2)")
@@ -118,8 +272,13 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="tiny_llama_cpu")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more config overrides")
     p.add_argument("--json", default=None)
+    p.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
+                   help="one more launch per mode with a flight recorder: exposed tp time per kind of call "
+                        "(default on; --no-breakdown skips it)")
     p.add_argument("--gemm-overhead", action="store_true",
                    help="only the one-device overhead of the ring's chunk GEMMs vs one GEMM (8B shapes; no launch)")
+    p.add_argument("--loss", action="store_true",
+                   help="only the vocab-parallel loss with its MAX all-reduce in line vs hidden (tp2, tp4; no training)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="for --gemm-overhead")
     p.add_argument("--tokens", type=int, default=None, help="for --gemm-overhead (default 8192 CUDA, 512 CPU)")
     p.add_argument("--tp-degrees", type=int, nargs="+", default=[2, 4, 8], help="for --gemm-overhead")
@@ -130,10 +289,16 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1)
         return 0
+    if args.loss:
+        res = loss_bench()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
     if args.steps < 2 or args.repeats < 1:
         p.error("--steps must be >= 2 and --repeats >= 1")
     res = {"date": datetime.date.today().isoformat(), "machine": f"{os.cpu_count()} CPU cores, gloo, 1 thread per rank",
-           "command": "python tools/bench_overlap.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "command": "python tools/bench_overlap.py " + " ".join(argv),
            "layouts": {}}
     for layout in args.layouts:
         samples = {m: {k: [] for k in KEYS} for m in ("none", "ring")}
@@ -150,6 +315,14 @@ def main(argv=None) -> int:
         base, ring = out["none"], out["ring"]
         out["ratio_ring_over_none"] = {k: (ring[k] / base[k] if base[k] else None) for k in KEYS}
         out["loss_max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(losses["ring"], losses["none"]))
+        if args.breakdown:
+            with tempfile.TemporaryDirectory(prefix="tessel_overlap_") as tmp:
+                out["breakdown_tp"] = {m: breakdown(run_once(layout, m, args, os.path.join(tmp, m), flights=True))
+                                       for m in ("none", "ring")}
+            for m, kinds in out["breakdown_tp"].items():
+                print(f"{layout} {m}: exposed tp per step by kind: " + "; ".join(
+                    f"{k} {v['s']:.3f} s (peer late {v['late_s']:.3f}, {v['calls']:.0f} calls)"
+                    for k, v in kinds.items()), flush=True)
         res["layouts"][layout] = out
         r = out["ratio_ring_over_none"]
         print(f"{layout}: step {base['step_time_s']:.3f} s -> {ring['step_time_s']:.3f} s ({r['step_time_s']:.2f}x); "

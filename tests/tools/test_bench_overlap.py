@@ -14,3 +14,29 @@ def test_gemm_overhead_mode(tmp_path, capsys):
     assert [(r["tp"], r["linear"]) for r in res["rows"]] == [(2, "fc1 (column)"), (2, "fc2 (row)")]
     assert all(r["overhead"] > 0 and r["M"] == 16 for r in res["rows"])
     assert "2 chunk GEMMs" in capsys.readouterr().out
+
+
+def test_breakdown_splits_blocked_time_into_peer_late_and_rest():
+    """Two tp ranks, one timed step: a ring round (rank 1 posts its transfers 0.5 s after rank 0 began
+    waiting), a synchronous all-reduce (rank 1 enters 0.4 s late) and the loss's asynchronous MAX."""
+    g = [0, 1]
+    r0 = {"steps": 1, "flights": [("batch_p2p", g, 1, 0.0, 2.0, True), ("wait", g, None, 1.0, 2.0, False),
+                                  ("all_reduce", g, 1, 3.0, 3.5, False), ("all_reduce", g, 2, 4.0, 4.2, True),
+                                  ("wait", g, None, 4.5, 4.6, False)]}
+    r1 = {"steps": 1, "flights": [("batch_p2p", g, 1, 1.5, 2.0, True), ("wait", g, None, 1.6, 2.0, False),
+                                  ("all_reduce", g, 1, 3.4, 3.5, False), ("all_reduce", g, 2, 4.0, 4.2, True),
+                                  ("wait", g, None, 4.5, 4.5, False)]}
+    out = bench_overlap.breakdown([r0, r1])
+    assert list(out) == ["ring waits", "all_reduce", "all_reduce (async) wait"]  # largest first
+    approx = lambda d: {k: round(v, 9) for k, v in d.items()}  # noqa: E731
+    assert approx(out["ring waits"]) == {"s": 0.7, "late_s": 0.25, "calls": 1.0}  # (1.0 + 0.4) / 2, (0.5 + 0) / 2
+    assert approx(out["all_reduce"]) == {"s": 0.3, "late_s": 0.2, "calls": 1.0}
+    assert approx(out["all_reduce (async) wait"]) == {"s": 0.05, "late_s": 0.0, "calls": 1.0}
+
+
+def test_loss_mode_times_both_ways_of_running_the_max(capsys):
+    res = bench_overlap.loss_bench((2,), iters=6)
+    assert set(res) == {"tp2"} and set(res["tp2"]) == {"false", "true"}
+    for d in res["tp2"].values():
+        assert 0 <= d["blocked_s"] <= d["forward_s"]
+    assert "loss tp2: hide_max off" in capsys.readouterr().out

@@ -49,7 +49,7 @@ import torch
 
 from parallel.data_parallel.buffers import bucket_size_elements, plan_buckets
 from parallel.pipeline import build_schedule
-from parallel.pipeline.actions import FORWARD, rank_stages
+from parallel.pipeline.actions import FORWARD, placement_of, rank_stages
 from parallel.pipeline.split import split_layers
 
 MB = 1e6
@@ -436,8 +436,8 @@ def dp_buffer_numel(cfg, model, *, world: int, pp_rank: int = 0) -> tuple[int, i
     dp, ep = cfg.validate_world(world), getattr(p, "ep", 1)
     num_stages = p.pp * p.vp
     ranges = split_layers(model.num_layers, num_stages, p.pipeline_layout)
-    placement = build_schedule(p.schedule, pp=p.pp, vp=p.vp, microbatches=cfg.num_microbatches(dp)).placement
-    sizes = [(c, *entry) for c, st in enumerate(rank_stages(pp_rank, pp=p.pp, vp=p.vp, placement=placement))
+    mine = rank_stages(pp_rank, pp=p.pp, vp=p.vp, placement=placement_of(p.schedule))  # no schedule needed
+    sizes = [(c, *entry) for c, st in enumerate(mine)
              for entry in stage_param_sizes(model, tp=p.tp, ep=ep, layer_range=ranges[st], pre_process=st == 0,
                                             post_process=st == num_stages - 1)]
     bucket = bucket_size_elements(bucket_size=None, bucket_size_mb=o.bucket_size_mb)

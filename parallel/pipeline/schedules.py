@@ -125,10 +125,12 @@ def attach_messages(name: str, order: list[list[tuple[str, int, int]]], *, pp: i
     closes = [[start for start, _ in ts] for ts in times]
     recvs = [[[] for _ in ops] for ops in order]
     for src in range(pp):
-        for dst in range(pp):
-            # Messages src -> dst in the order src sends them, each with the index of its producer.
-            channel = [(i, p) for i, per_action in enumerate(sends[src]) for p in per_action
-                       if p.peer == dst]
+        channels: dict[int, list] = {}  # dst -> the messages src -> dst in send order, with their producer's index
+        for i, per_action in enumerate(sends[src]):
+            for p in per_action:
+                channels.setdefault(p.peer, []).append((i, p))
+        for dst in sorted(channels):  # receivers in rank order, as a scan of every dst would append them
+            channel = channels[dst]
             slots = []
             for i, p in channel:
                 consumer = position[(FORWARD if p.kind == ACTIVATION else BACKWARD,

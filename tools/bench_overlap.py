@@ -298,6 +298,7 @@ def main(argv=None) -> int:
     if args.steps < 2 or args.repeats < 1:
         p.error("--steps must be >= 2 and --repeats >= 1")
     res = {"date": datetime.date.today().isoformat(), "machine": f"{os.cpu_count()} CPU cores, gloo, 1 thread per rank",
+           "load_average_at_start": list(os.getloadavg()),  # the machine may be shared: say how busy it was
            "command": "python tools/bench_overlap.py " + " ".join(argv),
            "layouts": {}}
     for layout in args.layouts:
@@ -330,6 +331,7 @@ def main(argv=None) -> int:
               f"({r['comm_exposed_s_tp']:.2f}x); exposed all {base['comm_exposed_s']:.3f} -> "
               f"{ring['comm_exposed_s']:.3f} s; tp bytes equal: {base['comm_bytes_tp'] == ring['comm_bytes_tp']}; "
               f"losses agree to {out['loss_max_rel_diff']:.1e}", flush=True)
+    res["load_average_at_end"] = list(os.getloadavg())
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -113,14 +113,13 @@ def worker(out_prefix: str, argv: list[str]) -> int:
     return pretrain.launch("bench_overlap", prepare, run, timeout_s=lambda prepared: 600.0)
 
 
-def loss_worker(out: str, iters: int) -> int:
-    """Under torchrun: the vocab-parallel loss forward on (512, 2) tokens of a 4096 vocabulary sharded over
-    the world, hide_max off and on alternately (``iters`` each, the first 4 not timed); rank 0 writes the
-    medians of the forward's wall time and of its blocked time (the ledger's) to ``out``."""
+def loss_times(iters: int) -> dict:
+    """On every rank of the initialised default process group: the vocab-parallel loss forward on (512, 2)
+    tokens of a 4096 vocabulary sharded over the world, hide_max off and on alternately (``iters`` each, the
+    first 4 not timed). Returns the medians of the forward's wall time and of its blocked time (the
+    ledger's), {"false"|"true": {"forward_s", "blocked_s"}}."""
     import time
 
-    if ROOT not in sys.path:
-        sys.path.insert(0, ROOT)
     import torch
     import torch.distributed as dist
 
@@ -128,7 +127,6 @@ def loss_worker(out: str, iters: int) -> int:
     from parallel.tensor_parallel import vocab_parallel_cross_entropy
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
     p, r = dist.get_world_size(), dist.get_rank()
     ledger = Ledger()
     tp = Group(axis="tp", ranks=list(range(p)), rank=r, pg=dist.group.WORLD, ledger=ledger)
@@ -144,10 +142,21 @@ def loss_worker(out: str, iters: int) -> int:
             vocab_parallel_cross_entropy(logits, target, tp_group=tp, hide_max=hide)
             wall[hide].append(time.perf_counter() - t0)
             blocked[hide].append(ledger.exposed_seconds() - b0)
-    if r == 0:
+    return {str(h).lower(): {"forward_s": statistics.median(wall[h][4:]),
+                             "blocked_s": statistics.median(blocked[h][4:])} for h in (False, True)}
+
+
+def loss_worker(out: str, iters: int) -> int:
+    """Under torchrun: :func:`loss_times`; rank 0 writes it to ``out``."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    res = loss_times(iters)
+    if dist.get_rank() == 0:
         with open(out, "w") as f:
-            json.dump({str(h).lower(): {"forward_s": statistics.median(wall[h][4:]),
-                                        "blocked_s": statistics.median(blocked[h][4:])} for h in (False, True)}, f)
+            json.dump(res, f)
     dist.destroy_process_group()
     return 0
 
@@ -278,7 +287,7 @@ def main(argv=None) -> int:
     p.add_argument("--gemm-overhead", action="store_true",
                    help="only the one-device overhead of the ring's chunk GEMMs vs one GEMM (8B shapes; no launch)")
     p.add_argument("--loss", action="store_true",
-                   help="only the vocab-parallel loss with its MAX all-reduce in line vs hidden (tp2, tp4; no training)")
+                   help="only the vocab-parallel loss, its MAX all-reduce in line vs hidden (tp2, tp4; no training)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="for --gemm-overhead")
     p.add_argument("--tokens", type=int, default=None, help="for --gemm-overhead (default 8192 CUDA, 512 CPU)")
     p.add_argument("--tp-degrees", type=int, nargs="+", default=[2, 4, 8], help="for --gemm-overhead")

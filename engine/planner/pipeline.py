@@ -19,7 +19,8 @@ from __future__ import annotations
 import functools
 
 from parallel.pipeline import build_schedule
-from parallel.pipeline.actions import BACKWARD, FORWARD, stage_rank
+from parallel.pipeline.actions import FORWARD, stage_rank
+from parallel.pipeline.simulate import action_deps
 
 
 @functools.lru_cache(maxsize=64)
@@ -48,11 +49,7 @@ def compiled(name: str, pp: int, vp: int, microbatches: int) -> tuple[tuple[tupl
         for rank, ops in enumerate(order):
             while pos[rank] < len(ops):
                 op, stage, mb = ops[pos[rank]]
-                deps = [(FORWARD, stage - 1, mb)] if op == FORWARD and stage > 0 else []
-                if op == BACKWARD:
-                    deps.append((FORWARD, stage, mb))
-                    if stage < n - 1:
-                        deps.append((BACKWARD, stage + 1, mb))
+                deps = action_deps(op, stage, mb, num_stages=n)  # no W: split backward is refused above
                 if any(d not in settled for d in deps):
                     break
                 seq.append((rank, stage if op == FORWARD else n + stage,

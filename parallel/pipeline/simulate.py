@@ -99,6 +99,19 @@ def peak_inflight(schedule: Schedule, *, until: str | None = None) -> tuple[int,
     return tuple(peaks)
 
 
+def action_deps(op: str, stage: int, mb: int, *, num_stages: int) -> list[tuple[str, int, int]]:
+    """The actions whose outputs ``(op, stage, mb)`` consumes: a forward the previous stage's forward; a
+    backward its own forward and the next stage's backward; a weight-gradient action its backward."""
+    deps = [(FORWARD, stage - 1, mb)] if op == FORWARD and stage > 0 else []
+    if op == BACKWARD:
+        deps.append((FORWARD, stage, mb))
+        if stage < num_stages - 1:
+            deps.append((BACKWARD, stage + 1, mb))
+    elif op == WEIGHT:
+        deps.append((BACKWARD, stage, mb))
+    return deps
+
+
 def dataflow_times(order: Sequence[Sequence[tuple[str, int, int]]], *, pp: int, num_stages: int,
                    fwd: Sequence[float], bwd: Sequence[float], latency: float = 0.0,
                    wgt: Sequence[float] | None = None, placement: str = "loop"
@@ -123,13 +136,7 @@ def dataflow_times(order: Sequence[Sequence[tuple[str, int, int]]], *, pp: int, 
             # Run this rank as far as its inputs allow.
             while pos[rank] < len(ops):
                 op, stage, mb = ops[pos[rank]]
-                deps = [(FORWARD, stage - 1, mb)] if op == FORWARD and stage > 0 else []
-                if op == BACKWARD:
-                    deps.append((FORWARD, stage, mb))
-                    if stage < num_stages - 1:
-                        deps.append((BACKWARD, stage + 1, mb))
-                elif op == WEIGHT:
-                    deps.append((BACKWARD, stage, mb))
+                deps = action_deps(op, stage, mb, num_stages=num_stages)
                 if any(d not in end for d in deps):
                     break
                 start = max([clock[rank]] + [

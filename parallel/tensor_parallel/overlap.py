@@ -54,7 +54,22 @@ def ring_rounds(p: int) -> tuple[int, int]:
     return p // 2, (p - 1) // 2
 
 
-class _GatherRing:
+class _BidirectionalRing:
+    """Round k of a ring running both ways: ``cw`` travels to rank r+1, ``ccw`` (while k < ccw_rounds) to
+    r-1; the arriving tensors land in ``cw_in`` / ``ccw_in``. Subclasses set ``group``, ``ccw_rounds``,
+    ``cw`` and ``ccw``, and say what a round computes and does with what arrived."""
+
+    def sends(self, k: int) -> list:
+        p, r = self.group.size, self.group.rank
+        self.cw_in = torch.empty_like(self.cw)
+        ops = [comm.P2P("send", self.cw, (r + 1) % p), comm.P2P("recv", self.cw_in, (r - 1) % p)]
+        if k < self.ccw_rounds:
+            self.ccw_in = torch.empty_like(self.ccw)
+            ops += [comm.P2P("send", self.ccw, (r - 1) % p), comm.P2P("recv", self.ccw_in, (r + 1) % p)]
+        return ops
+
+
+class _GatherRing(_BidirectionalRing):
     """Every rank's sequence chunk, delivered to ``consume(chunk, c)`` (``shard`` is this rank's, c its
     group rank): round k receives chunk r-1-k from r-1 and (while k < ccw) chunk r+1+k from r+1, and
     forwards what it received the round before. Each chunk is consumed while the next round is in
@@ -66,15 +81,6 @@ class _GatherRing:
         shard = shard.contiguous()
         self.cw = self.ccw = shard  # what each direction forwards next
         self.fresh = [(shard, group.rank)]  # received, not consumed yet
-
-    def sends(self, k: int) -> list:
-        p, r = self.group.size, self.group.rank
-        self.cw_in = torch.empty_like(self.cw)
-        ops = [comm.P2P("send", self.cw, (r + 1) % p), comm.P2P("recv", self.cw_in, (r - 1) % p)]
-        if k < self.ccw_rounds:
-            self.ccw_in = torch.empty_like(self.ccw)
-            ops += [comm.P2P("send", self.ccw, (r - 1) % p), comm.P2P("recv", self.ccw_in, (r + 1) % p)]
-        return ops
 
     def compute(self, k: int | None = None) -> None:
         for chunk, c in self.fresh:
@@ -93,7 +99,7 @@ class _GatherRing:
         self.compute()  # the last round's chunks: nothing left to hide under
 
 
-class _ReduceScatterRing:
+class _ReduceScatterRing(_BidirectionalRing):
     """The sum over ranks of ``partial(c)`` (this rank's term of sequence chunk c) for c = this rank.
     Chunk c's terms travel to rank c from c-cw .. c-1 clockwise and from c+1 .. c+ccw counter-
     clockwise, each rank adding its own term before forwarding; the GEMM of the next term runs while
@@ -106,15 +112,6 @@ class _ReduceScatterRing:
         self.rounds, self.ccw_rounds = ring_rounds(p)
         self.cw = partial((r + self.rounds) % p)  # the farthest chunk each way: nothing in flight yet
         self.ccw = partial((r - self.ccw_rounds) % p) if self.ccw_rounds else None
-
-    def sends(self, k: int) -> list:
-        p, r = self.group.size, self.group.rank
-        self.cw_in = torch.empty_like(self.cw)
-        ops = [comm.P2P("send", self.cw, (r + 1) % p), comm.P2P("recv", self.cw_in, (r - 1) % p)]
-        if k < self.ccw_rounds:
-            self.ccw_in = torch.empty_like(self.ccw)
-            ops += [comm.P2P("send", self.ccw, (r - 1) % p), comm.P2P("recv", self.ccw_in, (r + 1) % p)]
-        return ops
 
     def compute(self, k: int) -> None:
         p, r = self.group.size, self.group.rank

@@ -114,7 +114,8 @@ def _rank_numels(model, *, tp: int, pp: int, vp: int, layout, placement: str = "
 
 def _largest_need(model, *, dtype: str, zero_stage: int, dp: int, ep: int, frozen: bool, **layout) -> tuple[int, float]:
     """(parameters, bytes per parameter) of the rank needing the most bytes: under ZeRO the experts (ep > 1)
-    shard over edp = dp / ep, the rest over dp, so a rank's bytes per parameter is their weighted mean."""
+    shard over edp = dp / ep, the rest over dp (``dp``: the ranks ZeRO shards over, dp x cp), so a rank's bytes
+    per parameter is their weighted mean."""
     dense = _bytes_per_param(dtype, zero_stage=zero_stage, dp=dp, frozen=frozen)
     expert = _bytes_per_param(dtype, zero_stage=zero_stage, dp=dp // ep, frozen=frozen)
     best = (0.0, 0, dense)
@@ -142,7 +143,7 @@ def memory_plan(cfg: TesselConfig, model, *, world: int, available: int | None =
     """What the run's largest rank needs and has; no communication, nothing allocated (the model hook
     derives parameter counts without building). ``available`` overrides the measured bytes per rank."""
     p, o = cfg.parallel, cfg.optim
-    dp = cfg.validate_world(world)
+    dp = cfg.validate_world(world) * p.cp  # DataParallel's group is dp x cp: ZeRO shards over it, experts over /ep
     frozen = bool(cfg.posttrain.lora.rank)
     numel, bpp = _largest_need(model, dtype=cfg.model.dtype, zero_stage=o.zero_stage if o.distributed else 0, dp=dp,
                                ep=p.ep, frozen=frozen, tp=p.tp, pp=p.pp, vp=p.vp, layout=p.pipeline_layout,

@@ -105,11 +105,15 @@ def _flash_block_backward(q, k, v, dout, out, lse, causal: bool, scale: float, d
     fold = not causal
     qh, doh, oh = (_heads(t.to(dt), qpg, fold=fold) for t in (q, dout, out))
     kh, vh = _kv_heads(k.to(dt), qpg, fold=fold), _kv_heads(v.to(dt), qpg, fold=fold)
-    lseh = lse.float().reshape(qh.shape[:-1]) if q.is_cuda else lse.to(dt).reshape(qh.shape[:-1])
+    # The kernels index the log-sum-exp as a dense (b, heads, rows) array: a slice of the rows' buffer (rows
+    # s_local apart) must be copied, whatever its view's strides say (CUDA's flash backward reads its pointer).
+    lseh = (lse.float() if q.is_cuda else lse.to(dt)).reshape(qh.shape[:-1]).contiguous()
     if q.is_cuda:
-        none = torch.empty(0, dtype=torch.int64, device=q.device)  # no dropout: no rng state, no varlen offsets
+        # Dense (not varlen) input: no cumulative-length tensors (None: undefined, as the forward returns them;
+        # an empty tensor would select the varlen kernel), and no dropout, so the rng state is never read.
+        seed, offset = (torch.zeros(shape, dtype=torch.uint64, device=q.device) for shape in ((2,), ()))
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            doh, qh, kh, vh, oh, lseh, none, none, qh.shape[2], Lk, 0.0, causal, none, none, scale=scale)
+            doh, qh, kh, vh, oh, lseh, None, None, qh.shape[2], Lk, 0.0, causal, seed, offset, scale=scale)
     else:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             doh, qh, kh, vh, oh, lseh, 0.0, causal, scale=scale)

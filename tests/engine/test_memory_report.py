@@ -299,6 +299,11 @@ def test_memory_plan_shards_the_experts_over_edp():
         plan = memory_plan(_config(sets), model, world=4, available=10**12)
         assert plan.numel == n and plan.need == pytest.approx(want, rel=1e-12), (zero, plan.need, want)
         assert ("edp = 2" in plan.line()) == (zero > 0), plan.line()
+    # With context parallelism ZeRO shards over dp x cp (DataParallel's group) and the experts over
+    # edp = dp x cp / ep: dp 2 x cp 2 at ep 2 plans what dp 4 at ep 2 does.
+    cp_plan = memory_plan(_config(["parallel.ep=2", "parallel.cp=2", "optim.distributed=true", "optim.zero_stage=1"]),
+                          model, world=4, available=10**12)
+    assert cp_plan.need == pytest.approx((n - e) * (8 + 8 / 4) + e * (8 + 8 / 2), rel=1e-12), cp_plan.need
 
 
 def test_ep2_all_to_all_bytes_near_the_planners_balanced_figure(two_ranks):

@@ -351,6 +351,11 @@ def weight_grad_requantized(recipe: str, gemm, g: Tensor, x: Tensor, w_dtype: to
     return gemm(gt, xt, torch.float32).to(w_dtype)
 
 
+def _amax(t: Tensor) -> Tensor:
+    """(1,) fp32 max |t| (0 for an empty tensor): a call's current amax."""
+    return t.float().abs().amax().reshape(1) if t.numel() else t.new_zeros(1, dtype=torch.float32)
+
+
 class Scaler:
     """Per-tensor scales of one call: current (tensorwise, or delayed before its first update) or
     from the delayed state; amaxes of sharded operands reduced with ``amax_reduce``."""
@@ -364,7 +369,7 @@ class Scaler:
         if not self.current:
             i = ROLES.index(role)
             return self.state.scale[i:i + 1]
-        amax = t.float().abs().amax().reshape(1) if t.numel() else t.new_zeros(1, dtype=torch.float32)
+        amax = _amax(t)
         if role in self.reduce:
             amax = self.reduce[role](amax)
         return amax_to_scale(amax, _FORMAT[role])
@@ -374,8 +379,7 @@ class Scaler:
         the stacked (n,) tensor (a collective matmul reduces a shard's amax beside the weight's)."""
         if not self.current:
             return [self.scale(role, t) for role, t in items]
-        amax = torch.cat([t.float().abs().amax().reshape(1) if t.numel() else t.new_zeros(1, dtype=torch.float32)
-                          for _, t in items])  # (n,)
+        amax = torch.cat([_amax(t) for _, t in items])  # (n,)
         amax = reduce(amax)
         return [amax_to_scale(amax[i:i + 1], _FORMAT[role]) for i, (role, _) in enumerate(items)]
 

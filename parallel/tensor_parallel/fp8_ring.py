@@ -51,6 +51,16 @@ def _rows(t: Tensor, c: int, n: int) -> Tensor:
     return t[c * n:(c + 1) * n]  # rows of sequence chunk c in a (M, C) matrix (n = rows per chunk)
 
 
+def _saved_row_block(ctx) -> tuple[Tensor, Quantized]:
+    """The row / block recipes' saved (x, W) as (x, fp8 W^T (K, N)): W re-quantised per row of its transpose
+    (rowwise), or its saved 128 x 128 blocks transposed (blockwise: no re-quantisation)."""
+    if ctx.recipe == "rowwise":
+        x, weight = ctx.saved_tensors
+        return x, quantize_rowwise(weight.t(), E4M3)
+    x, w_data, w_inv = ctx.saved_tensors
+    return x, Quantized(w_data, w_inv, "block").t()
+
+
 def max_over(group: Group):
     """An amax reduction (all-reduce MAX over ``group``, through parallel/comm) for fp8_linear's scalers."""
     def reduce(amax: Tensor) -> Tensor:
@@ -130,12 +140,7 @@ class _Fp8RingColumn(torch.autograd.Function):
                 gq_t = Quantized(gq.data.t().contiguous(), gq.scale_inv, "tensor")  # (N, M)
                 wgrad["w"] = wgrad_from_transposes(scaled_gemm, gq_t, Quantized(xt_data, xt_inv, "tensor"), ctx.w_dtype)
         else:
-            if recipe == "rowwise":
-                x_full, weight = ctx.saved_tensors
-                wt = quantize_rowwise(weight.t(), E4M3)  # (K, N)
-            else:
-                x_full, w_data, w_inv = ctx.saved_tensors
-                wt = Quantized(w_data, w_inv, "block").t()  # (K, N)
+            x_full, wt = _saved_row_block(ctx)
             quantize = quantize_rowwise if recipe == "rowwise" else quantize_tiles
 
             def partial(c):  # a row or a 1 x 128 tile of dy lies within one chunk: the whole dy's scales
@@ -218,12 +223,7 @@ class _Fp8RingRow(torch.autograd.Function):
                 if need_x:
                     _rows(grad_x, c, n).copy_(scaled_gemm(q, wt, ctx.out_dtype))  # (n, in/tp)
         else:
-            if recipe == "rowwise":
-                x2d, weight = ctx.saved_tensors
-                wt = quantize_rowwise(weight.t(), E4M3)  # (K, N)
-            else:
-                x2d, w_data, w_inv = ctx.saved_tensors
-                wt = Quantized(w_data, w_inv, "block").t()  # (K, N)
+            x2d, wt = _saved_row_block(ctx)
             k = x2d.shape[1]
             if need_x:
                 grad_x = dy_shard.new_empty((m, k), dtype=ctx.out_dtype)

@@ -182,15 +182,16 @@ class _RingAttention(torch.autograd.Function):
         n, me = group.size, group.rank
         L, cdt = masks.chunk_len, compute_dtype(q.dtype)
         fdt = fused_dtype(q, fused)
-        qc = q.to(cdt)
+        qc = None  # the explicit kernel's inputs in the compute dtype, made on first use (flash blocks need none)
         my_chunks = chunks_of(me)
-        out = torch.zeros_like(qc)  # (b, g, qpg, s_local, hd)
-        lse = torch.full(qc.shape[:-1], float("-inf"), dtype=cdt, device=q.device)  # (b, g, qpg, s_local)
+        # q's own layout (a view of the (s, b, nh, hd) input): the caller's (s, b, nh*hd) output is then a view too
+        out = torch.zeros_like(q, dtype=cdt)  # (b, g, qpg, s_local, hd)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=cdt, device=q.device)  # (b, g, qpg, s_local)
         kv = torch.stack([k, v]).contiguous()  # (2, b, g, s_local, hd): one message per hop
         for t in range(n):
             src = (me - t) % n
             nxt, works = _rotate(kv, group) if t < n - 1 else (None, [])
-            kb, vb = kv[0].to(cdt), kv[1].to(cdt)
+            kvc = None  # this hop's K/V in the compute dtype, for the explicit kernel
             src_chunks = chunks_of(src)
             for qi, ki, mask in computed_blocks(my_chunks, src_chunks, masks):
                 rows, cols = slice(qi * L, (qi + 1) * L), slice(ki * L, (ki + 1) * L)
@@ -199,7 +200,9 @@ class _RingAttention(torch.autograd.Function):
                     o, l = _flash_block_forward(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
                                                 kind == "causal", scale, fdt)
                 else:
-                    o, l = _block_forward(qc[..., rows, :], kb[..., cols, :], vb[..., cols, :], mask, scale)
+                    qc = q.to(cdt) if qc is None else qc
+                    kvc = kv.to(cdt) if kvc is None else kvc
+                    o, l = _block_forward(qc[..., rows, :], kvc[0][..., cols, :], kvc[1][..., cols, :], mask, scale)
                 _merge(out[..., rows, :], lse[..., rows], o, l)
             if works:
                 comm.wait(works, group)
@@ -214,17 +217,16 @@ class _RingAttention(torch.autograd.Function):
         group, chunks_of, masks, scale, fdt = ctx.group, ctx.chunks_of, ctx.masks, ctx.scale, ctx.fdt
         n, me = group.size, group.rank
         L, cdt = masks.chunk_len, out.dtype
-        qc, dout = q.to(cdt), dout.to(cdt)
-        delta = (dout * out).sum(dim=-1)  # (b, g, qpg, s_local)
+        explicit = None  # (q, dout, delta) in the compute dtype for the explicit kernel, made on first use
         my_chunks = chunks_of(me)
-        dq = torch.zeros_like(qc)
+        dq = torch.zeros_like(q, dtype=cdt)
         kv = torch.stack([k, v]).contiguous()  # (2, b, g, s_local, hd)
         dkv_in, dkv_works = None, []
         for t in range(n):
             src = (me - t) % n
             nxt, works = _rotate(kv, group) if t < n - 1 else (None, [])
-            kb, vb = kv[0].to(cdt), kv[1].to(cdt)
-            dkv = torch.zeros((2, *kb.shape), dtype=cdt, device=kb.device)  # this rank's share for block src
+            kvc = None  # this hop's K/V in the compute dtype, for the explicit kernel
+            dkv = torch.zeros(kv.shape, dtype=cdt, device=kv.device)  # this rank's share for block src
             src_chunks = chunks_of(src)
             for qi, ki, mask in computed_blocks(my_chunks, src_chunks, masks):
                 rows, cols = slice(qi * L, (qi + 1) * L), slice(ki * L, (ki + 1) * L)
@@ -234,8 +236,13 @@ class _RingAttention(torch.autograd.Function):
                                                           dout[..., rows, :], out[..., rows, :], lse[..., rows],
                                                           kind == "causal", scale, fdt)
                 else:
-                    dqb, dkb, dvb = _block_backward(qc[..., rows, :], kb[..., cols, :], vb[..., cols, :],
-                                                    dout[..., rows, :], lse[..., rows], delta[..., rows], mask, scale)
+                    if explicit is None:
+                        doutc = dout.to(cdt)
+                        explicit = (q.to(cdt), doutc, (doutc * out).sum(dim=-1))  # delta (b, g, qpg, s_local)
+                    qc, doutc, delta = explicit
+                    kvc = kv.to(cdt) if kvc is None else kvc
+                    dqb, dkb, dvb = _block_backward(qc[..., rows, :], kvc[0][..., cols, :], kvc[1][..., cols, :],
+                                                    doutc[..., rows, :], lse[..., rows], delta[..., rows], mask, scale)
                 dq[..., rows, :] += dqb
                 dkv[0][..., cols, :] += dkb
                 dkv[1][..., cols, :] += dvb

@@ -247,7 +247,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--cuda-cps", type=int, nargs="+", default=[2, 4, 8], help="--device cuda: block counts 2 cp")
+    p.add_argument("--cuda-cps", type=int, nargs="+", default=None,
+                   help="--device cuda: the cp sizes whose 2 cp blocks are timed (default 2 4 8)")
     p.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384])
     p.add_argument("--cp", type=int, default=2, help="context-parallel ranks (spawned, gloo)")
     p.add_argument("--heads", type=int, default=None, help="query heads (default 4 CPU, 32 CUDA)")
@@ -262,6 +263,9 @@ def parse_args(argv=None):
     args.heads = args.heads or (32 if cuda else 4)
     args.kv_heads = args.kv_heads or (8 if cuda else 2)
     args.head_dim = args.head_dim or (128 if cuda else 32)
+    if args.cuda_cps is not None and not cuda:
+        p.error("--cuda-cps is read with --device cuda only (the CPU run times --cp ranks)")
+    args.cuda_cps = args.cuda_cps or [2, 4, 8]
     given = argv if argv is not None else sys.argv[1:]
     if cuda and "--seqs" not in given:
         args.seqs = [8192, 32768]
@@ -275,6 +279,11 @@ def main(argv=None) -> int:
     if args.repeats < 1 or args.cp < 2:
         raise SystemExit("--repeats must be >= 1 and --cp >= 2")
     if args.device == "cuda":
+        from parallel.context_parallel import check_cp_sequence
+
+        for s in args.seqs:  # a bad length fails here, not as an error row of the table
+            for cp in args.cuda_cps:
+                check_cp_sequence(s, cp=cp)
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no GPU visible to torch")
         res = run_cuda(args)

@@ -269,7 +269,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     ``q`` (s_local, b, nh, hd); ``k``, ``v`` (s_local, b, g, hd), ``nh`` a multiple of ``g`` (query head h
     uses kv head h // (nh/g)). ``chunks_of(ring_rank)``: the global chunk indices of that rank's local
     sequence, in order. Returns (s_local, b, nh*hd). Differentiable in q, k and v. ``fused``: the flash
-    block kernel where it runs (None), never (False) or required (True; else a ValueError)."""
+    block kernel for the unmasked and causal blocks where it runs (None), never (False), or required (True: a
+    ValueError where no flash kernel runs these inputs); masked blocks always take the explicit kernel."""
     s, b, nh, hd = q.shape
     g = k.shape[2]
     if s != len(chunks_of(group.rank)) * masks.chunk_len:

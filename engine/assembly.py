@@ -356,7 +356,7 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
                        overlap_grad_reduce=o.overlap_grad_reduce,
                        overlap_param_gather=o.overlap_param_gather and o.distributed, chunks=True,
                        expert_group=mesh.edp if p.ep > 1 else None,  # expert gradients reduce over edp
-                       local_grads=cfg.outer.method != "none",  # DiLoCo: inner steps without dp traffic
+                       local_grads=cfg.outer.method != "none",  # DiLoCo (after outer.start_step): no dp traffic
                        grad_compressor=build_grad_compressor(o.grad_compression, dp_group=mesh.dp_cp,
                                                              rank=o.powersgd_rank, seed=t.seed,
                                                              start_step=o.powersgd_start_step))
@@ -425,7 +425,8 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
         trainer.outer = OuterOptimizer(optimizer.dist, dp_group=mesh.dp_cp, method=u.method, inner_steps=u.inner_steps,
                                        lr=u.lr, momentum=u.momentum, nesterov=u.nesterov, fragments=u.fragments,
                                        mix=u.mix, compression=u.compression, topk_fraction=u.topk_fraction,
-                                       layout=u.fragment_layout, counts=lambda q: counts_in_norm(q, tp_group=mesh.tp),
+                                       layout=u.fragment_layout, start_step=u.start_step,
+                                       counts=lambda q: counts_in_norm(q, tp_group=mesh.tp),
                                        norm_groups=(mesh.tp, mesh.pp))
     if cfg.fault.hang_timeout_s is not None:  # the flight recorder (fed by parallel/comm) and the hang watchdog
         from engine.watchdog import Watchdog

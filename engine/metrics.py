@@ -256,4 +256,5 @@ def format_line(r: dict[str, Any], *, prefix: str = "train") -> str:
             f" | tokens/s {r['tokens_per_s']:,.0f} | TFLOP/s/dev {r['tflops_per_device']:.3f}"
             f" | MFU {100 * r['mfu']:.2f}%" + (f" (causal {100 * r['mfu_causal']:.2f}%)" if "mfu_causal" in r else "")
             + (f" ({r['precision']})" if r.get("precision") else "")
+            + (f" | outer {r['outer_phase']}" if r.get("outer_phase") else "")
             + f" | mem {r['mem_bytes'] / 2**20:,.0f} MiB")

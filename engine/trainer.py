@@ -261,6 +261,8 @@ class Trainer:
         sent_before = self.mesh.ledger.by_axis()
         blocked_before = dict(self.mesh.ledger.blocked_s)
         self.optimizer.zero_grad()
+        if self.outer is not None:  # DiLoCo: this step's gradients all-reduced (warm-up) or kept local
+            self.outer.begin_step(self.step + 1)
         micro = [self._to_device(next(loader)) for _ in range(self.num_micro)]
         losses = self._pipeline(micro, train=True)
         allreduce_tied_embedding_grads(self.tied, self.mesh.embedding)
@@ -384,6 +386,8 @@ class Trainer:
             f" {self.num_micro} micro-batches of {c.train.micro_batch_size} x {c.train.seq_length} per rank per step")
         if self.plan_line:
             self.logger.info(self.plan_line)
+        if self.outer is not None:
+            self.logger.info(self.outer.describe())
         if self.memory is not None:
             self.logger.info(self.memory.line())
             self.logger.log(self.memory.record(), prefix="memory", echo=False)
@@ -455,8 +459,12 @@ class Trainer:
                                  **{f"comm_exposed_s_{a}": v for a, v in sorted((st.comm_exposed or {}).items())},
                                  "skipped": 0 if st.applied else 1,
                                  "consumed_samples": self.consumed_samples, **(st.extra or {}), **self._outer_last,
+                                 **({"outer_phase": self.outer.phase_name(self.step)} if self.outer else {}),
                                  **{f"comm_bytes_{axis}": b for axis, b in sorted((st.comm_bytes or {}).items())},
                                  **slow})
+            if self.outer is not None and self.step == self.outer.start_step:
+                self.logger.info(f"tessel: steps 1-{self.step} ran as plain data parallelism (outer.start_step); "
+                                 f"{self.outer.method} starts now from these weights")
             skipped = 0 if st.applied else skipped + 1
             self._check_diverged(skipped)
             if on_step is not None:

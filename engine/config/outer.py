@@ -21,7 +21,8 @@ class OuterConfig(Section):
     weight ``mix`` (1: replace the local ones); ``fragment_layout``: ``strided`` (block l in fragment l % F,
     the paper's pattern) or ``contiguous`` (F ranges of whole parameters of about equal size).
     ``compression`` of the pseudo-gradient: none | bf16 | int8 | topk (``topk_fraction`` of the entries,
-    with error feedback)."""
+    with error feedback). ``start_step`` = N: steps 1..N are plain data parallelism (the gradient all-reduce
+    every step, as ``optim.powersgd_start_step`` for PowerSGD), the outer loop starts from step N's weights."""
 
     SECTION = "outer"
 
@@ -35,6 +36,7 @@ class OuterConfig(Section):
     fragment_layout: str = "strided"
     compression: str = "none"
     topk_fraction: float = 0.01
+    start_step: int = 0
 
     def _validate(self) -> None:
         check_choice(self, "method", OUTER_METHODS)
@@ -51,6 +53,9 @@ class OuterConfig(Section):
         if isinstance(self.inner_steps, bool) or self.inner_steps < 1:
             raise ValueError(f"outer.inner_steps={self.inner_steps} must be >= 1 (H, the inner steps between "
                              "synchronisations; 1 syncs every step)")
+        if isinstance(self.start_step, bool) or not isinstance(self.start_step, int) or self.start_step < 0:
+            raise ValueError(f"outer.start_step={self.start_step} must be an integer >= 0: the plain data-parallel "
+                             "steps before the outer loop starts (0 starts it at once)")
         check_positive(self, "lr")
         check_min(self, "momentum", 0.0)
         if self.momentum >= 1.0:

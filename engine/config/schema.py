@@ -220,6 +220,10 @@ class TesselConfig:
             raise ValueError(f"{what} is for pretraining; set it to 'none' for posttrain.method="
                              f"{self.posttrain.method!r}")
         u, layers = self.outer, self.model.num_layers
+        if u.start_step >= self.train.steps:
+            raise ValueError(f"outer.start_step={u.start_step} is not below train.steps={self.train.steps}: every step "
+                             f"would be plain data parallelism and {method!r} would never start; lower "
+                             "outer.start_step or set outer.method='none'")
         if u.fragment_layout == "strided" and u.fragments > 1 and layers is not None and u.fragments > layers:
             raise ValueError(f"outer.fragments={u.fragments} with outer.fragment_layout='strided' exceeds "
                              f"model.num_layers={layers}: block l goes to fragment l % fragments, so fragments "

@@ -104,7 +104,8 @@ class DataParallel(torch.nn.Module):
     replicas at construction).
 
     ``local_grads=True`` (DiLoCo, :mod:`parallel.data_parallel.outer`): gradients are never reduced over
-    ``dp_group`` (each replica steps on its own gradient; the sequence-parallel TP reduction still runs).
+    ``dp_group`` (each replica steps on its own gradient; the sequence-parallel TP reduction still runs);
+    :meth:`set_local_grads` switches it between steps.
     ``grad_compressor`` (:mod:`parallel.data_parallel.compression`): replaces each bucket's all-reduce by
     the compressor's (synchronous) compressed reduction. Both need ``zero_stage=0``.
     """
@@ -141,6 +142,7 @@ class DataParallel(torch.nn.Module):
                              "pass one or the other")
         self.local_grads = local_grads
         self.grad_compressor = grad_compressor
+        self.grad_reduce = grad_reduce
         if bucket_size is None and bucket_size_mb is None:
             bucket_size_mb = DEFAULT_BUCKET_MB
         size = bucket_size_elements(bucket_size=bucket_size, bucket_size_mb=bucket_size_mb)
@@ -303,6 +305,18 @@ class DataParallel(torch.nn.Module):
 
     def reset_grad_sync(self) -> None:
         self._synced_chunks.clear()
+
+    def set_local_grads(self, local: bool) -> None:
+        """Turn the dp gradient reduction off (``True``: each replica keeps its own gradient, DiLoCo's inner
+        steps) or on (``False``: the plain all-reduce and mean, e.g. the data-parallel warm-up before DiLoCo's
+        outer loop starts, ``outer.start_step``). Call between steps, with no reduction in flight."""
+        if local and (self.sharded or self.grad_compressor is not None):
+            raise ValueError("local gradients need zero_stage=0 and no grad_compressor (DiLoCo replaces the "
+                             "reduction they are built on)")
+        if self._inflight:
+            raise RuntimeError("set_local_grads() while gradient reductions are in flight; switch between steps")
+        self.local_grads = bool(local)
+        self.grad_scale = 1.0 / self.dp_group.size if self.grad_reduce == "mean" and not local else 1.0
 
     def _make_grad_hook(self, param: torch.nn.Parameter):
         buf, bucket = self._where[id(param)]

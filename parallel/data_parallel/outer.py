@@ -20,6 +20,11 @@ fragment ``l % F``, the parameters before a chunk's first block (embeddings) wit
 after its last block (final norm, output layer) with that one; ``"contiguous"`` cuts the flat vector
 into ``F`` ranges of whole parameters of about equal size.
 
+``start_step = N`` (``outer.start_step``): steps 1..N are plain data parallelism (the gradient all-reduce
+every step: :meth:`DataParallel.set_local_grads` off, so every replica holds the same weights and Adam
+moments), and the outer loop starts from step N's weights (the anchor is taken after step N; the H-step
+cycle counts from there), as the DiLoCo paper's replicas start from a data-parallel pretrained model.
+
 The averaged pseudo-gradient travels compressed (``compression``): ``none`` (fp32 all-reduce), ``bf16``
 and ``int8`` (a reduce-scatter as an all-to-all of the compressed vector, fp32 sums locally, the reduced
 shard re-compressed and all-gathered; int8 with one fp32 absmax scale per ``chunk`` elements: exactly
@@ -66,7 +71,8 @@ class _Pending:
 
 class OuterOptimizer:
     """DiLoCo / Streaming DiLoCo over the masters of ``dist_opt`` (a DistributedOptimizer with zero_stage 0
-    whose DataParallel has ``local_grads=True``). Call :meth:`step` after every inner step.
+    and no gradient compressor; this object switches its DataParallel's local gradients). Call
+    :meth:`begin_step` before and :meth:`step` after every inner step.
 
     ``counts(param) -> bool``: whether this rank's copy of a parameter counts in the (global) outer-step
     norm (engine.optim.counts_in_norm); ``norm_groups``: the groups its sum of squares is added over (tp, pp).
@@ -75,7 +81,8 @@ class OuterOptimizer:
     def __init__(self, dist_opt, *, dp_group: Group, method: str = "diloco", inner_steps: int = 10,
                  lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True, fragments: int = 1, mix: float = 1.0,
                  compression: str = "none", topk_fraction: float = 0.01, chunk: int = DEFAULT_INT8_CHUNK,
-                 layout: str = "strided", counts=None, norm_groups: tuple[Group | None, ...] = ()):
+                 layout: str = "strided", start_step: int = 0, counts=None,
+                 norm_groups: tuple[Group | None, ...] = ()):
         if method not in ("diloco", "streaming_diloco"):
             raise ValueError(f"outer.method={method!r}: the outer optimizer runs 'diloco' or 'streaming_diloco'")
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
@@ -89,13 +96,18 @@ class OuterOptimizer:
             raise ValueError(f"outer.compression={compression!r}; choose one of {', '.join(OUTER_COMPRESSIONS)}")
         if layout not in FRAGMENT_LAYOUTS:
             raise ValueError(f"outer.fragment_layout={layout!r}; choose one of {', '.join(FRAGMENT_LAYOUTS)}")
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"outer.start_step={start_step!r} must be an integer >= 0 (plain data-parallel steps "
+                             "before the outer loop starts; 0 starts it at once)")
         ddp = dist_opt.ddp
-        if ddp.sharded or not ddp.local_grads:
-            raise ValueError("the outer optimizer needs DataParallel(local_grads=True, zero_stage=0): DiLoCo's "
-                             "replicas step on their own gradients; set optim.distributed=false")
+        if ddp.sharded or ddp.grad_compressor is not None:
+            raise ValueError("the outer optimizer needs DataParallel(zero_stage=0) without a grad_compressor: "
+                             "DiLoCo's replicas step on their own gradients; set optim.distributed=false")
+        ddp.set_local_grads(start_step == 0)
         self.dist = dist_opt
         self.group = dp_group
         self.method, self.H, self.lr, self.momentum, self.nesterov = method, inner_steps, lr, momentum, nesterov
+        self.start_step = start_step
         self.F, self.mix, self.compression, self.topk_fraction, self.chunk = (fragments, mix, compression,
                                                                              topk_fraction, chunk)
         self.layout = layout if self.F > 1 else "contiguous"  # one fragment: the order does not matter
@@ -197,8 +209,24 @@ class OuterOptimizer:
                 self.masters[i][s + a - o:s + z - o].copy_(values[a - lo:z - lo])
 
     def phase(self, fragment: int) -> int:
-        """The step residue (mod H) after which ``fragment`` sends its pseudo-gradient."""
+        """The residue (mod H) of the steps counted from ``start_step`` after which ``fragment`` sends its
+        pseudo-gradient."""
         return ((fragment + 1) * self.H // self.F) % self.H
+
+    def phase_name(self, step: int) -> str:
+        """What inner step ``step`` (1-based) runs as: ``"ddp_warmup"`` (plain data parallelism, step <=
+        ``start_step``) or the method (local steps)."""
+        return "ddp_warmup" if step <= self.start_step else self.method
+
+    def describe(self) -> str:
+        """One line for the start of the log: the method, its schedule and the warm-up."""
+        frags = f", {self.F} fragments ({self.layout}), mix {self.mix}" if self.method == "streaming_diloco" else ""
+        line = (f"tessel: outer {self.method}, H={self.H}{frags}, outer lr {self.lr}, momentum {self.momentum}"
+                f"{' (nesterov)' if self.nesterov and self.momentum else ''}, compression {self.compression}")
+        if self.start_step:
+            line += (f"; steps 1-{self.start_step} plain data parallelism (outer.start_step={self.start_step}), "
+                     f"the outer loop from step {self.start_step}'s weights")
+        return line
 
     # -- compressed averaging ----------------------------------------------------------------------------
     def _start_average(self, delta: torch.Tensor, lo: int, hi: int):
@@ -276,18 +304,29 @@ class OuterOptimizer:
         return finish
 
     # -- the step --------------------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Before inner step ``step`` (1-based): its dp gradients are all-reduced (the warm-up, ``step <=
+        start_step``) or kept local. Derived from the step alone, so a resume needs no extra state."""
+        self.dist.ddp.set_local_grads(step > self.start_step)
+
     @torch.no_grad()
     def step(self, step: int) -> dict[str, float]:
         """After inner step ``step`` (1-based, counted by the trainer, applied or not): apply the fragments
         that are due, launch the ones whose turn it is. Returns metrics: ``outer_step_norm`` (global L2 of
-        the change of the shared weights, over the fragments applied now) and ``outer_syncs``; {} when idle."""
+        the change of the shared weights, over the fragments applied now) and ``outer_syncs``; {} when idle.
+        During the warm-up (``step <= start_step``) nothing; after step ``start_step`` the anchor is taken
+        from the (synchronized) weights."""
+        if step <= self.start_step:
+            if step == self.start_step:
+                self._restart()
+            return {}
         applied_sq = None
         for pend in [pd for pd in self.pending if pd.due <= step]:
             sq = self._apply(pend)
             applied_sq = sq if applied_sq is None else applied_sq + sq
             self.pending.remove(pend)
         for f in range(self.F):
-            if step % self.H != self.phase(f):
+            if (step - self.start_step) % self.H != self.phase(f):
                 continue
             lo, hi = self.bounds[f]
             delta = self.anchor[lo:hi] - self._read(lo, hi)  # (hi - lo,) fp32 pseudo-gradient
@@ -336,7 +375,15 @@ class OuterOptimizer:
     def state_dict(self) -> dict:
         self.settle()
         return {"syncs": self.syncs, "pending": [{"fragment": p.fragment, "due": p.due} for p in self.pending],
-                "fragments": self.F, "layout": self.layout}
+                "fragments": self.F, "layout": self.layout, "start_step": self.start_step}
+
+    def _restart(self) -> None:
+        """Start the outer loop from the current weights: anchor = masters, no momentum, error or reduction."""
+        self.anchor.copy_(self._read(0, self.numel))
+        for t in (self.mom, self.error):
+            if t is not None:
+                t.zero_()
+        self.pending, self.syncs = [], 0
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's tensors (fixed shapes, so a load can allocate them before reading): the anchor,
@@ -363,11 +410,7 @@ class OuterOptimizer:
         """Restore from :meth:`state_dict` / :meth:`state_tensors` (fresh copies); ``None`` (a checkpoint
         written without the outer optimizer): start the outer loop from the loaded weights."""
         if state is None or tensors is None:
-            self.anchor.copy_(self._read(0, self.numel))
-            for t in (self.mom, self.error):
-                if t is not None:
-                    t.zero_()
-            self.pending, self.syncs = [], 0
+            self._restart()
             return
         saved = (int(state.get("fragments", self.F)), state.get("layout", "contiguous"))  # older: contiguous
         if saved != (self.F, self.layout):
@@ -376,6 +419,11 @@ class OuterOptimizer:
                              f"outer.fragment_layout={self.layout!r}: its "
                              "anchor, momentum and reductions in flight are per fragment; resume with the saved "
                              "values")
+        saved_start = int(state.get("start_step", 0))  # written before the warm-up existed: 0
+        if saved_start != self.start_step:
+            raise ValueError(f"the checkpoint's outer loop starts after outer.start_step={saved_start}, this run's "
+                             f"after outer.start_step={self.start_step}: the anchor and the sync steps count from "
+                             "there; resume with the saved value")
         self.syncs = int(state["syncs"])
         self.anchor.copy_(tensors["anchor"])
         if self.mom is not None:

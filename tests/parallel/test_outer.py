@@ -9,10 +9,13 @@
   2H steps DiLoCo sends exactly 2 x DDP's per-step volume x the compression ratio: 1 (none), 1/2 (bf16),
   (n_pad / n) (1 + 4 / 1024) / 4 (int8 with fp32 scales per 1024, padded to dp x 1024), and top-k the
   all-gather of k fp32 values + k int32 indices; Streaming DiLoCo's fragments add up to the same volume.
+  With a data-parallel warm-up (outer.start_step = 2, int8): the first 2 steps are DDP's, bytes and losses and
+  weights bitwise, the replicas agree after each of them, and the 2H steps after send DDP / H x int8's ratio.
 * Fragments (strided layout): after each step the replicas agree exactly on the parameters of the fragment
   just applied (its blocks, with the embedding or the final norm and output layer), and on no other.
 * Resume is bitwise for DiLoCo (top-k, mid-cycle), Streaming DiLoCo (int8, strided, with a reduction in
-  flight at the save) and both per-step compressors (tests/parallel/test_grad_compression.py shares the runs).
+  flight at the save), DiLoCo saved inside its data-parallel warm-up, Streaming DiLoCo saved right after it,
+  and both per-step compressors (tests/parallel/test_grad_compression.py shares the runs).
 * Bad inputs are refused with the fix named.
 """
 from __future__ import annotations
@@ -121,10 +124,39 @@ def test_diloco_h1_equals_data_parallel(request, world):
 H = 2
 
 
+WARM = 2  # outer.start_step of the warm-up case
+
+
+def _warmup_run(ddp, ddp_losses):
+    """DiLoCo (int8) after WARM plain data-parallel steps, 2H steps more: per step the dp gradient bytes, the
+    logged phase, whether the replicas agree bitwise; the warm-up's losses and weights against DDP's."""
+    import torch.distributed as dist
+
+    run = _run(_cfg(steps=WARM + 2 * H, extra=["outer.method=diloco", f"outer.inner_steps={H}",
+                                                "outer.compression=int8", f"outer.start_step={WARM}"]))
+    sent, agreed, phases, losses = [], [], [], []
+    for step in range(1, WARM + 2 * H + 1):
+        with run.mesh.ledger.capture() as cap:
+            losses.append(run.trainer.train_step(run.train_loader).loss)
+        sent.append(_grad_bytes(cap))
+        phases.append(run.trainer.outer.phase_name(step))
+        mine = _params(run)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        agreed.append(all(torch.equal(mine[k], o[k]) for o in every for k in mine))
+        if step == WARM:
+            ref = _params(ddp)
+            same_as_ddp = all(torch.equal(mine[k], ref[k]) for k in ref)
+            state = run.trainer.outer.state_tensors()  # the outer loop starts here: anchor = these weights
+            anchored = torch.equal(state["anchor"], state["local.master"])
+    return {"sent": sent, "agreed": agreed, "phases": phases, "same_as_ddp": same_as_ddp, "anchored": anchored,
+            "losses_as_ddp": losses[:WARM] == ddp_losses[:WARM]}
+
+
 def _bytes():
-    ddp, _, ddp_sent = _train(_cfg(), 2)
+    ddp, ddp_losses, ddp_sent = _train(_cfg(steps=WARM + 2 * H), WARM)  # the warm-up run's LR schedule
     numel = sum(b.numel for _, b in ddp.trainer.ddp.buckets())
-    out = {"ddp_step": ddp_sent[-1], "numel": numel}
+    out = {"ddp_step": ddp_sent[-1], "numel": numel, "warmup": _warmup_run(ddp, ddp_losses)}
     for name, extra in (("none", []), ("bf16", ["outer.compression=bf16"]), ("int8", ["outer.compression=int8"]),
                         ("topk", ["outer.compression=topk", "outer.topk_fraction=0.05"]),
                         ("streaming", ["outer.method=streaming_diloco", "outer.fragments=2",
@@ -153,6 +185,21 @@ def test_dp_bytes_per_inner_step_are_ddp_over_h_times_compression(dp2):
     assert all(x > 0 for x in s) and sum(s) / (2 * H) == pytest.approx(ddp / H, rel=1e-12), s
 
 
+def test_warmup_steps_are_data_parallel_then_diloco(dp2):
+    for rank, r in enumerate(x["bytes"] for x in dp2):
+        w, n, ddp = r["warmup"], r["numel"], r["ddp_step"]
+        n_pad = -(-n // (2 * 1024)) * (2 * 1024)
+        int8 = (n_pad / n) * (1 + 4 / 1024) / 4
+        assert w["sent"][:WARM] == [ddp] * WARM, (rank, w["sent"])  # DDP's all-reduce, exactly
+        assert w["sent"][WARM] == 0 and w["sent"][WARM + 2] == 0, (rank, w["sent"])  # then local inner steps
+        assert sum(w["sent"][WARM:]) / (2 * H) == pytest.approx(ddp / H * int8, rel=1e-12), (rank, w["sent"])
+        assert w["losses_as_ddp"] and w["same_as_ddp"], rank  # the warm-up *is* DDP, bitwise
+        assert w["anchored"], rank  # the outer loop's anchor is step WARM's weights (not the initial ones)
+        # replicas identical through the warm-up, apart after a local step, together again after each sync
+        assert w["agreed"] == [True, True, False, True, False, True], (rank, w["agreed"])
+        assert w["phases"] == ["ddp_warmup"] * WARM + ["diloco"] * (2 * H), (rank, w["phases"])
+
+
 # -- fragment layout ---------------------------------------------------------------------------------
 FRAGMENT_NAMES = {0: ("0.embedding.", "0.layers.0."), 1: ("0.layers.1.", "0.final_norm.", "0.output_layer.")}
 
@@ -177,11 +224,13 @@ def _fragments(pp: int = 1):
         agreed.append(sorted(k for k in mine if torch.equal(mine[k], every[peer][k])))
     outer = run.trainer.outer
     state = outer.state_dict()
-    try:
-        outer.load_state({**state, "layout": "contiguous"}, outer.state_tensors())
-        refused = ""
-    except ValueError as err:
-        refused = str(err)
+    refused = []
+    for changed in ({"layout": "contiguous"}, {"start_step": 5}):
+        try:
+            outer.load_state({**state, **changed}, outer.state_tensors())
+            refused.append("")
+        except ValueError as err:
+            refused.append(str(err))
     return {"agreed": agreed, "names": sorted(mine), "refused": refused, "pp_rank": run.mesh.coords["pp"],
             "norms": norms}
 
@@ -197,7 +246,8 @@ def test_strided_fragments_sync_whole_blocks(request, layout):
         # in flight; step 3: fragment 1 applied, fragment 0 trained locally again and in flight
         assert r["agreed"] == [[], frag[0], frag[1]], (rank, r["agreed"])
         assert r["norms"] == [False, True, True], (rank, r["norms"])  # every pp rank logs (and reduces) each sync
-        assert "outer.fragment_layout='strided'" in r["refused"] and "resume with the saved" in r["refused"]
+        assert "outer.fragment_layout='strided'" in r["refused"][0] and "resume with the saved" in r["refused"][0]
+        assert "outer.start_step=5" in r["refused"][1] and "resume with the saved" in r["refused"][1]
 
 
 # -- bitwise resume ----------------------------------------------------------------------------------
@@ -209,6 +259,11 @@ RESUME_CASES = {
     # resumed in the middle of the plain warm-up (steps 1-3), crossing into compression at step 4
     "powersgd": ["optim.grad_compression=powersgd", "optim.powersgd_rank=2", "optim.powersgd_start_step=3"],
     "onebit": ["optim.grad_compression=onebit"],
+    # saved inside the data-parallel warm-up (steps 1-3): resumed through the anchor's snapshot at step 3
+    "diloco_warmup_inside": ["outer.method=diloco", "outer.inner_steps=2", "outer.start_step=3"],
+    # saved right after the warm-up (snapshot taken at step 2), the first local steps after the resume
+    "streaming_warmup_after": ["outer.method=streaming_diloco", "outer.inner_steps=2", "outer.fragments=2",
+                               "outer.start_step=2"],
 }
 
 
@@ -286,6 +341,9 @@ def test_resume_is_bitwise(dp2, name):
     (["optim.powersgd_rank=8"], "optim.grad_compression='powersgd'"),
     (["optim.powersgd_start_step=5"], "optim.powersgd_start_step is read only"),
     (["optim.grad_compression=powersgd", "optim.powersgd_start_step=-1"], "must be an integer >= 0"),
+    (["outer.method=diloco", "outer.start_step=-1"], "outer.start_step=-1 must be an integer >= 0"),
+    (["outer.method=diloco", "outer.start_step=3"], "not below train.steps=3"),
+    (["outer.start_step=2"], "outer.method='none'"),
 ])
 def test_bad_inputs_are_refused(extra, needle):
     with pytest.raises(ValueError, match=None) as err:

@@ -5,9 +5,12 @@ all threads, as one process runs), fitted to the planner's GEMM model ``2mnk / r
 bandwidth (a large clone: read + write); causal SDPA's rate at the preset's shape (the attention
 efficiency); gloo's all-reduce by size on 2 ranks, fitted to ``alpha + bytes / bandwidth`` with
 parallel/comm.py's bytes; the per-call overhead of a TP layer's collectives beyond that alpha-beta figure
-(:func:`tp_collective_overhead`). From these a CPU device for the planner: ranks share the cores and the
-memory bandwidth (``world`` ranks on ``cores`` cores each get ``min(1, cores / world)`` of a core's rate),
-and with ``world > 1`` every collective call costs the measured overhead.
+(:func:`tp_collective_overhead`); the host's cost per framework op (:func:`host_op_us`: a narrow copy of the
+preset, whose arithmetic is negligible, timed over its aten op count). From these a CPU device for the
+planner: ranks share the cores and the memory bandwidth (``world`` ranks on ``cores`` cores each get
+``min(1, cores / world)`` of a core's rate), with ``world > 1`` every collective call costs the measured
+overhead, and every framework op of a micro-batch (:func:`count_host_ops`, counted on the model's code)
+the host cost.
 
 Then the tiny preset (configs/tiny_llama_cpu.toml) at 1 process, TP2, PP2, DP2 (ZeRO-1) and TP2 x PP2:
 predicted step time and peak memory (engine/memory.py, as the run's start-up report), then ``repeats``
@@ -17,6 +20,7 @@ peak (the memory report's ``measured`` record).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -28,7 +32,7 @@ import time
 import torch
 
 from engine.planner.hardware import GPU
-from engine.planner.model import from_preset
+from engine.planner.model import HostOps, PlanModel, from_preset
 from engine.planner.predict import Cluster, Layout, Training, predict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -173,38 +177,157 @@ def tp_collective_overhead(alpha_us: float, gbps: float, *, t: int = 256, h: int
             "alpha_beta_4_collectives_ms": alpha_beta_s * 1e3}
 
 
+def _preset_hf(model: PlanModel, *, layers: int, narrow: bool) -> dict:
+    """The model's Hugging Face config with ``layers`` layers; ``narrow``: 4 per head (hidden = 4 x heads),
+    FFN 32, vocab 128, so the arithmetic is negligible beside the ops' host cost. The op sequence does not
+    depend on the widths (the same aten calls at any size: tests/engine/test_planner.py)."""
+    from models.hook import hf_config_from_run
+
+    hf = hf_config_from_run(model.base_config.model, vocab_size=None)
+    hf["num_hidden_layers"] = layers
+    if narrow:
+        heads = hf["num_attention_heads"]
+        hf.update(hidden_size=4 * heads, intermediate_size=32, vocab_size=128, head_dim=4)
+    return hf
+
+
+def _micro_batch(hf: dict, *, recompute: str, mbs: int, seq: int):
+    """(stage, forward(), backward(loss)) of one micro-batch of the model ``hf`` at tp = 1, fp32."""
+    from models import build_model
+    from parallel.comm import Group
+
+    stage = build_model(hf, tp_group=Group.trivial("tp"), recompute=recompute, dtype=torch.float32)
+    stage.train()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, hf["vocab_size"], (mbs, seq), generator=g)  # (b, s)
+    labels = torch.randint(0, hf["vocab_size"], (mbs, seq), generator=g)  # (b, s)
+    return stage, lambda: stage(ids, labels=labels).mean(), lambda loss: loss.backward()
+
+
+PHASES = ("first_fwd", "layers_fwd", "last_fwd", "last_bwd", "layers_bwd", "first_bwd")
+
+
+def count_phases(hf: dict, *, recompute: str, mbs: int, seq: int) -> dict[str, int]:
+    """aten ops of one micro-batch by phase: forward before the first layer ("first_fwd": embedding, RoPE
+    tables), in the layers, after them ("last_fwd": final norm, output layer, loss); backward until the
+    gradient reaches the last layer's output ("last_bwd"), in the layers (with full recompute, their
+    replayed forwards), after the gradient leaves the first layer's input ("first_bwd"). Module hooks
+    switch the forward's phases, tensor hooks the backward's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    stage, forward, backward = _micro_batch(hf, recompute=recompute, mbs=mbs, seq=seq)
+    layers = list(stage.layers.values())
+    state = {"phase": "first_fwd"}
+    counts = dict.fromkeys(PHASES, 0)
+
+    def switch(phase):
+        def hook(*_):
+            state["phase"] = phase
+        return hook
+
+    def first_in(module, args):
+        if state["phase"] == "first_fwd":  # not a recomputed forward in backward
+            state["phase"] = "layers_fwd"
+            args[0].register_hook(switch("first_bwd"))
+
+    def last_out(module, args, out):
+        if state["phase"] == "layers_fwd":
+            state["phase"] = "last_fwd"
+            out.register_hook(switch("layers_bwd"))
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts[state["phase"]] += 1
+            return func(*args, **(kwargs or {}))
+
+    handles = [layers[0].register_forward_pre_hook(first_in), layers[-1].register_forward_hook(last_out)]
+    try:
+        with Count():
+            loss = forward()
+            state["phase"] = "last_bwd"
+            backward(loss)
+    finally:
+        for h in handles:
+            h.remove()
+    return counts
+
+
+def count_host_ops(model: PlanModel, *, recompute: str, mbs: int, seq: int) -> HostOps:
+    """The model's :class:`HostOps`, counted on its code (narrow copies: the counts do not depend on the
+    widths) with 1, 2 and 3 layers: a layer's ops are the difference (the same from 2 to 3, checked); what
+    the first layer does beyond it (it starts the residual stream) goes with the first stage's."""
+    one, two, three = (count_phases(_preset_hf(model, layers=n, narrow=True), recompute=recompute, mbs=mbs,
+                                    seq=seq) for n in (1, 2, 3))
+    layer = {p: two[p] - one[p] for p in ("layers_fwd", "layers_bwd")}
+    if layer != {p: three[p] - two[p] for p in layer}:
+        raise RuntimeError(f"a layer's op count differs from one layer to the next ({one}, {two}, {three} with 1, 2, "
+                           "3 layers): the per-layer host model does not hold for this model")
+    return HostOps(layer_fwd=layer["layers_fwd"], layer_bwd=layer["layers_bwd"],
+                   first_fwd=one["first_fwd"] + one["layers_fwd"] - layer["layers_fwd"],
+                   first_bwd=one["first_bwd"] + one["layers_bwd"] - layer["layers_bwd"],
+                   last_fwd=one["last_fwd"], last_bwd=one["last_bwd"], recompute=recompute)
+
+
+def host_op_us(model: PlanModel, *, threads: int, recompute: str = "none", mbs: int = 2, seq: int = 128,
+               repeats: int = 15) -> float:
+    """Microseconds per framework op on the host, on ``threads`` threads: the best time of one micro-batch's
+    forward and backward of a narrow copy of ``model`` (4 layers, 4 per head, FFN 32, vocab 128: the
+    arithmetic is negligible) over its aten op count."""
+    hf = _preset_hf(model, layers=4, narrow=True)
+    ops = sum(count_phases(hf, recompute=recompute, mbs=mbs, seq=seq).values())
+    _, forward, backward = _micro_batch(hf, recompute=recompute, mbs=mbs, seq=seq)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _time(lambda: backward(forward()), repeats) / ops * 1e6
+    finally:
+        torch.set_num_threads(old)
+
+
 def measure(cores: int | None = None) -> dict:
     cores = cores or os.cpu_count() or 1
     one = fit_gemm(matmul_samples(threads=1))
     allt = fit_gemm(matmul_samples(threads=cores))
     alpha, gbps = gloo_alpha_beta()
+    tiny = from_preset("tiny_llama_cpu")
     return {"cores": cores, "matmul_1_thread": {"tflops": one[0], "overhead_us": one[1]},
             "matmul_all_threads": {"tflops": allt[0], "overhead_us": allt[1]}, "copy_gbps": copy_gbps(),
             "attention_efficiency": attention_efficiency(one[0]), "gloo": {"alpha_us": alpha, "gbps": gbps},
-            "tp_collective": tp_collective_overhead(alpha, gbps)}
+            "tp_collective": tp_collective_overhead(alpha, gbps),
+            "host_op": {"us_1_thread": host_op_us(tiny, threads=1), "us_all_threads": host_op_us(tiny, threads=cores)}}
 
 
 def cpu_device(cal: dict, *, world: int) -> GPU:
     """The planner's device for ``world`` ranks of one machine, from :func:`measure`'s figures."""
     cores = cal["cores"]
+    host = cal.get("host_op", {})  # a calibration from before the host term: none
     if world == 1:
         mm = cal["matmul_all_threads"]
         share = 1.0
+        op_us = host.get("us_all_threads", 0.0)
     else:
         mm = cal["matmul_1_thread"]
         share = min(1.0, cores / world)
+        op_us = host.get("us_1_thread", 0.0) / share
     return GPU(name=f"cpu x{world}", bf16_tflops=mm["tflops"] * share, fp8_tflops=None,
                tf32_tflops=mm["tflops"] * share, hbm_gbps=cal["copy_gbps"] / world, hbm_gb=1e9,
                intra_gbps=cal["gloo"]["gbps"], inter_gbps=cal["gloo"]["gbps"], intra_alpha_us=cal["gloo"]["alpha_us"],
                inter_alpha_us=cal["gloo"]["alpha_us"], gemm_efficiency=1.0, gemm_overhead_us=mm["overhead_us"] / share,
                attention_efficiency=cal["attention_efficiency"], link_efficiency=1.0,
                collective_overhead_us=cal["tp_collective"]["overhead_us"] if world > 1 else 0.0,
+               host_op_us=op_us,
                sources=("measured",))
 
 
-def predict_tiny(cal: dict, tp: int, pp: int, dp: int):
+def predict_tiny(cal: dict, tp: int, pp: int, dp: int, *, host_ops: HostOps | None = None):
+    """The tiny preset at tp x pp x dp on the calibrated CPU device; ``host_ops``: its op counts
+    (:func:`count_host_ops`; counted here when the calibration has a host op cost and none are given)."""
     model = from_preset("tiny_llama_cpu")
     tr = model.base["train"]
+    if host_ops is None and cal.get("host_op"):
+        host_ops = count_host_ops(model, recompute=tr["activation_checkpointing"], mbs=tr["micro_batch_size"],
+                                  seq=tr["seq_length"])
+    model = dataclasses.replace(model, host_ops=host_ops)
     world = tp * pp * dp
     training = Training(seq_length=tr["seq_length"], global_batch_size=tr["global_batch_size"], precision="fp32",
                         recompute=tr["activation_checkpointing"], zero=1)
@@ -237,10 +360,15 @@ def run_tiny(tp: int, pp: int, dp: int, *, run_dir: str) -> dict:
 
 def main_calibrate(*, repeats: int = 3, json_path: str | None = None) -> int:
     cal = measure()
+    tiny = from_preset("tiny_llama_cpu")
+    tr = tiny.base["train"]
+    ops = count_host_ops(tiny, recompute=tr["activation_checkpointing"], mbs=tr["micro_batch_size"],
+                         seq=tr["seq_length"])
+    cal["host_op"]["counts"] = dataclasses.asdict(ops)
     print(f"calibration: {json.dumps(cal)}")
     rows = []
     for name, tp, pp, dp in LAYOUTS:
-        pred = predict_tiny(cal, tp, pp, dp)
+        pred = predict_tiny(cal, tp, pp, dp, host_ops=ops)
         runs = []
         for i in range(repeats):
             with tempfile.TemporaryDirectory(prefix="tessel_cal_") as d:

@@ -43,6 +43,9 @@ class GPU:
     tf32_tflops: float | None = None  # dense TF32: the rate of fp32 training
     link_efficiency: float = 0.80  # NCCL's bus bandwidth over the link's: ring collectives do not saturate it
     collective_overhead_us: float = 0.0  # per collective call beyond alpha-beta (host, sync); CPU: measured
+    # per framework op (aten dispatch, autograd node, allocation) on the host: synchronous on CPU, where every op
+    # waits for it (measured by --calibrate); 0 for the GPUs, whose launches run ahead of the kernels
+    host_op_us: float = 0.0
     sms: int | None = None  # streaming multiprocessors: a GEMM's output tiles run in whole waves over them
     gemm_tile: tuple[int, int] = (256, 128)  # cuBLAS's large bf16/fp16 GEMM tile (its kernels' names), either way round
     sources: tuple[str, ...] = ()

@@ -46,14 +46,33 @@ class PlanHook(ModelHook):
         return list(self._memo[key])
 
 
+@dataclass(frozen=True, kw_only=True)
+class HostOps:
+    """Framework ops (aten dispatches) of one micro-batch at tp = 1, counted on the model's own code
+    (engine/planner/calibrate.py's :func:`count_host_ops`): one layer's forward and backward, the first
+    stage's extra (embedding, RoPE tables) and the last stage's (final norm, output layer, loss).
+    ``recompute``: the activation recompute mode they were counted under (full recompute replays a layer's
+    forward ops in its backward). Each op costs the device's ``host_op_us``."""
+
+    layer_fwd: int
+    layer_bwd: int
+    first_fwd: int
+    first_bwd: int
+    last_fwd: int
+    last_bwd: int
+    recompute: str
+
+
 @dataclass(frozen=True)
 class PlanModel:
     """``base``: a TesselConfig as a dict (model section complete); ``hook``: the model (a :class:`PlanHook`);
-    ``name`` for output."""
+    ``name`` for output; ``host_ops``: its framework ops per micro-batch where counted (the calibrated CPU
+    device charges each one; None: not counted, no host term)."""
 
     base: dict
     hook: ModelHook
     name: str
+    host_ops: HostOps | None = None
 
     @property
     def config(self):

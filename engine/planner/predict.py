@@ -22,6 +22,9 @@ and the tests that assert it against the allocator use the same call). Step time
   memory is predict_memory's), each MoE layer's four token all-to-alls (dispatch and combine, forward and
   backward: :func:`moe_dispatch_bytes` each) exposed over the link the ep group spans, expert gradients
   reduced (ZeRO: sharded) over edp = dp x cp / ep; GEMMs at the active parameters' FLOPs (:func:`mlp_gemm_time`);
+* host work (CPU devices): every framework op of a micro-batch (:class:`engine.planner.model.HostOps`,
+  counted on the model's code) costs the device's ``host_op_us`` (measured by ``--calibrate``; 0 on the
+  GPUs, whose launches run ahead of their kernels);
 * pipeline: the per-stage forward/backward times and the p2p latency go into parallel/pipeline/simulate.py's
   dataflow model of the layout's own schedule (engine/planner/pipeline.py); its makespan includes the bubble.
 
@@ -405,9 +408,19 @@ def stage_costs(model, lay: Layout, tr: Training, cluster: Cluster) -> list[_Cos
                                       ) // lay.tp
     link = cluster.link(lay.tp)
     act_bytes = elem * t * h
+    host = gpu.host_op_us * 1e-6
+    ops = model.host_ops if host else None
+    if ops is not None and ops.recompute != tr.recompute:
+        raise ValueError(f"the model's host op counts were taken with recompute {ops.recompute!r}, the plan is for "
+                         f"{tr.recompute!r}: count them again (engine/planner/calibrate.py count_host_ops)")
     out = []
     for st, (a, b) in enumerate(ranges):
         costs = one.scaled(b - a)
+        if ops is not None:  # the host's cost of every framework op (CPU: synchronous with the compute)
+            first, last = st == 0, st == stages - 1
+            n_fwd = (b - a) * ops.layer_fwd + first * ops.first_fwd + last * ops.last_fwd
+            n_bwd = (b - a) * ops.layer_bwd + first * ops.first_bwd + last * ops.last_bwd
+            costs.add("host_ops", n_fwd * host, n_bwd * host)
         if st == 0:
             extra = _Costs()
             extra.add("memory_bound", 2 * act_bytes / (gpu.hbm_gbps * 1e9), 2 * act_bytes / (gpu.hbm_gbps * 1e9))

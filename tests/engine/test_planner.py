@@ -18,6 +18,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.planner import Cluster, Layout, Training, from_dims, from_preset, gpu, plan, predict, smallest_fit
@@ -391,6 +393,41 @@ def test_cpu_collective_overhead_enters_every_tp_collective(tiny):
     link = (1e9, 60e-6, 1e-3)
     assert collective_time("all_gather", 4096, 2, link) == pytest.approx(1e-3 + 60e-6 + 4096 / 1e9)
     assert collective_time("all_gather", 4096, 1, link) == 0.0  # a group of one never calls
+
+
+def test_host_ops_counted_on_the_models_code_and_charged_per_op(tiny):
+    """count_host_ops (engine/planner/calibrate.py) counts the tiny preset's aten ops per micro-batch on its
+    own code: the same counts on a narrow copy as at the preset's widths, and first + last + 2 layers equal
+    a whole 2-layer micro-batch's dispatch count. The calibrated CPU device charges host_op_us per op:
+    1 process, 8 micro-batches x that count; TP2 the same per rank at 1 thread's cost over a full core's
+    share; PP2's first stage its own layers and the embedding. A count taken under another recompute mode
+    is refused."""
+    from engine.planner.calibrate import PHASES, _preset_hf, count_host_ops, count_phases, predict_tiny
+
+    tr = tiny.base["train"]
+    kw = dict(recompute="none", mbs=tr["micro_batch_size"], seq=tr["seq_length"])
+    assert (count_phases(_preset_hf(tiny, layers=1, narrow=True), **kw)
+            == count_phases(_preset_hf(tiny, layers=1, narrow=False), **kw))
+    ops = count_host_ops(tiny, **kw)
+    two = sum(count_phases(_preset_hf(tiny, layers=2, narrow=True), **kw)[p] for p in PHASES)
+    outside = ops.first_fwd + ops.first_bwd + ops.last_fwd + ops.last_bwd
+    assert outside + 2 * (ops.layer_fwd + ops.layer_bwd) == two and ops.layer_fwd > 0 and ops.layer_bwd > ops.layer_fwd
+    per_mb = outside + 4 * (ops.layer_fwd + ops.layer_bwd)
+    cal = {"cores": 2, "matmul_1_thread": {"tflops": 0.1, "overhead_us": 1.0},
+           "matmul_all_threads": {"tflops": 0.2, "overhead_us": 2.0}, "copy_gbps": 8.0,
+           "attention_efficiency": 0.5, "gloo": {"alpha_us": 60.0, "gbps": 1.0}, "tp_collective": {"overhead_us": 0.0},
+           "host_op": {"us_1_thread": 10.0, "us_all_threads": 7.0}}
+    without = {k: v for k, v in cal.items() if k != "host_op"}
+    one = predict_tiny(cal, 1, 1, 1, host_ops=ops)
+    assert one.breakdown["host_ops"] == pytest.approx(8 * per_mb * 7e-6, rel=1e-12)
+    assert one.step_time_s - predict_tiny(without, 1, 1, 1).step_time_s == pytest.approx(8 * per_mb * 7e-6, rel=1e-9)
+    assert predict_tiny(cal, 2, 1, 1, host_ops=ops).breakdown["host_ops"] == pytest.approx(8 * per_mb * 10e-6)
+    pp_first = ops.first_fwd + ops.first_bwd + 2 * (ops.layer_fwd + ops.layer_bwd)
+    pp_last = ops.last_fwd + ops.last_bwd + 2 * (ops.layer_fwd + ops.layer_bwd)
+    got = predict_tiny(cal, 1, 2, 1, host_ops=ops).breakdown["host_ops"]  # the busiest pipeline rank's
+    assert got == pytest.approx(8 * max(pp_first, pp_last) * 10e-6, rel=1e-12)
+    with pytest.raises(ValueError, match="recompute 'full'.*count them again"):
+        predict_tiny(cal, 1, 1, 1, host_ops=dataclasses.replace(ops, recompute="full"))
 
 
 def test_compiled_pipeline_time_is_the_simulators_to_the_last_bit():

@@ -103,9 +103,10 @@ def moe_full_shape(name: str, cfg: TransformerConfig) -> tuple[int, ...] | None:
 
 
 def build_moe_mlp(cfg: TransformerConfig, *, layer_number: int, tp_group, ep_group, dispatcher: str,
-                  sequence_parallel: bool, dtype, device, init, cp_group=None):
+                  sequence_parallel: bool, dtype, device, init, cp_group=None, expert_tp: int | None = None):
     """The MoE MLP of layer ``layer_number``, initialised per global parameter name like every other weight.
-    ``cp_group``: the context-parallel group the aux loss's expert counts are summed over (None: cp = 1)."""
+    ``cp_group``: the context-parallel group the aux loss's expert counts are summed over (None: cp = 1).
+    ``expert_tp``: None (= tp: experts sharded over ``tp_group``) or 1 (whole experts, docs/moe.md)."""
     from parallel.expert_parallel import MoELayer
 
     return MoELayer(hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.moe_ffn_hidden_size,
@@ -113,7 +114,8 @@ def build_moe_mlp(cfg: TransformerConfig, *, layer_number: int, tp_group, ep_gro
                     dispatcher=dispatcher, sequence_parallel=sequence_parallel, norm_topk_prob=cfg.norm_topk_prob,
                     shared_expert_ffn_hidden_size=cfg.shared_expert_ffn_hidden_size,
                     aux_loss_coef=cfg.router_aux_loss_coef, z_loss_coef=cfg.router_z_loss_coef, dtype=dtype,
-                    device=device, init=init, name_prefix=f"layers.{layer_number}.mlp.", cp_group=cp_group)
+                    device=device, init=init, name_prefix=f"layers.{layer_number}.mlp.", cp_group=cp_group,
+                    expert_tp=expert_tp)
 
 
 def moe_aux_loss(stage) -> torch.Tensor | None:

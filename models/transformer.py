@@ -115,7 +115,8 @@ class TransformerLayer(nn.Module):
 
     def __init__(self, cfg: TransformerConfig, *, layer_number: int, tp_group: Group, sequence_parallel: bool,
                  dtype, device, init, linear_impl, rng: RNGTracker, kernels: str = "auto",
-                 cp: ContextParallel | None = None, ep_group: Group | None = None, moe_dispatcher: str = "alltoall"):
+                 cp: ContextParallel | None = None, ep_group: Group | None = None, moe_dispatcher: str = "alltoall",
+                 expert_tp: int | None = None):
         super().__init__()
         self.layer_number = layer_number
         self.sequence_parallel = sequence_parallel
@@ -129,7 +130,7 @@ class TransformerLayer(nn.Module):
         if cfg.is_moe_layer(layer_number):  # mixture of experts (models/moe.py): tokens routed over ep_group
             self.mlp = build_moe_mlp(cfg, layer_number=layer_number, tp_group=tp_group, init=init,
                                      ep_group=comm.as_group(ep_group, axis="ep"), dispatcher=moe_dispatcher,
-                                     cp_group=None if cp is None else cp.group,
+                                     cp_group=None if cp is None else cp.group, expert_tp=expert_tp,
                                      sequence_parallel=sequence_parallel, dtype=dtype, device=device)
         else:
             self.mlp = MLP(cfg, layer_number=layer_number, tp_group=tp_group, init=init, linear_impl=linear_impl, **kw)
@@ -202,7 +203,7 @@ class TransformerStage(nn.Module):
                  seed: int, linear_impl: LinearImpl | None, kernels: str = "auto",
                  fused_cross_entropy: bool | None = None, recompute: str = "none",
                  recompute_num_layers: int | None = None, cp: ContextParallel | None = None,
-                 ep_group: Group | None = None, moe_dispatcher: str = "alltoall"):
+                 ep_group: Group | None = None, moe_dispatcher: str = "alltoall", expert_tp: int | None = None):
         super().__init__()
         cfg.check_tensor_parallel(tp_group.size)
         ops.check_backend(kernels)
@@ -229,7 +230,7 @@ class TransformerStage(nn.Module):
         self.layers = nn.ModuleDict({
             str(i): TransformerLayer(cfg, layer_number=i, init=init, linear_impl=self.linear_impl, rng=self.rng,
                                      kernels=kernels, cp=self.cp, ep_group=ep_group, moe_dispatcher=moe_dispatcher,
-                                     **kw)
+                                     expert_tp=expert_tp, **kw)
             for i in range(*layer_range)})
         self.recompute, self.recompute_num_layers = recompute, recompute_num_layers
         for k, layer in enumerate(self.layers.values()):  # k: the layer's index within this stage
@@ -512,7 +513,7 @@ def build_model(hf_config: Mapping[str, Any] | TransformerConfig, *, tp_group: G
                 fused_cross_entropy: bool | None = None, recompute: str = "none",
                 recompute_num_layers: int | None = None, cp_group: Group | None = None, cp_comm: str = "ring",
                 cp_subgroups: tuple[Group, Group] | None = None, ep_group: Group | None = None,
-                moe_dispatcher: str = "alltoall") -> TransformerStage:
+                moe_dispatcher: str = "alltoall", expert_tp: int | None = None) -> TransformerStage:
     """One pipeline stage of the model described by ``hf_config`` (a config.json dict).
 
     ``layer_range`` = (start, end) of GLOBAL layer indices (default all). Weights are initialised
@@ -529,7 +530,9 @@ def build_model(hf_config: Mapping[str, Any] | TransformerConfig, *, tp_group: G
     attention spans the sequence over this group by ``cp_comm`` ("ring", "a2a", or "hybrid" with
     ``cp_subgroups`` = (all-to-all group, ring group), e.g. ``(mesh.cp_a2a, mesh.cp_ring)``).
     ``ep_group`` (mixture-of-experts families): the experts of each MoE layer are split over it and tokens
-    travel by ``moe_dispatcher`` ("alltoall" or "allgather"; docs/moe.md).
+    travel by ``moe_dispatcher`` ("alltoall" or "allgather"; docs/moe.md). ``expert_tp``: None (= tp, experts
+    sharded over ``tp_group``) or 1 (whole experts, each TP rank routing its own sequence chunk; needs
+    ``sequence_parallel`` at tp > 1).
     """
     from models.registry import config_from_hf
 
@@ -553,4 +556,4 @@ def build_model(hf_config: Mapping[str, Any] | TransformerConfig, *, tp_group: G
                             make_vocab_size_divisible_by=make_vocab_size_divisible_by, seed=seed,
                             linear_impl=linear_impl, kernels=kernels, fused_cross_entropy=fused_cross_entropy,
                             recompute=recompute, recompute_num_layers=recompute_num_layers, cp=cp,
-                            ep_group=ep_group, moe_dispatcher=moe_dispatcher)
+                            ep_group=ep_group, moe_dispatcher=moe_dispatcher, expert_tp=expert_tp)

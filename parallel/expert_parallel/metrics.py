@@ -12,7 +12,8 @@ different tokens), and reports per MoE layer ``i``:
 * ``moe.{i}.aux_loss``: the layer's load-balancing loss, mean over its micro-batches and replicas;
 * ``moe.{i}.dropped``: the share of pairs dropped by the capacity factor (0 when dropless);
 
-and ``moe.load_cv_max`` (the worst layer). TP ranks route the same tokens, so nothing is summed over tp.
+and ``moe.load_cv_max`` (the worst layer). TP ranks route the same tokens, so nothing is summed over tp (at
+``expert_tp`` = 1 each routes its own chunk, and the layer's ``step_load`` already holds the tp group's sums).
 The same global counts drive aux-loss-free balancing: a router with ``bias_update_rate`` takes one
 :meth:`TopKRouter.update_bias` step from them, identically on every replica.
 A recomputed forward (activation checkpointing) counts twice, uniformly, so every ratio above is exact.

@@ -44,6 +44,27 @@ def check_routing(*, num_experts: int, top_k: int, ep: int = 1) -> None:
                          f"rank holds the same number of whole experts; choose ep in {fits}")
 
 
+def check_expert_tp(expert_tp: int | None, *, tp: int, sequence_parallel: bool) -> int:
+    """The expert TP size (``None``: ``tp``); ValueError naming the fix unless it is ``tp`` (experts sharded
+    over the tp group like the dense MLP) or 1 (experts whole on every tp rank), and 1 at ``tp`` > 1 comes
+    with sequence parallelism (each tp rank routes its own sequence chunk; docs/moe.md)."""
+    if expert_tp is None:
+        return tp
+    if isinstance(expert_tp, bool) or not isinstance(expert_tp, int) or expert_tp < 1:
+        raise ValueError(f"parallel.expert_tp={expert_tp!r} must be a positive integer: 1 (experts whole on every "
+                         f"tp rank) or parallel.tp={tp} (experts sharded over tp, the default)")
+    if expert_tp not in (1, tp):
+        raise ValueError(f"parallel.expert_tp={expert_tp} is not built at parallel.tp={tp}: experts are either "
+                         f"sharded over the whole tp group (expert_tp = tp = {tp}, the default) or whole on every "
+                         f"tp rank (expert_tp = 1); set parallel.expert_tp to 1 or {tp}")
+    if expert_tp == 1 and tp > 1 and not sequence_parallel:
+        raise ValueError(f"parallel.expert_tp=1 at parallel.tp={tp} needs sequence parallelism: each tp rank routes "
+                         f"its own sequence chunk to whole experts (without it every tp rank would compute every "
+                         f"token's experts); set parallel.sequence_parallel=true, or parallel.expert_tp={tp} "
+                         f"(experts sharded over tp)")
+    return expert_tp
+
+
 @dataclass
 class Routing:
     """One layer's routing of ``T`` tokens: ``indices`` (T, k) int64 expert ids, ``weights`` (T, k) the

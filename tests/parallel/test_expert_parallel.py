@@ -1,11 +1,15 @@
 """Expert parallelism: router, permutation, dispatchers over the ep group, the MoE layer.
 
 Parity: at ep = 2 and 4 (alltoall and allgather dispatchers), and at tp = 2 x ep = 2 (with and without
-sequence parallelism), each rank's outputs equal the 1-process layer's (all experts) on the same tokens,
-and its experts' gradients equal the 1-process gradients of the summed loss of all ep ranks (fp32,
-dropless, atol 1e-6); replicated parameters' gradients (router, shared expert) summed over ep equal
-the reference. Ledger: the all-to-all sends exactly the rows routed to other ranks' experts, computed
-from the routing decisions, in each direction, and the count exchange E - E_local int64.
+sequence parallelism, and with ``expert_tp=1``: whole experts, each tp rank routing its own SP chunk), each
+rank's outputs equal the 1-process layer's (all experts) on the same tokens, and its experts' gradients
+equal the 1-process gradients of the summed loss of all ep ranks (fp32, dropless, atol 1e-6); replicated
+parameters' gradients (router, shared expert) summed over ep equal the reference (at expert_tp=1 the
+``sequence_parallel`` ones summed over tp first, as the trainer does); the aux and z losses equal the
+reference's on the whole sequence (1e-6). Ledger: the all-to-all sends exactly the rows routed to other
+ranks' experts, computed from the routing decisions (at expert_tp=1 from the rank's own chunk), in each
+direction, and the count exchange E - E_local int64; at expert_tp=1 nothing of the routed experts crosses
+tp (the only tp all-reduce is the 2E + 3 counts).
 """
 from __future__ import annotations
 
@@ -54,6 +58,16 @@ def test_permute_then_unpermute_by_index():
 
 
 def test_bad_input_is_refused():
+    from parallel.expert_parallel import check_expert_tp
+
+    assert check_expert_tp(None, tp=2, sequence_parallel=False) == 2 and check_expert_tp(1, tp=1,
+                                                                                         sequence_parallel=False) == 1
+    with pytest.raises(ValueError, match="parallel.expert_tp=3 is not built at parallel.tp=2.*set parallel.expert_tp "
+                                         "to 1 or 2"):
+        check_expert_tp(3, tp=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match="parallel.expert_tp=1 at parallel.tp=2 needs sequence parallelism.*set "
+                                         "parallel.sequence_parallel=true, or parallel.expert_tp=2"):
+        check_expert_tp(1, tp=2, sequence_parallel=False)
     with pytest.raises(ValueError, match="not divisible by parallel.ep=3.*choose ep in \\[1, 2, 4, 8\\]"):
         check_routing(num_experts=8, top_k=2, ep=3)
     with pytest.raises(ValueError, match="top_k=9 .* exceeds num_experts=8"):
@@ -63,11 +77,11 @@ def test_bad_input_is_refused():
                  ep_group=Group.trivial("ep"), dispatcher="ring")
 
 
-def _layer(tp, ep, dispatcher, *, sp=False, capacity=None):
+def _layer(tp, ep, dispatcher, *, sp=False, capacity=None, expert_tp=None):
     return MoELayer(hidden_size=H, ffn_hidden_size=F_EXPERT, num_experts=E, top_k=K, tp_group=tp, ep_group=ep,
                     dispatcher=dispatcher, sequence_parallel=sp, shared_expert_ffn_hidden_size=F_SHARED,
                     norm_topk_prob=False, aux_loss_coef=0.01, z_loss_coef=0.001, init=default_init(0.3, seed=5),
-                    capacity_factor=capacity)
+                    capacity_factor=capacity, expert_tp=expert_tp)
 
 
 def _batch(i: int):
@@ -84,18 +98,19 @@ def _reference(members: list[int], capacity=None):
         x.requires_grad_()
         out = ref(x)
         (out * g).sum().backward()
-        outs[m] = (out.detach(), x.grad)
+        outs[m] = (out.detach(), x.grad, ref.last_aux_loss.item(), ref.last_z_loss.item())
     return ref, outs
 
 
-def _remote_rows(members: list[int], me: int, ref) -> tuple[int, int]:
-    """(rows I send to other ranks' experts, rows other ranks send to mine), from the routing decisions."""
+def _remote_rows(members: list[int], me: int, ref, rows=slice(None)) -> tuple[int, int]:
+    """(rows I send to other ranks' experts, rows other ranks send to mine), from the routing decisions on
+    each member's sequence positions ``rows`` (its SP chunk when every tp rank routes its own)."""
     per_rank = E // len(members)
     owner = lambda idx: idx // per_rank  # noqa: E731
     sent = recv = 0
     with torch.no_grad():
         for pos, m in enumerate(members):
-            owners = owner(ref.router(_batch(m)[0].reshape(-1, H)).indices)
+            owners = owner(ref.router(_batch(m)[0][rows].reshape(-1, H)).indices)
             if pos == me:
                 sent = int((owners != me).sum())
             else:
@@ -103,22 +118,26 @@ def _remote_rows(members: list[int], me: int, ref) -> tuple[int, int]:
     return sent, recv
 
 
-def _check_ep(mesh_ep, dp_index: int, members: list[int], dispatcher: str, tp=None, sp=False, capacity=None) -> dict:
+def _check_ep(mesh_ep, dp_index: int, members: list[int], dispatcher: str, tp=None, sp=False, capacity=None,
+              expert_tp=None) -> dict:
     tp = tp or Group.trivial("tp")
     ref, ref_out = _reference(members, capacity)
-    layer = _layer(tp, mesh_ep, dispatcher, sp=sp, capacity=capacity)
+    layer = _layer(tp, mesh_ep, dispatcher, sp=sp, capacity=capacity, expert_tp=expert_tp)
     x, g = _batch(dp_index)
+    mine = slice(None)
     if sp:
         chunk = x.shape[0] // tp.size
-        x, g = (t[tp.rank * chunk:(tp.rank + 1) * chunk] for t in (x, g))
+        mine = slice(tp.rank * chunk, (tp.rank + 1) * chunk)
+        x, g = x[mine], g[mine]
     x.requires_grad_()
     with mesh_ep.ledger.capture() as cap:
         out = layer(x)
         (out * g).sum().backward()
-    want, want_dx = ref_out[dp_index]
-    if sp:
-        want, want_dx = (t[tp.rank * chunk:(tp.rank + 1) * chunk] for t in (want, want_dx))
-    res = {"out": (out.detach() - want).abs().max().item(), "dx": (x.grad - want_dx).abs().max().item()}
+    want, want_dx, want_aux, want_z = ref_out[dp_index]
+    want, want_dx = want[mine], want_dx[mine]
+    res = {"out": (out.detach() - want).abs().max().item(), "dx": (x.grad - want_dx).abs().max().item(),
+           "aux": abs(layer.last_aux_loss.item() - want_aux) / max(1.0, abs(want_aux)),  # relative above 1
+           "z": abs(layer.last_z_loss.item() - want_z) / max(1.0, abs(want_z))}
     ref_params = dict(ref.named_parameters())
     err = 0.0
     for name, p in layer.named_parameters():
@@ -126,6 +145,9 @@ def _check_ep(mesh_ep, dp_index: int, members: list[int], dispatcher: str, tp=No
         if getattr(p, "tensor_parallel", False):
             from parallel.tensor_parallel import full_param
             grad = full_param(p, tp, grad=True)
+        if getattr(p, "sequence_parallel", False):  # each tp rank's tokens: the trainer sums these over tp
+            grad = grad.clone()
+            comm.all_reduce(grad, tp)
         if not getattr(p, "expert", False):
             grad = grad.clone()
             comm.all_reduce(grad, mesh_ep)  # replicated over ep: each rank holds its tokens' share
@@ -134,8 +156,10 @@ def _check_ep(mesh_ep, dp_index: int, members: list[int], dispatcher: str, tp=No
     res["local_experts"] = sorted({int(n.split(".")[1]) for n, _ in layer.named_parameters()
                                    if n.startswith("experts.")})
     res["dropped"] = layer.last_dropped_fraction
+    if layer.local_routing:  # the experts' rows never cross tp: the one tp all-reduce is the 2E + 3 counts
+        res["tp_all_reduce"] = [(r.dtype, r.sent_bytes) for r in cap.select(op="all_reduce", axis="tp")]
     if dispatcher == "alltoall" and capacity is None:
-        sent, recv = _remote_rows(members, mesh_ep.rank, ref)
+        sent, recv = _remote_rows(members, mesh_ep.rank, ref, rows=mine if layer.local_routing else slice(None))
         rows = [r for r in cap.select(op="all_to_all", axis="ep") if r.dtype == "torch.float32"]
         counts = [r for r in cap.select(op="all_to_all", axis="ep") if r.dtype == "torch.int64"]
         row_bytes = H * 4
@@ -155,12 +179,13 @@ def _model_logits_error(mesh, dp_index: int) -> dict:
 
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(dp_index))
     out = {}
-    for name in ("mixtral", "qwen2_moe"):
+    for name, expert_tp in (("mixtral", None), ("qwen2_moe", None), ("qwen2_moe", 1)):
         ref = build_model(MOE[name], tp_group=Group.trivial("tp")).eval()
-        model = build_model(MOE[name], tp_group=mesh.tp, ep_group=mesh.ep, sequence_parallel=True).eval()
+        model = build_model(MOE[name], tp_group=mesh.tp, ep_group=mesh.ep, sequence_parallel=True,
+                            expert_tp=expert_tp).eval()
         with torch.no_grad():
             got = gather_logits(model(ids), mesh.tp, vocab_size=64)
-            out[name] = (got - ref(ids)[..., :64]).abs().max().item()
+            out[(name, expert_tp)] = (got - ref(ids)[..., :64]).abs().max().item()
     return out
 
 
@@ -179,9 +204,12 @@ def _worker():
             if ep == 2:  # with a capacity factor: the same pairs drop as at 1 process
                 out[("drop", dispatcher)] = _check_ep(mesh.ep, rank, members, dispatcher, capacity=0.75)
     mesh = Mesh.build(ParallelDims(dp=2, tp=2, ep=2))
+    members = list(range(2))  # batches by dp index
     for sp in (False, True):  # tp2 x ep2: the tp ranks hold the same tokens (replicated, or SP chunks)
-        members = list(range(2))  # batches by dp index
         out[("tp2", sp)] = _check_ep(mesh.ep, mesh.coords["dp"], members, "alltoall", tp=mesh.tp, sp=sp)
+    for dispatcher in ("alltoall", "allgather"):  # expert_tp=1: whole experts, each tp rank routes its SP chunk
+        out[("etp1", dispatcher)] = _check_ep(mesh.ep, mesh.coords["dp"], members, dispatcher, tp=mesh.tp, sp=True,
+                                              expert_tp=1)
     out["model"] = _model_logits_error(mesh, mesh.coords["dp"])
     return out
 
@@ -192,11 +220,14 @@ def ep_results():
 
 
 @pytest.mark.parametrize("case", [(2, "alltoall"), (4, "alltoall"), (2, "allgather"), (4, "allgather"),
-                                  ("tp2", False), ("tp2", True), ("drop", "alltoall"), ("drop", "allgather")])
+                                  ("tp2", False), ("tp2", True), ("etp1", "alltoall"), ("etp1", "allgather"),
+                                  ("drop", "alltoall"), ("drop", "allgather")])
 def test_parity_with_one_process(ep_results, case):
     for rank, res in enumerate(ep_results):
         r = res[case]
         assert r["out"] < 1e-6 and r["grad"] < 1e-6 and r["dx"] < 1e-6, (rank, r)
+        if case[0] != "drop":  # the aux and z losses of the whole sequence (dropping: per-rank capacity)
+            assert r["aux"] < 1e-6 and r["z"] < 1e-6, (rank, r)
         assert (r["dropped"] > 0) == (case[0] == "drop"), r
         if isinstance(case[0], int):
             per = E // case[0]
@@ -204,11 +235,20 @@ def test_parity_with_one_process(ep_results, case):
             assert r["local_experts"] == list(range(first, first + per))
 
 
-@pytest.mark.parametrize("ep", [2, 4])
-def test_all_to_all_bytes_are_the_remote_rows(ep_results, ep):
+@pytest.mark.parametrize("case", [(2, "alltoall"), (4, "alltoall"), ("etp1", "alltoall")])
+def test_all_to_all_bytes_are_the_remote_rows(ep_results, case):
     for res in ep_results:
-        got, want = res[(ep, "alltoall")]["a2a"], res[(ep, "alltoall")]["a2a_want"]
+        got, want = res[case]["a2a"], res[case]["a2a_want"]
         assert got == tuple(want)
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_expert_tp1_sends_no_expert_rows_over_tp(ep_results, dispatcher):
+    """At expert_tp=1 the tp group carries no routed rows: the one all-reduce over tp per forward is the
+    counts, probability sums, z-loss, dropped and routed pairs (2E + 3 fp32); the shared expert's traffic is
+    an all-gather and a reduce-scatter, as the dense MLP's."""
+    for res in ep_results:
+        assert res[("etp1", dispatcher)]["tp_all_reduce"] == [("torch.float32", (2 * E + 3) * 4)]
 
 
 def test_moe_models_at_tp2_ep2_equal_one_process(ep_results):

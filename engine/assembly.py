@@ -96,9 +96,9 @@ def _bytes_per_param(dtype: str, *, zero_stage: int, dp: int, frozen: bool = Fal
 
 
 def _rank_numels(model, *, tp: int, pp: int, vp: int, layout, placement: str = "loop",
-                 ep: int = 1) -> list[tuple[int, int]]:
+                 ep: int = 1, expert_tp: int | None = None) -> list[tuple[int, int]]:
     """Per pipeline rank: (parameters, of which experts held apart at ``ep`` > 1; 0 at ep = 1). Each MoE layer's
-    experts count 1/ep."""
+    experts count 1/ep (whole at ``expert_tp`` = 1, 1/tp of each otherwise)."""
     from engine.memory import stage_param_sizes
 
     stages = pp * vp
@@ -107,7 +107,8 @@ def _rank_numels(model, *, tp: int, pp: int, vp: int, layout, placement: str = "
     for r in range(pp):
         sizes = [(n, expert) for s in rank_stages(r, pp=pp, vp=vp, placement=placement)
                  for _, n, _, expert in stage_param_sizes(model, tp=tp, ep=ep, layer_range=ranges[s],
-                                                          pre_process=s == 0, post_process=s == stages - 1)]
+                                                          pre_process=s == 0, post_process=s == stages - 1,
+                                                          expert_tp=expert_tp)]
         out.append((sum(n for n, _ in sizes), sum(n for n, expert in sizes if expert and ep > 1)))
     return out
 
@@ -147,7 +148,7 @@ def memory_plan(cfg: TesselConfig, model, *, world: int, available: int | None =
     frozen = bool(cfg.posttrain.lora.rank)
     numel, bpp = _largest_need(model, dtype=cfg.model.dtype, zero_stage=o.zero_stage if o.distributed else 0, dp=dp,
                                ep=p.ep, frozen=frozen, tp=p.tp, pp=p.pp, vp=p.vp, layout=p.pipeline_layout,
-                               placement=placement_of(p.schedule))
+                               placement=placement_of(p.schedule), expert_tp=p.expert_tp)
     source = "given"
     if available is None:
         available, source = _available_bytes(world)
@@ -163,7 +164,8 @@ def memory_plan(cfg: TesselConfig, model, *, world: int, available: int | None =
             try:
                 model.config.check_tensor_parallel(tp)
                 n, alt_bpp = _largest_need(model, dtype=cfg.model.dtype, zero_stage=max(1, o.zero_stage), dp=dp_alt,
-                                           ep=ep, frozen=frozen, tp=tp, pp=pp, vp=1, layout=None)
+                                           ep=ep, frozen=frozen, tp=tp, pp=pp, vp=1, layout=None,
+                                           expert_tp=1 if p.expert_tp == 1 else None)
             except ValueError:
                 continue
             need = n * alt_bpp
@@ -327,8 +329,12 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
     included). Post-training (tools/posttrain.py) passes its ``objective`` (the step's loss,
     engine/posttrain/objectives.py), ``rows_per_sample`` (a preference pair is 2 rows of the micro-batch)
     and the datasets' ``collate_fn``. Collective: every rank calls it with the same arguments."""
-    if cfg.parallel.ep > 1:  # experts divisible by ep, top-k: before any group exists (models/hook.py)
-        model.check_expert_parallel(cfg.parallel.ep)
+    p = cfg.parallel
+    if p.ep > 1 or p.expert_tp_size != p.tp:  # experts divisible by ep, top-k: before any group (models/hook.py)
+        model.check_expert_parallel(p.ep, **({} if p.expert_tp_size == p.tp else {"expert_tp": p.expert_tp_size}))
+    if (getattr(model, "expert_tp", None) or p.tp) != p.expert_tp_size:  # the memory plan reads the config's
+        raise ValueError(f"the model hook holds expert_tp={model.expert_tp} but parallel.expert_tp={p.expert_tp}; "
+                         "build the hook from the run config (ModelHook.from_run_config) or give it the same value")
     mesh = build_mesh(cfg, world=world)
     p, t, o = cfg.parallel, cfg.train, cfg.optim
 

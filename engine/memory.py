@@ -95,15 +95,20 @@ class LayerShape:
             return self.ffn_hidden_size
         return self.moe_top_k * self.moe_ffn_hidden_size + self.shared_expert_ffn_hidden_size
 
-    def moe_extra(self, sb: int, *, tp: int, sp: bool) -> int:
+    def moe_extra(self, sb: int, *, tp: int, sp: bool, expert_tp: int | None = None) -> int:
         """Elements an MoE layer keeps beyond its experts' MLP activations (0 for a dense MLP): the
         router's logits and probabilities (``E`` per token), the routed rows before and after the dispatch
         all-to-all, the expert outputs that come back (``top_k`` rows of ``h`` per token each; full on every
-        TP rank: the layer routes the whole sequence) and, under sequence parallelism, the gathered input."""
+        TP rank: the layer routes the whole sequence) and, under sequence parallelism, the gathered input.
+        ``expert_tp`` = 1 at tp > 1 (with sp): each TP rank routes its own 1/tp of the tokens; only a shared
+        expert gathers the sequence."""
         if not self.num_experts:
             return 0
         h = self.hidden_size
-        return 2 * sb * self.num_experts + 3 * sb * self.moe_top_k * h + (sb * h * (tp - 1) // tp if sp else 0)
+        routed = 2 * sb * self.num_experts + 3 * sb * self.moe_top_k * h
+        if expert_tp == 1 and tp > 1:
+            return routed // tp + (sb * h * (tp - 1) // tp if self.shared_expert_ffn_hidden_size else 0)
+        return routed + (sb * h * (tp - 1) // tp if sp else 0)
 
     def attention_path(self, device: str) -> str:
         """SDPA's path: "math" (CPU with attention dropout: it materialises the probabilities) or
@@ -112,11 +117,12 @@ class LayerShape:
 
 
 def layer_saved_bytes(shape: LayerShape, *, s: int, b: int, tp: int = 1, sp: bool = False, recompute: str = "none",
-                      elem: int = 4, attention: str | None = None) -> int:
+                      elem: int = 4, attention: str | None = None, expert_tp: int | None = None) -> int:
     """Bytes one layer's training forward keeps for backward on one TP rank (docs/memory.md's table):
     ``s`` the sequence (the full one; sequence parallelism divides the replicated terms by ``tp``),
     ``b`` the micro-batch, ``elem`` bytes per activation element; ``attention`` "math" or "flash"
-    (default: :meth:`LayerShape.attention_path` on CPU). Weights and the stage's rope tables excluded."""
+    (default: :meth:`LayerShape.attention_path` on CPU); ``expert_tp`` of an MoE layer (None: ``tp``).
+    Weights and the stage's rope tables excluded."""
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute={recompute!r} must be 'none', 'selective' or 'full'")
     attention = attention or shape.attention_path("cpu")
@@ -148,7 +154,7 @@ def layer_saved_bytes(shape: LayerShape, *, s: int, b: int, tp: int = 1, sp: boo
     else:
         attn = rope_qk + qkv + context
         lse = 4 * a * sb // tp  # fp32 log-sum-exp, whatever the activation dtype
-    return elem * (replicated // r + (attn + mlp) // tp + shape.moe_extra(sb, tp=tp, sp=sp)) + lse
+    return elem * (replicated // r + (attn + mlp) // tp + shape.moe_extra(sb, tp=tp, sp=sp, expert_tp=expert_tp)) + lse
 
 
 @dataclass(frozen=True)
@@ -239,7 +245,7 @@ def stage_memory(shape: LayerShape, *, s: int, b: int, layers: int, tp: int = 1,
                  recompute: str = "none", recompute_layers: int | None = None, pre_process: bool = False,
                  post_process: bool = False, vocab_local: int = 0, elem: int = 4, fused_ce: bool = False,
                  attention: str | None = None, cp: int = 1, cp_comm: str = "ring",
-                 cp_a2a_size: int | None = None, cp_blocks: str = "flash") -> StageMemory:
+                 cp_a2a_size: int | None = None, cp_blocks: str = "flash", expert_tp: int | None = None) -> StageMemory:
     """:class:`StageMemory` of a stage with ``layers`` layers (the first ``recompute_layers`` of them
     fully recomputed when ``recompute='full'``; None: all). Beyond the layers: the rope tables (Hugging
     Face's expanded cos and sin, shared by the layers), the embedding's masked ids, the final norm and
@@ -251,7 +257,7 @@ def stage_memory(shape: LayerShape, *, s: int, b: int, layers: int, tp: int = 1,
     r = tp if sp else 1
     saved = 0
     if layers:
-        kw = dict(s=s, b=b, tp=tp, sp=sp, elem=elem, attention=attention)
+        kw = dict(s=s, b=b, tp=tp, sp=sp, elem=elem, attention=attention, expert_tp=expert_tp)
         if recompute == "full":
             recomputed = layers if recompute_layers is None else min(layers, recompute_layers)
             saved += recomputed * layer_saved_bytes(shape, recompute="full", **kw)
@@ -399,16 +405,18 @@ def _padded_numel(sizes, *, dp: int, bucket: int | None, zero: int) -> tuple[int
 
 
 def stage_param_sizes(model, *, tp: int, ep: int = 1, layer_range: tuple[int, int], pre_process: bool,
-                      post_process: bool) -> list[tuple[str, int, bool, bool]]:
+                      post_process: bool, expert_tp: int | None = None) -> list[tuple[str, int, bool, bool]]:
     """``(name, elements on one TP rank, shared_embedding, expert)`` of each parameter of a stage, in the
     built stage's registration order, without building it. With expert parallelism (``ep`` > 1) only one
     ep rank's experts, ``num_experts / ep`` of each MoE layer's (every ep rank holds as many); the dense
-    parts (attention, norms, routers, shared experts, embeddings) are replicated (models/convert.py)."""
+    parts (attention, norms, routers, shared experts, embeddings) are replicated (models/convert.py).
+    ``expert_tp`` = 1 (None: ``tp``): the experts whole on every TP rank (``parallel.expert_tp``)."""
+    etp = {} if expert_tp in (None, tp) else {"expert_tp": expert_tp}  # models without experts need not know it
     if ep == 1:
         return [(name, n, shared, False) for name, n, shared in model.stage_param_sizes(
-            tp=tp, layer_range=layer_range, pre_process=pre_process, post_process=post_process)]
+            tp=tp, layer_range=layer_range, pre_process=pre_process, post_process=post_process, **etp)]
     params = model.stage_params(tp=tp, ep=ep, layer_range=layer_range, pre_process=pre_process,
-                                post_process=post_process)
+                                post_process=post_process, **etp)
     return [(q.name, prod(q.local_shape), q.shared_embedding, q.expert) for q in params]
 
 
@@ -439,7 +447,7 @@ def dp_buffer_numel(cfg, model, *, world: int, pp_rank: int = 0) -> tuple[int, i
     mine = rank_stages(pp_rank, pp=p.pp, vp=p.vp, placement=placement_of(p.schedule))  # no schedule needed
     sizes = [(c, *entry) for c, st in enumerate(mine)
              for entry in stage_param_sizes(model, tp=p.tp, ep=ep, layer_range=ranges[st], pre_process=st == 0,
-                                            post_process=st == num_stages - 1)]
+                                            post_process=st == num_stages - 1, expert_tp=getattr(p, "expert_tp", None))]
     bucket = bucket_size_elements(bucket_size=None, bucket_size_mb=o.bucket_size_mb)
     return _buffer_numel(sizes, dp=dp * getattr(p, "cp", 1), bucket=bucket,
                          zero=o.zero_stage if o.distributed else 0, ep=ep)
@@ -504,7 +512,8 @@ def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_samp
                               recompute=t.activation_checkpointing, recompute_layers=t.recompute_num_layers,
                               pre_process=st == 0, post_process=st == num_stages - 1, vocab_local=vocab_local,
                               elem=elem, fused_ce=fused, attention=shape.attention_path(device), cp=cp,
-                              cp_comm=p.cp_comm, cp_a2a_size=p.cp_a2a_size, cp_blocks=cp_blocks)
+                              cp_comm=p.cp_comm, cp_a2a_size=p.cp_a2a_size, cp_blocks=cp_blocks,
+                              expert_tp=getattr(p, "expert_tp", None))
             if zero == 3 and dpr > 1:  # one layer's fp32 gradient bucket (and, on gloo, its reduce-scatter copy)
                 sm = StageMemory(sm.saved, sm.forward, sm.backward + layer * 4 * (2 if device == "cpu" else 1)
                                  + layer // dpr * 4, sm.wgrad, sm.wgrad_step)

@@ -117,12 +117,16 @@ class StageParam:
 
 def stage_params(cfg: TransformerConfig, *, tp_rank: int, tp_size: int, layer_range: tuple[int, int],
                  pre_process: bool, post_process: bool, padded_vocab: int, ep_rank: int = 0,
-                 ep_size: int = 1) -> list[StageParam]:
+                 ep_size: int = 1, expert_tp: int | None = None) -> list[StageParam]:
     """The parameters a :func:`models.build_model` stage would hold, without building it. With expert
     parallelism (``ep_size`` > 1) only ep rank ``ep_rank``'s experts ``[r E/ep, (r+1) E/ep)``, as
-    :class:`parallel.expert_parallel.MoELayer` holds them."""
+    :class:`parallel.expert_parallel.MoELayer` holds them. ``expert_tp`` = 1 (None: ``tp_size``): the routed
+    experts whole and replicated over TP (the shared expert stays sharded)."""
     cfg.check_tensor_parallel(tp_size)
     assert 0 <= tp_rank < tp_size and 0 <= ep_rank < ep_size
+    if expert_tp not in (None, 1, tp_size):
+        raise ValueError(f"expert_tp={expert_tp} is not built at tp={tp_size}: use 1 (whole experts) or {tp_size}")
+    whole_experts = expert_tp == 1
     if ep_size > 1:
         from parallel.expert_parallel.router import check_routing
 
@@ -142,7 +146,7 @@ def stage_params(cfg: TransformerConfig, *, tp_rank: int, tp_size: int, layer_ra
         if expert and int(e.name.split(".mlp.experts.")[1].split(".")[0]) // experts_per_rank != ep_rank:
             continue  # another ep rank's expert
         full = tessel_full_shape(e, cfg, padded_vocab=padded_vocab)
-        part = e.partition(len(full))
+        part = None if expert and whole_experts else e.partition(len(full))
         local_shape = list(full)
         if part is not None:
             local_shape[part[0]] //= tp_size

@@ -87,8 +87,9 @@ def load_hf_state_dict(model, hf_state: Mapping[str, Any], *, tp_rank: int | Non
     with torch.no_grad():
         for name, p in params.items():
             e = entries[name]
-            shard = read_shard(e, hf_state, resolve, ndim=p.dim(), rank=rank, size=size, cfg=cfg,
-                               local_rows=p.shape[0])
+            whole = not getattr(p, "tensor_parallel", True)  # replicated (norms, expert_tp = 1's experts): all of it
+            shard = read_shard(e, hf_state, resolve, ndim=p.dim(), rank=0 if whole else rank,
+                               size=1 if whole else size, cfg=cfg, local_rows=p.shape[0])
             assert shard.shape == p.shape, (name, tuple(shard.shape), tuple(p.shape))
             p.copy_(shard)
 

@@ -143,6 +143,7 @@ class ModelHook:
     recompute_num_layers: int | None = None  # full only: the first N layers of each stage
     moe_dispatcher: str = "alltoall"  # parallel.moe_dispatcher: how MoE tokens reach their experts' ep ranks
     moe_bias_update_rate: float = 0.0  # parallel.moe_bias_update_rate: aux-loss-free balancing (0: off)
+    expert_tp: int | None = None  # parallel.expert_tp: None (= tp, experts sharded over tp) or 1 (whole experts)
 
     @classmethod
     def from_hf(cls, hf_config: Mapping[str, Any], **kw) -> "ModelHook":
@@ -166,12 +167,13 @@ class ModelHook:
                            recompute=cfg.train.activation_checkpointing,
                            recompute_num_layers=cfg.train.recompute_num_layers,
                            moe_dispatcher=cfg.parallel.moe_dispatcher,
-                           moe_bias_update_rate=cfg.parallel.moe_bias_update_rate)
+                           moe_bias_update_rate=cfg.parallel.moe_bias_update_rate,
+                           expert_tp=cfg.parallel.expert_tp)
         if cfg.parallel.moe_bias_update_rate and not hook.config.num_experts:
             raise ValueError(f"parallel.moe_bias_update_rate={cfg.parallel.moe_bias_update_rate} balances experts, but "
                              f"the {hook.config.model_type} model has none; remove it")
-        if cfg.parallel.ep > 1:
-            hook.check_expert_parallel(cfg.parallel.ep)
+        if cfg.parallel.ep > 1 or cfg.parallel.expert_tp_size != cfg.parallel.tp:
+            hook.check_expert_parallel(cfg.parallel.ep, expert_tp=cfg.parallel.expert_tp_size)
         n = cfg.train.recompute_num_layers
         if n is not None and n > hook.num_layers:
             raise ValueError(f"train.recompute_num_layers={n} exceeds the model's {hook.num_layers} layers; set at "
@@ -189,16 +191,21 @@ class ModelHook:
                              f"model.max_position_embeddings >= {cfg.train.seq_length} or shorten train.seq_length")
         return hook
 
-    def check_expert_parallel(self, ep: int) -> None:
+    def check_expert_parallel(self, ep: int, *, expert_tp: int | None = None) -> None:
         """Before any process group: ``parallel.ep`` > 1 needs a mixture-of-experts model whose expert
-        count it divides (top-k <= experts is checked when the config is read)."""
+        count it divides (top-k <= experts is checked when the config is read); so does an ``expert_tp``
+        other than the model's tp (given only then; the config checked its value)."""
         from parallel.expert_parallel.router import check_routing
 
         c = self.config
         if ep > 1 and not c.num_experts:
             raise ValueError(f"parallel.ep={ep} splits experts over ranks, but the {c.model_type} model has none; "
                              "set parallel.ep=1, or train a mixture-of-experts family (mixtral, qwen2_moe, qwen3_moe)")
-        check_routing(num_experts=c.num_experts, top_k=c.moe_top_k, ep=ep)
+        if expert_tp is not None and not c.num_experts:
+            raise ValueError(f"parallel.expert_tp={expert_tp} sets the experts' tensor parallelism, but the "
+                             f"{c.model_type} model has none; remove it")
+        if c.num_experts:
+            check_routing(num_experts=c.num_experts, top_k=c.moe_top_k, ep=ep)
 
     def fp8_linears(self, *, tp: int) -> dict[str, tuple[int, int]]:
         """The TP-local (out, in) weight shape of each layer-relative linear model.fp8 may convert."""
@@ -244,7 +251,8 @@ class ModelHook:
                             recompute=self.recompute, recompute_num_layers=self.recompute_num_layers,
                             cp_group=getattr(mesh, "cp", None), cp_comm=self.cp_comm,
                             cp_subgroups=(mesh.cp_a2a, mesh.cp_ring) if self.cp_comm == "hybrid" else None,
-                            ep_group=getattr(mesh, "ep", None), moe_dispatcher=self.moe_dispatcher)
+                            ep_group=getattr(mesh, "ep", None), moe_dispatcher=self.moe_dispatcher,
+                            expert_tp=self.expert_tp)
         if self.moe_bias_update_rate:  # aux-loss-free balancing (DeepSeek-V3): a bias per router, docs/moe.md
             from parallel.expert_parallel import MoELayer
 
@@ -260,25 +268,28 @@ class ModelHook:
     def param_spec(name: str, param: torch.Tensor) -> ParamSpec:
         return param_spec(name, param)
 
-    def stage_numel(self, *, tp: int, layer_range: tuple[int, int], pre_process: bool, post_process: bool) -> int:
+    def stage_numel(self, *, tp: int, layer_range: tuple[int, int], pre_process: bool, post_process: bool,
+                    expert_tp: int | None = None) -> int:
         """Parameters one TP rank of a stage holds, derived without building it (for the memory plan)."""
         return sum(n for _, n, _ in self.stage_param_sizes(tp=tp, layer_range=layer_range, pre_process=pre_process,
-                                                           post_process=post_process))
+                                                           post_process=post_process, expert_tp=expert_tp))
 
     def stage_params(self, *, tp: int, layer_range: tuple[int, int], pre_process: bool, post_process: bool,
-                     ep: int = 1):
+                     ep: int = 1, expert_tp: int | None = None):
         """:func:`models.convert.stage_params` of a stage on TP rank 0 (and ep rank 0: ``num_experts / ep``
-        experts of each MoE layer), in the built stage's registration order, without building it."""
+        experts of each MoE layer; whole experts at ``expert_tp`` = 1), in the built stage's registration
+        order, without building it."""
         from models.convert import stage_params
 
         padded = self.config.padded_vocab_size(tp=tp, make_vocab_size_divisible_by=self.make_vocab_size_divisible_by)
         return stage_params(self.config, tp_rank=0, tp_size=tp, layer_range=layer_range, pre_process=pre_process,
-                            post_process=post_process, padded_vocab=padded, ep_rank=0, ep_size=ep)
+                            post_process=post_process, padded_vocab=padded, ep_rank=0, ep_size=ep,
+                            expert_tp=expert_tp)
 
     def stage_param_sizes(self, *, tp: int, layer_range: tuple[int, int], pre_process: bool,
-                          post_process: bool) -> list[tuple[str, int, bool]]:
+                          post_process: bool, expert_tp: int | None = None) -> list[tuple[str, int, bool]]:
         """``(name, elements on one TP rank, shared_embedding)`` of each parameter of a stage, in the built
         stage's registration order, without building it (engine/memory.py lays out the DP buffers)."""
         return [(p.name, math.prod(p.local_shape), p.shared_embedding)
                 for p in self.stage_params(tp=tp, layer_range=layer_range, pre_process=pre_process,
-                                           post_process=post_process)]
+                                           post_process=post_process, expert_tp=expert_tp)]

@@ -1,6 +1,7 @@
 """Convert Hugging Face model directories to Tessel checkpoints at any TP x PP layout, and back.
 
-    python tools/convert_checkpoint.py hf-to-tessel --hf HF_DIR --out CKPT_DIR --tp 2 --pp 2 [--ep 2] [--dtype keep]
+    python tools/convert_checkpoint.py hf-to-tessel --hf HF_DIR --out CKPT_DIR --tp 2 --pp 2 [--ep 2] [--expert-tp 1]
+        [--dtype keep]
     python tools/convert_checkpoint.py tessel-to-hf --ckpt CKPT_DIR --out HF_DIR [--dtype keep] [--max-shard-size 2GB]
     python tools/convert_checkpoint.py lora-to-peft --ckpt CKPT_DIR --out ADAPTER_DIR
     python tools/convert_checkpoint.py lora-to-peft --ckpt CKPT_DIR --out HF_DIR --merge [--base BASE_CKPT]
@@ -177,12 +178,13 @@ def _resolver(src, fam):
 
 def _write_rank(src, resolve, cfg, *, rank: int, tp_rank: int, tp: int, layer_range, pre_process: bool,
                 post_process: bool, padded_vocab: int, out_dtype, step_dir: Path, ep_rank: int = 0,
-                ep: int = 1) -> tuple[list[dict], dict | None]:
+                ep: int = 1, expert_tp: int | None = None) -> tuple[list[dict], dict | None]:
     """Write virtual rank ``rank``'s file; returns (piece descriptions, file record or None). With
     ``ep`` > 1 the rank holds ep rank ``ep_rank``'s experts (dp = ep: its other tensors are replicas
-    unless ``ep_rank`` is 0)."""
+    unless ``ep_rank`` is 0); at ``expert_tp`` = 1 whole experts (tp rank 0 writes them)."""
     params = stage_params(cfg, tp_rank=tp_rank, tp_size=tp, layer_range=layer_range, pre_process=pre_process,
-                          post_process=post_process, padded_vocab=padded_vocab, ep_rank=ep_rank, ep_size=ep)
+                          post_process=post_process, padded_vocab=padded_vocab, ep_rank=ep_rank, ep_size=ep,
+                          expert_tp=expert_tp)
     fname = rank_filename(rank)
     jobs = []
     for p in params:
@@ -215,8 +217,9 @@ def _write_rank(src, resolve, cfg, *, rank: int, tp_rank: int, tp: int, layer_ra
         for (p, dtype), mine in zip(jobs, names):
             if not any(mine):
                 continue
-            local = read_shard(p.entry, src, resolve, ndim=len(p.local_shape), rank=tp_rank, size=tp, cfg=cfg,
-                               local_rows=p.local_shape[0]).to(dtype)
+            whole = p.expert and p.partition is None  # expert_tp = 1: the whole expert on every tp rank
+            local = read_shard(p.entry, src, resolve, ndim=len(p.local_shape), rank=0 if whole else tp_rank,
+                               size=1 if whole else tp, cfg=cfg, local_rows=p.local_shape[0]).to(dtype)
             assert tuple(local.shape) == p.local_shape, (p.name, tuple(local.shape), p.local_shape)
             for st, name in zip(placements(p, tp_rank=tp_rank, tp_size=tp, dtype=dtype, data=local,
                                            replica_rank=ep_rank), mine):
@@ -232,10 +235,11 @@ def _write_rank(src, resolve, cfg, *, rank: int, tp_rank: int, tp: int, layer_ra
 
 def hf_to_tessel(hf_dir: str | os.PathLike, out: str | os.PathLike, *, tp: int = 1, pp: int = 1, dtype: str = "keep",
                  pipeline_layout: list[int] | None = None, make_vocab_size_divisible_by: int = 128,
-                 force: bool = False, ep: int = 1) -> Path:
+                 force: bool = False, ep: int = 1, expert_tp: int | None = None) -> Path:
     """Convert a Hugging Face directory into a Tessel checkpoint written at the TP x PP layout; returns ``out``.
     ``ep`` > 1 (mixture-of-experts families): the layout ep x tp x pp with dp = ep, each ep rank writing
-    its own experts (the checkpoint loads at any other layout all the same: keys are global)."""
+    its own experts (the checkpoint loads at any other layout all the same: keys are global). ``expert_tp``
+    = 1: the experts written whole, as ``parallel.expert_tp=1`` holds them (None: sharded over tp)."""
     hf_dir = Path(hf_dir)
     for name, v in (("tp", tp), ("pp", pp), ("ep", ep)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -244,9 +248,12 @@ def hf_to_tessel(hf_dir: str | os.PathLike, out: str | os.PathLike, *, tp: int =
     config, src = open_hf_dir(hf_dir)
     cfg = config_from_hf(config)
     cfg.check_tensor_parallel(tp)
-    if ep > 1:  # before reading anything: experts divisible by ep (stage_params says how)
+    if expert_tp not in (None, tp) and not cfg.num_experts:
+        raise ValueError(f"--expert-tp={expert_tp} sets the experts' tensor parallelism, but the {cfg.model_type} "
+                         "model has none; drop it")
+    if ep > 1 or expert_tp is not None:  # before reading anything: experts divisible by ep, expert_tp 1 or tp
         stage_params(cfg, tp_rank=0, tp_size=tp, layer_range=(0, 0), pre_process=False, post_process=False,
-                     padded_vocab=cfg.vocab_size, ep_rank=0, ep_size=ep)
+                     padded_vocab=cfg.vocab_size, ep_rank=0, ep_size=ep, expert_tp=expert_tp)
     check_hf_tensors(cfg, src, where=str(hf_dir))
     ranges = stage_layer_ranges(cfg.num_layers, pp, pipeline_layout)
     padded = cfg.padded_vocab_size(tp=tp, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
@@ -265,7 +272,8 @@ def hf_to_tessel(hf_dir: str | os.PathLike, out: str | os.PathLike, *, tp: int =
             pp_rank, tp_rank = divmod(in_pipeline, tp)
             descs, rec = _write_rank(src, resolve, cfg, rank=rank, tp_rank=tp_rank, tp=tp, layer_range=ranges[pp_rank],
                                      pre_process=pp_rank == 0, post_process=pp_rank == pp - 1, padded_vocab=padded,
-                                     out_dtype=out_dtype, step_dir=step_dir, ep_rank=ep_rank, ep=ep)
+                                     out_dtype=out_dtype, step_dir=step_dir, ep_rank=ep_rank, ep=ep,
+                                     expert_tp=expert_tp)
             per_rank.append(descs)
             if rec is not None:
                 files[rank_filename(rank)] = rec
@@ -518,6 +526,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the written layout")
     a.add_argument("--ep", type=int, default=1, help="expert-parallel size of the written layout (MoE families; "
                                                      "dp = ep, each ep rank writes its experts)")
+    a.add_argument("--expert-tp", type=int, default=None, help="1: write each expert whole, as parallel.expert_tp=1 "
+                                                                "holds them (default: sharded over --tp)")
     a.add_argument("--pipeline-layout", type=_layout_arg, default=None,
                    help="layers per pipeline stage, e.g. 8,8,7,7 (default: even, remainder first)")
     a.add_argument("--dtype", default="keep", help="keep | bf16 | fp16 | fp32 (default keep)")
@@ -557,8 +567,9 @@ def main(argv: list[str] | None = None) -> int:
             out = hf_to_tessel(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
                                pipeline_layout=args.pipeline_layout,
                                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, force=args.force,
-                               ep=args.ep)
-            print(f"wrote Tessel checkpoint {out} (ep={args.ep}, tp={args.tp}, pp={args.pp}); Hugging Face files in "
+                               ep=args.ep, expert_tp=args.expert_tp)
+            print(f"wrote Tessel checkpoint {out} (ep={args.ep}, tp={args.tp}, pp={args.pp}"
+                  f"{'' if args.expert_tp is None else f', expert_tp={args.expert_tp}'}); Hugging Face files in "
                   f"{out / HF_SUBDIR}")
         elif args.command == "lora-to-peft":
             from tools.lora_export import lora_to_peft

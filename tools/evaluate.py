@@ -9,7 +9,10 @@
 The checkpoint (written by tools/convert_checkpoint.py or by the trainer, any layout) is resharded into
 the launch layout (world size = tp * pp * cp * ep; dp = ep). ``--ep`` (mixture-of-experts models,
 docs/moe.md) splits each MoE layer's experts over ep ranks that run the same samples, so only the
-experts' memory is divided; ``parallel.moe_dispatcher`` by ``--set``. ``--cp`` splits every sequence over cp ranks
+experts' memory is divided; ``parallel.moe_dispatcher`` by ``--set``; ``--set parallel.expert_tp=1`` keeps every
+expert whole on each tp rank and needs ``--set parallel.sequence_parallel=true`` at tp > 1, as in training
+(sequence parallelism right-pads each sequence to a multiple of tp, padding predicting nothing).
+``--cp`` splits every sequence over cp ranks
 (context parallelism, docs/context_parallel.md; ``parallel.cp_comm`` / ``parallel.cp_a2a_size`` by
 ``--set``): sequences are right-padded to a multiple of 2*cp (padding predicts nothing) and each rank
 takes its zigzag share; sums and dumped logits are gathered over cp. Forward only: a forward-only schedule through the
@@ -52,7 +55,8 @@ from parallel.pipeline.runtime import run_schedule  # noqa: E402
 
 # --set keys this tool reads (the rest of the training config does not apply to evaluation)
 SET_KEYS = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.cp": "cp", "parallel.cp_comm": "cp_comm",
-            "parallel.ep": "ep", "parallel.moe_dispatcher": "moe_dispatcher",
+            "parallel.ep": "ep", "parallel.moe_dispatcher": "moe_dispatcher", "parallel.expert_tp": "expert_tp",
+            "parallel.sequence_parallel": "sequence_parallel",
             "parallel.cp_a2a_size": "cp_a2a_size", "parallel.pipeline_layout": "pipeline_layout",
             "train.seq_length": "seq_length", "train.micro_batch_size": "batch_size", "model.dtype": "dtype",
             "model.make_vocab_size_divisible_by": "make_vocab_size_divisible_by", "data.paths": "data",
@@ -92,7 +96,8 @@ def resolve_options(args: argparse.Namespace) -> dict:
     """Merge --set overrides (parsed with the training config's types) under the explicit flags."""
     from engine.config.loader import apply_overrides
 
-    opts = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "moe_dispatcher": "alltoall", "cp_comm": "ring", "cp_a2a_size": None, "pipeline_layout": None,
+    opts = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "moe_dispatcher": "alltoall", "expert_tp": None,
+            "sequence_parallel": False, "cp_comm": "ring", "cp_a2a_size": None, "pipeline_layout": None,
             "seq_length": None, "batch_size": 1, "dtype": "fp32",
             "make_vocab_size_divisible_by": 128, "data": None, "tokenizer": None}
     parsed = apply_overrides({}, list(args.overrides))  # validates SECTION.KEY and value types
@@ -123,8 +128,9 @@ def resolve_options(args: argparse.Namespace) -> dict:
             raise ValueError(f"{name}={opts[name]!r} must be an integer >= 1")
     from engine.config.sections import ParallelConfig
 
-    ParallelConfig(cp=opts["cp"], cp_comm=opts["cp_comm"], cp_a2a_size=opts["cp_a2a_size"], ep=opts["ep"],
-                   moe_dispatcher=opts["moe_dispatcher"])  # the training rules
+    ParallelConfig(tp=opts["tp"], cp=opts["cp"], cp_comm=opts["cp_comm"], cp_a2a_size=opts["cp_a2a_size"],
+                   ep=opts["ep"], moe_dispatcher=opts["moe_dispatcher"], expert_tp=opts["expert_tp"],
+                   sequence_parallel=opts["sequence_parallel"])  # the training rules
     if opts["dtype"] not in DTYPES:
         raise ValueError(f"dtype={opts['dtype']!r} must be one of {', '.join(DTYPES)}")
     if sum(x is not None for x in (args.text, opts["data"], args.tokens)) != 1:
@@ -228,6 +234,7 @@ def build_stage(model_config: dict, mesh: Mesh, opts: dict, *, device):
         stage_params(cfg, tp_rank=0, tp_size=1, layer_range=(0, 0), pre_process=False, post_process=False,
                      padded_vocab=cfg.vocab_size, ep_size=ep)
     stage = build_model(model_config, tp_group=mesh.tp, ep_group=mesh.ep if ep > 1 else None,
+                        sequence_parallel=opts.get("sequence_parallel", False), expert_tp=opts.get("expert_tp"),
                         moe_dispatcher=opts.get("moe_dispatcher", "alltoall"), pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
                         layer_range=ranges[pp_rank], dtype=DTYPES[opts["dtype"]], device=device,
                         make_vocab_size_divisible_by=opts["make_vocab_size_divisible_by"], cp_group=mesh.cp,
@@ -365,9 +372,10 @@ def forward_all(stage, mesh: Mesh, samples, opts: dict, *, device, want_logits: 
     dtype = next(stage.parameters()).dtype
     nll = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of NLL, predicted tokens)
     logits_out: list[torch.Tensor] = [None] * len(samples)
+    sp = mesh.tp.size if opts.get("sequence_parallel") and mesh.tp.size > 1 else 1  # sequence shards per cp rank
     batches = [(idx, *_cp_share(torch.tensor([samples[i][0] for i in idx], dtype=torch.int64, device=device),
                                 torch.tensor([samples[i][1] for i in idx], dtype=torch.int64, device=device),
-                                mesh.cp))  # (b, s/cp) each
+                                mesh.cp, sp=sp))  # (b, s/cp) each
                for idx in _batches(samples, opts["batch_size"])]
     start = 0
     while start < len(batches):  # one schedule per run of equal-shape batches
@@ -397,20 +405,21 @@ def forward_all(stage, mesh: Mesh, samples, opts: dict, *, device, want_logits: 
             return loss
 
         run_schedule(forward_only(pp, 1, len(micro)), rank=pp_rank, pp_group=mesh.pp, forward_step=step,
-                     act_shape=(shape[1], shape[0], h), dtype=dtype, device=device)
+                     act_shape=(shape[1] // sp, shape[0], h), dtype=dtype, device=device)  # (s/cp/sp, b, h)
         start = end
     comm.all_reduce(nll, mesh.pp)  # only the last stage contributed; every TP rank holds the same sums
     comm.all_reduce(nll, mesh.cp)  # each cp rank summed its own tokens
     return float(nll[0]), int(nll[1]), logits_out
 
 
-def _cp_share(tokens: torch.Tensor, labels: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+def _cp_share(tokens: torch.Tensor, labels: torch.Tensor, group, *, sp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """This cp rank's zigzag share of (b, s) tokens and labels, right-padded first to a multiple of 2*cp
-    (padding comes after every real token, so causal attention never sees it; its labels are -100)."""
+    (padding comes after every real token, so causal attention never sees it; its labels are -100); with
+    ``sp`` sequence-parallel shards to a multiple of 2*cp*sp (of sp at cp = 1), so each share splits over tp."""
     cp = group.size
-    if cp == 1:
+    if cp == 1 and sp == 1:
         return tokens, labels
-    pad = -tokens.shape[1] % (2 * cp)
+    pad = -tokens.shape[1] % (sp if cp == 1 else 2 * cp * sp)
     if pad:
         tokens = F.pad(tokens, (0, pad), value=0)
         labels = F.pad(labels, (0, pad), value=-100)

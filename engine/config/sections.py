@@ -16,6 +16,7 @@ from engine.ops.fp8_linear import RECIPES as FP8_RECIPES
 from engine.optim import DECAY_STYLES, NO_DECAY_GROUPS, NONFINITE_ACTIONS as NONFINITE
 from parallel.context_parallel import CP_COMM
 from parallel.expert_parallel.dispatch import DISPATCHERS as MOE_DISPATCHERS
+from parallel.expert_parallel.router import check_expert_tp
 from parallel.mesh import AXES as MESH_AXES
 from parallel.pipeline.actions import SCHEDULE_NAMES as SCHEDULES
 from parallel.tensor_parallel.overlap import TP_OVERLAP
@@ -221,6 +222,9 @@ class ParallelConfig(Section):
     the ep group's tokens; small ep).
     ``moe_bias_update_rate`` > 0: aux-loss-free load balancing (DeepSeek-V3), a per-expert router bias for
     the top-k selection moved by that step toward balance after every step (0: off).
+    ``expert_tp``: None (= ``tp``: every expert sharded over the tp group like the dense MLP) or 1 (experts
+    whole on every tp rank, each tp rank routing its own sequence chunk; needs ``sequence_parallel`` at
+    tp > 1); ``expert_tp_size`` is the resolved value.
     """
 
     SECTION = "parallel"
@@ -235,6 +239,7 @@ class ParallelConfig(Section):
     ep: int = 1
     moe_dispatcher: str = "alltoall"
     moe_bias_update_rate: float = 0.0
+    expert_tp: int | None = None
     sequence_parallel: bool = False
     order: str = "dp-pp-cp-tp"
     pipeline_layout: list[int] | None = None
@@ -262,6 +267,7 @@ class ParallelConfig(Section):
                              f"(cp_comm is {self.cp_comm!r}); remove it or set parallel.cp_comm='hybrid'")
         check_choice(self, "moe_dispatcher", MOE_DISPATCHERS)
         check_min(self, "moe_bias_update_rate", 0, why="0 turns aux-loss-free balancing off; DeepSeek-V3 uses 1e-3")
+        check_expert_tp(self.expert_tp, tp=self.tp, sequence_parallel=self.sequence_parallel_active)
         if self.dp != -1 and self.dp < 1:
             raise ValueError(f"parallel.dp={self.dp} is not valid; set parallel.dp=-1 to infer it "
                              "from the world size, or a degree >= 1")
@@ -307,6 +313,11 @@ class ParallelConfig(Section):
     @property
     def sequence_parallel_active(self) -> bool:
         return self.sequence_parallel and self.tp > 1
+
+    @property
+    def expert_tp_size(self) -> int:
+        """The experts' tensor-parallel size: ``expert_tp``, or ``tp`` when unset (docs/moe.md)."""
+        return self.tp if self.expert_tp is None else self.expert_tp
 
     @property
     def axes_outermost_first(self) -> list[str]:

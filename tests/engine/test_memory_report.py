@@ -306,6 +306,25 @@ def test_memory_plan_shards_the_experts_over_edp():
     assert cp_plan.need == pytest.approx((n - e) * (8 + 8 / 4) + e * (8 + 8 / 2), rel=1e-12), cp_plan.need
 
 
+def test_expert_tp1_counts_whole_experts():
+    """At parallel.expert_tp=1 a tp rank holds its experts whole: tp times the elements of each routed expert
+    at expert_tp = tp, everything else (the shared expert too) as before; the start-up plan counts them so.
+    (The trained layouts' allocated bytes equal the plan's: tests/parallel/test_moe_training.py.)"""
+    from engine.assembly import memory_plan
+    from engine.memory import stage_param_sizes
+    from models.hook import ModelHook
+    from tests.parallel.test_moe_training import ETP1, HF_QWEN2, _config
+
+    model = ModelHook.from_hf(HF_QWEN2, dtype=torch.float32, expert_tp=1)
+    kw = dict(tp=2, ep=2, layer_range=(0, model.num_layers), pre_process=True, post_process=True)
+    sharded, whole = stage_param_sizes(model, **kw), stage_param_sizes(model, expert_tp=1, **kw)
+    assert [x[0] for x in sharded] == [x[0] for x in whole] and any(".shared_expert." in x[0] for x in whole)
+    for (name, n, _, expert), (_, m, _, _) in zip(sharded, whole):
+        assert m == (2 * n if expert else n), name
+    plan = memory_plan(_config(ETP1), model, world=4, available=10**12)
+    assert plan.numel == sum(x[1] for x in whole)
+
+
 def test_ep2_all_to_all_bytes_near_the_planners_balanced_figure(two_ranks):
     """The planner's dispatch bytes ((ep-1)/ep of top_k * tokens * hidden per all-to-all) assume balanced
     routing; the tiny Mixtral's first step (4 micro-batches of 16 tokens, 2 layers) sends within 25% of it."""

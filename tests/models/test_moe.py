@@ -146,10 +146,33 @@ def test_converter_round_trip_ep2_tp2_pp2_is_bitwise(cases, name, tmp_path):
             assert ep_ranks == {0}, key
 
 
+def test_converter_round_trip_at_expert_tp1_is_bitwise(cases, tmp_path):
+    """hf-to-tessel --expert-tp 1 at EP=2 x TP=2 (Qwen2-MoE: shared expert, a dense layer) writes every routed
+    expert whole, once (tp rank 0 of its ep rank), the shared expert sharded over tp; tessel-to-hf gives the
+    files back bitwise."""
+    from engine.checkpoint.format import read_metadata
+    from tools.convert_checkpoint import hf_to_tessel, tessel_to_hf
+
+    _, _, directory = cases["qwen2_moe"]
+    hf_to_tessel(directory, tmp_path / "ckpt", tp=2, ep=2, expert_tp=1)
+    tessel_to_hf(tmp_path / "ckpt", tmp_path / "back")
+    orig, back = SafetensorsState(directory), SafetensorsState(tmp_path / "back")
+    assert sorted(orig) == sorted(back) and all(torch.equal(orig[k], back[k]) for k in orig)
+    tensors = read_metadata(next((tmp_path / "ckpt").glob("step_*")))["tensors"]
+    for key, entry in tensors.items():
+        written = [pc for pc in entry["pieces"] if pc.get("file")]
+        if ".mlp.experts." in key:  # rank = ep_rank * tp + tp_rank
+            assert len(written) == 1 and written[0]["rank"] % 2 == 0, key
+            assert list(written[0]["local_shape"]) == list(entry["shape"]), key
+        elif ".mlp.shared_expert." in key:
+            assert {pc["rank"] for pc in written} == {0, 1}, key  # ep rank 0, both tp ranks
+
+
 @pytest.mark.parametrize("name", list(MOE))
 def test_derived_stage_params_match_built_stages(name):
     """The converter's and memory plan's derived parameters (models/convert.py) equal a built TP=2 x PP=2
-    stage's: names in registration order, shapes and TP partitions."""
+    stage's: names in registration order, shapes and TP partitions; also at ep2 and at expert_tp=1 (whole
+    experts)."""
     from models.convert import stage_layer_ranges, stage_params
     from parallel.comm import Ledger
 
@@ -167,9 +190,15 @@ def test_derived_stage_params_match_built_stages(name):
                                   ep_size=2, **ends)
         assert [p.name for p in derived_ep] == [n for n, _ in real_ep]
         assert [p.expert for p in derived_ep] == [bool(getattr(q, "expert", False)) for _, q in real_ep]
-        for p, (_, q) in zip(derived, real):
-            assert p.local_shape == tuple(q.shape), p.name
-            assert p.partition == ((q.partition_dim, q.partition_stride) if q.tensor_parallel else None), p.name
+        real_etp1 = list(build_model(MOE[name], tp_group=tp, ep_group=ep, layer_range=lr, sequence_parallel=True,
+                                     expert_tp=1, **ends).named_parameters())
+        derived_etp1 = stage_params(cfg, tp_rank=1, tp_size=2, layer_range=lr, padded_vocab=padded, ep_rank=1,
+                                    ep_size=2, expert_tp=1, **ends)
+        for derived_x, real_x in ((derived, real), (derived_etp1, real_etp1)):
+            assert [p.name for p in derived_x] == [n for n, _ in real_x]
+            for p, (_, q) in zip(derived_x, real_x):
+                assert p.local_shape == tuple(q.shape), p.name
+                assert p.partition == ((q.partition_dim, q.partition_stride) if q.tensor_parallel else None), p.name
 
 
 def test_flops_count_the_active_experts():

@@ -3,9 +3,11 @@
 * Parity (fp32, dropless, aux loss on): a tiny Mixtral trained 3 steps on 4 gloo ranks at ep=2 (dp=4, so
   ep < dp and the expert gradients reduce over edp = 2 ranks) with the plain optimizer and with ZeRO-1
   (also with overlap_param_gather), 2 and 3 (each set sharded within its own group: dense over dp, experts
-  over edp), ep=4 (allgather dispatcher), ep2 x tp2 (with SP), ep2 x pp2, cp2 (ep1: the aux loss's expert
-  counts summed over cp) and dp2 x cp2 x ep2 under ZeRO-1 (edp = the 2 cp ranks); and on 8 ranks at
-  dp4 x tp2 (SP) and dp4 x pp2 (ZeRO-2) with ep=2; against one process on the same global batch: every step's loss and gradient norm within
+  over edp), ep=4 (allgather dispatcher), ep2 x tp2 (with SP; also at expert_tp=1: whole experts, each tp rank
+  routing its own chunk, and so a Qwen2-MoE with its shared expert against its own one-process run), ep2 x pp2,
+  cp2 (ep1: the aux loss's expert counts summed over cp; also cp2 x tp2 at expert_tp=1, summed over both) and
+  dp2 x cp2 x ep2 under ZeRO-1 (edp = the 2 cp ranks); and on 8 ranks at dp4 x tp2 (SP; also at expert_tp=1 under ZeRO-2) and dp4 x pp2 (ZeRO-2) with ep=2;
+  against one process on the same global batch: every step's loss and gradient norm within
   1e-5 (relative), and the last step's reduced gradients (``main_grad``, or the ZeRO shards, assembled from
   every rank's pieces by their checkpoint layouts) and the final parameters within 1e-5 (absolute; the
   values are O(1e-2)). The gradient norm counts each expert once (summed over ep, not dp; under ZeRO over
@@ -14,14 +16,16 @@
   padded gradient element and an all-gather of the parameters of the dense buffer over dp (4 ranks) and of
   the expert buffer over edp (2 ranks), the padded sizes from engine.memory.dp_buffer_numel; and every
   layout's parameter, gradient and optimizer-state bytes equal the memory plan's (engine/memory.py).
-* Checkpoints: the ep2 x tp2 run saves; the same 4 ranks load it at ep=4 under ZeRO-3 and one process loads
-  it at ep=1; the ep2 x dp4 ZeRO-2 run saves; the 4 ranks load it at ep=4 under ZeRO-1 and one process at
+* Checkpoints: the ep2 x tp2 run saves; the same 4 ranks load it at ep=4 under ZeRO-3 and at expert_tp=1, one
+  process loads it at ep=1; the ep2 x tp2 expert_tp=1 run saves, the 4 ranks load it at expert_tp=2 and one
+  process at ep=1; the ep2 x dp4 ZeRO-2 run saves; the 4 ranks load it at ep=4 under ZeRO-1 and one process at
   ep=1 with the plain optimizer; one process loads the ep2 x dp4 ZeRO-3 run's checkpoint: parameters and
-  Adam moments bitwise equal to what was saved, so checkpoints reshard across ep and ZeRO stages. tools/evaluate.py scores the ep2 x tp2 checkpoint at
-  --ep 2 --tp 2: loss and logits equal one process's (1e-5).
+  Adam moments bitwise equal to what was saved, so checkpoints reshard across ep, expert_tp and ZeRO stages.
+  tools/evaluate.py scores the ep2 x tp2 checkpoint at --ep 2 --tp 2, also with whole experts (--set
+  parallel.expert_tp=1, sequence parallel): loss and logits equal one process's (1e-5).
 * Hugging Face oracle on 8 ranks: tiny Mixtral, Qwen2-MoE and Qwen3-MoE (tests/models/test_moe.py's) converted
-  at ep2 x tp2 x pp2 and evaluated by tools/evaluate.py --ep 2 --tp 2 --pp 2: logits equal transformers'
-  (fp32, 1e-5).
+  at ep2 x tp2 x pp2 and evaluated by tools/evaluate.py --ep 2 --tp 2 --pp 2 (Qwen2-MoE also converted and
+  evaluated at expert_tp=1): logits equal transformers' (fp32, 1e-5).
 * Aux-loss-free balancing (``parallel.moe_bias_update_rate=0.01``, on in every run): the routers' biases after
   3 steps bitwise equal one process's, saved and resharded with the checkpoint, read by tools/evaluate.py;
   tessel-to-hf refuses such a checkpoint (Hugging Face has no tensor for them).
@@ -29,7 +33,8 @@
   ``moe.*`` keys), reduced over pp and dp, equal one process's.
 * Bad input, before any process group: experts not divisible by ep, ep on a dense model, ep not dividing
   dp (also where it divides dp x cp), ep with gradient compression, an unknown dispatcher, a negative bias
-  rate; top-k above the number of experts (when config.json is read).
+  rate, expert_tp=1 at tp2 without SP, expert_tp=3 at tp2, expert_tp on a dense model; top-k above the number
+  of experts (when config.json is read).
 """
 from __future__ import annotations
 
@@ -51,6 +56,8 @@ HF = {"model_type": "mixtral", "hidden_size": 32, "num_hidden_layers": 2, "num_a
 RTOL = ATOL = 1e-5
 
 ZERO = {k: ["optim.distributed=true", f"optim.zero_stage={k}"] for k in (1, 2, 3)}
+# expert_tp=1: whole experts on both tp ranks, each routing its own sequence chunk
+ETP1 = ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.expert_tp=1"]
 LAYOUTS = {  # name: overrides (4 ranks)
     "ep2_dp4": ["parallel.ep=2"],
     "ep2_dp4_zero1": ["parallel.ep=2", *ZERO[1]],
@@ -64,11 +71,20 @@ LAYOUTS = {  # name: overrides (4 ranks)
     # context parallelism: the aux loss's expert counts summed over cp; at ep2 the edp group is the 2 cp ranks
     "cp2": ["parallel.cp=2"],
     "ep2xcp2_zero1": ["parallel.ep=2", "parallel.cp=2", *ZERO[1]],
+    "ep2xtp2_etp1": ETP1,
+    # expert_tp=1 with context parallelism (ep1): the aux loss's counts summed over tp and cp
+    "cp2xtp2_etp1": ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.expert_tp=1"],
 }
 LAYOUTS_8 = {  # dp (4) above ep (2), with tp2 or pp2
     "ep2xtp2_dp4": ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
     "ep2xpp2_dp4_zero2": ["parallel.ep=2", "parallel.pp=2", *ZERO[2]],
+    # expert_tp=1 under ZeRO-2: the experts' gradients summed over tp, then reduce-scattered over edp (2 ranks)
+    "ep2xtp2_dp4_etp1_zero2": [*ETP1, *ZERO[2]],
 }
+# A Qwen2-MoE (gated shared expert, sharded over tp also at expert_tp=1) trained at expert_tp=1 on 4 ranks.
+HF_QWEN2 = {**{k: v for k, v in HF.items() if k != "num_local_experts"}, "model_type": "qwen2_moe", "num_experts": 4,
+            "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "norm_topk_prob": False}
+LAYOUTS_QWEN2 = {"qwen2_ep2xtp2_etp1": ETP1}
 
 
 def _tokens(n: int) -> RandomTokens:
@@ -87,15 +103,15 @@ def _config(extra=()):
         "parallel.moe_bias_update_rate=0.01", *extra])
 
 
-def _build(extra=(), run_dir=None):
+def _build(extra=(), run_dir=None, hf=HF):
     from engine.assembly import build_run
     from models.hook import ModelHook
 
     cfg = _config(extra)
-    model = ModelHook.from_hf(HF, dtype=torch.float32, seed=cfg.train.seed,
+    model = ModelHook.from_hf(hf, dtype=torch.float32, seed=cfg.train.seed,
                               sequence_parallel=cfg.parallel.sequence_parallel,
                               moe_dispatcher=cfg.parallel.moe_dispatcher,
-                              moe_bias_update_rate=cfg.parallel.moe_bias_update_rate)
+                              moe_bias_update_rate=cfg.parallel.moe_bias_update_rate, expert_tp=cfg.parallel.expert_tp)
     return build_run(cfg, model=model, train_data=_tokens(8 * (STEPS + 1)), run_dir=run_dir,
                      checkpoints=run_dir is not None)
 
@@ -140,10 +156,10 @@ def _assemble(pieces: list) -> dict[str, torch.Tensor]:
     return full
 
 
-def _train(extra=(), run_dir=None):
+def _train(extra=(), run_dir=None, hf=HF):
     from engine.memory import state_bytes
 
-    run = _build(extra, run_dir=run_dir)
+    run = _build(extra, run_dir=run_dir, hf=hf)
     tr, mesh = run.trainer, run.mesh
     stats = [tr.train_step(run.train_loader) for _ in range(STEPS - 1)]
     with mesh.ledger.capture() as cap:  # the last step's data-parallel bytes
@@ -166,11 +182,11 @@ def _train(extra=(), run_dir=None):
     return out
 
 
-def _load(extra, path: str) -> dict:
+def _load(extra, path: str, hf=HF) -> dict:
     """Build at ``extra``, load the checkpoint ``path`` into it: its parameters, Adam moments and biases."""
     from engine.checkpoint.trainer_state import load_trainer
 
-    run = _build(extra)
+    run = _build(extra, hf=hf)
     load_trainer(run.trainer, path, group=run.mesh.world)
     with run.trainer.ddp.gathered():
         return {"param": _pieces(run, "param"), "exp_avg": _pieces(run, "exp_avg"), "bias": _biases(run)}
@@ -185,20 +201,29 @@ def _biases(run) -> dict[str, torch.Tensor]:
 def _parts(tmp: str):
     out = {}
     for name, extra in LAYOUTS.items():
-        # Three runs save, each after its 3 steps: ep2 x tp2 (plain), ep2 x dp4 under ZeRO-2 and ZeRO-3.
-        saves = name in ("ep2xtp2", "ep2_dp4_zero2", "ep2_dp4_zero3")
+        # Four runs save, each after its 3 steps: ep2 x tp2 (plain; also at expert_tp=1), ep2 x dp4 under ZeRO-2
+        # and ZeRO-3.
+        saves = name in ("ep2xtp2", "ep2xtp2_etp1", "ep2_dp4_zero2", "ep2_dp4_zero3")
         out[name] = _train(extra, run_dir=f"{tmp}/{name}" if saves else None)
         dist.barrier()
-    # Reshard on the same 4 ranks: the plain ep2 x tp2 checkpoint into ep4 under ZeRO-3, the ZeRO-2 ep2 one
-    # into ep4 under ZeRO-1.
+    for name, extra in LAYOUTS_QWEN2.items():
+        out[name] = _train(extra, hf=HF_QWEN2)
+    # Reshard on the same 4 ranks: the plain ep2 x tp2 checkpoint into ep4 under ZeRO-3 and into expert_tp=1,
+    # the expert_tp=1 one into expert_tp=2, the ZeRO-2 ep2 one into ep4 under ZeRO-1.
     out["loaded_ep4"] = _load(["parallel.ep=4", *ZERO[3]], out["ep2xtp2"]["latest"])
+    out["loaded_etp1"] = _load(ETP1, out["ep2xtp2"]["latest"])
+    out["loaded_etp2"] = _load(LAYOUTS["ep2xtp2"], out["ep2xtp2_etp1"]["latest"])
     out["loaded_zero_ep4"] = _load(["parallel.ep=4", *ZERO[1]], out["ep2_dp4_zero2"]["latest"])
     dist.barrier()
-    # tools/evaluate.py at ep2 x tp2 (dp = ep: both ep ranks score the same sequences) on that checkpoint.
+    # tools/evaluate.py at ep2 x tp2 (dp = ep: both ep ranks score the same sequences) on that checkpoint, with
+    # the experts sharded over tp and whole (expert_tp=1, sequence parallel: the 9-token sequence padded to 10).
     from tools.evaluate import run_evaluate
 
     out["eval"] = run_evaluate(["--ckpt", out["ep2xtp2"]["latest"], "--ep", "2", "--tp", "2", "--tokens",
                                 f"{tmp}/ids.json", "--dump-logits", f"{tmp}/logits_ep2.safetensors"])["loss"]
+    out["eval_etp1"] = run_evaluate(["--ckpt", out["ep2xtp2"]["latest"], "--ep", "2", "--tp", "2", "--set",
+                                     "parallel.expert_tp=1", "--set", "parallel.sequence_parallel=true", "--tokens",
+                                     f"{tmp}/ids.json", "--dump-logits", f"{tmp}/logits_etp1.safetensors"])["loss"]
     return out
 
 
@@ -280,16 +305,19 @@ def test_expert_parallel_training_equals_one_process(reference, tmp_path):
     ref = reference
     results = run_distributed(_parts, 4, str(tmp_path), timeout=400)
     _check_parity(results, ref, LAYOUTS)
+    _check_parity(results, _train(hf=HF_QWEN2), LAYOUTS_QWEN2)  # its own one-process reference
     for zero in (1, 2, 3):
         _check_zero_bytes([r[f"ep2_dp4_zero{zero}"] for r in results], LAYOUTS[f"ep2_dp4_zero{zero}"], zero=zero)
     assert all(v[0] == 0 for r in results for k, v in r["ep2_dp4"]["dp_bytes"].items())  # plain: all-reduces only
 
-    # Resharding: what ep2 x tp2 (plain) saved is what ep4 (ZeRO-3) loaded and what one process (ep1) loads;
+    # Resharding: what ep2 x tp2 (plain) saved is what ep4 (ZeRO-3) loaded, what expert_tp=1 loaded and what one
+    # process (ep1) loads; what ep2 x tp2 at expert_tp=1 saved is what expert_tp=2 loaded and one process loads;
     # what ep2 x dp4 (ZeRO-2) saved is what ep4 (ZeRO-1) loaded and one process (ep1, plain) loads; what
     # ep2 x dp4 ZeRO-3 saved (parameter shards too) is what one process loads.
     from engine.checkpoint.trainer_state import load_trainer
 
-    for src, dst in (("ep2xtp2", "loaded_ep4"), ("ep2_dp4_zero2", "loaded_zero_ep4"), ("ep2_dp4_zero3", None)):
+    for src, dst in (("ep2xtp2", "loaded_ep4"), ("ep2xtp2", "loaded_etp1"), ("ep2xtp2_etp1", "loaded_etp2"),
+                     ("ep2_dp4_zero2", "loaded_zero_ep4"), ("ep2_dp4_zero3", None)):
         saved = {w: _assemble([p for res in results for p in res[src]["saved"][w]]) for w in ("param", "exp_avg")}
         saved_bias = results[0][src]["saved"]["bias"]
         assert any(b.abs().sum() > 0 for b in saved_bias.values())  # the balancing moved them
@@ -298,6 +326,8 @@ def test_expert_parallel_training_equals_one_process(reference, tmp_path):
             for w in saved:
                 _close(loaded[w], saved[w], f"{src} -> {dst} {w}", bitwise=True)
             assert all(torch.equal(r[dst]["bias"][k], saved_bias[k]) for r in results for k in saved_bias)
+        if dst == "loaded_etp1":
+            continue  # the one-process load of this checkpoint is the loaded_ep4 pair's
         one = _build()
         load_trainer(one.trainer, results[0][src]["latest"], group=None)
         for w in saved:
@@ -316,10 +346,11 @@ def test_expert_parallel_training_equals_one_process(reference, tmp_path):
 
     loss = run_evaluate(["--ckpt", latest, "--tokens", str(tmp_path / "ids.json"),
                          "--dump-logits", str(tmp_path / "logits_ep1.safetensors")])["loss"]
-    assert all(abs(r["eval"] - loss) <= RTOL * loss for r in results), ([r["eval"] for r in results], loss)
-    a, b = load_file(tmp_path / "logits_ep1.safetensors"), load_file(tmp_path / "logits_ep2.safetensors")
-    assert sorted(a) == sorted(b) == ["logits.0", "logits.1"]
-    assert all(torch.allclose(a[k], b[k], rtol=0, atol=ATOL) for k in a)
+    for key, dump in (("eval", "logits_ep2"), ("eval_etp1", "logits_etp1")):
+        assert all(abs(r[key] - loss) <= RTOL * loss for r in results), (key, [r[key] for r in results], loss)
+        a, b = load_file(tmp_path / "logits_ep1.safetensors"), load_file(tmp_path / f"{dump}.safetensors")
+        assert sorted(a) == sorted(b) == ["logits.0", "logits.1"]
+        assert all(a[k].shape == b[k].shape and torch.allclose(a[k], b[k], rtol=0, atol=ATOL) for k in a), dump
 
 
 ORACLE_TOKENS = [[5, 17, 3, 60, 42, 8, 33, 2], [11, 12, 13, 14, 15]]  # two lengths: two pipeline batches
@@ -333,14 +364,16 @@ def _parts_8(tmp: str, checkpoints: dict[str, str]):
     from tools.evaluate import run_evaluate
 
     for family, ckpt in checkpoints.items():  # converted at ep2 x tp2 x pp2, evaluated at that layout
-        run_evaluate(["--ckpt", ckpt, "--ep", "2", "--tp", "2", "--pp", "2", "--tokens", f"{tmp}/oracle.json",
+        etp1 = ["--set", "parallel.expert_tp=1", "--set", "parallel.sequence_parallel=true"] if "etp1" in family else []
+        run_evaluate(["--ckpt", ckpt, "--ep", "2", "--tp", "2", "--pp", "2", *etp1, "--tokens", f"{tmp}/oracle.json",
                       "--dump-logits", f"{tmp}/{family}_ep2_tp2_pp2.safetensors"])
     return out
 
 
 def test_dp_above_ep_with_tp_or_pp_and_hf_oracle_on_8_ranks(reference, tmp_path):
-    """dp4 x tp2 (SP) and dp4 x pp2 (ZeRO-2) at ep2 equal one process; the three MoE families converted at
-    ep2 x tp2 x pp2 and evaluated on 8 ranks give transformers' logits (fp32, 1e-5)."""
+    """dp4 x tp2 (SP; also at expert_tp=1 under ZeRO-2) and dp4 x pp2 (ZeRO-2) at ep2 equal one process; the
+    three MoE families converted at ep2 x tp2 x pp2 and evaluated on 8 ranks give transformers' logits (fp32,
+    1e-5), Qwen2-MoE also converted and evaluated at expert_tp=1 (whole experts, SP)."""
     from safetensors.torch import load_file
 
     from tests.models.test_moe import MOE, _make
@@ -351,6 +384,10 @@ def test_dp_above_ep_with_tp_or_pp_and_hf_oracle_on_8_ranks(reference, tmp_path)
     for family in MOE:
         models[family], _, hf_dir = _make(family, tmp_path / f"{family}_hf")
         checkpoints[family] = str(hf_to_tessel(hf_dir, tmp_path / f"{family}_ckpt", tp=2, pp=2, ep=2))
+        if family == "qwen2_moe":
+            models["qwen2_moe_etp1"] = models[family]
+            checkpoints["qwen2_moe_etp1"] = str(hf_to_tessel(hf_dir, tmp_path / f"{family}_etp1_ckpt", tp=2, pp=2,
+                                                             ep=2, expert_tp=1))
     results = run_distributed(_parts_8, 8, str(tmp_path), checkpoints, timeout=400)
     _check_parity(results, reference, LAYOUTS_8)
     worst = {}
@@ -374,13 +411,21 @@ def test_dp_above_ep_with_tp_or_pp_and_hf_oracle_on_8_ranks(reference, tmp_path)
     (["parallel.moe_dispatcher=broadcast"], HF, 4, "parallel.moe_dispatcher='broadcast' is not valid"),
     (["parallel.ep=2", "optim.grad_compression=onebit"], HF, 4, "expert gradients must reduce over edp"),
     (["parallel.moe_bias_update_rate=-1"], HF, 4, "parallel.moe_bias_update_rate=-1.0 must be >= 0"),
+    (["parallel.tp=2", "parallel.expert_tp=1"], HF, 4,
+     "parallel.expert_tp=1 at parallel.tp=2 needs sequence parallelism; set parallel.sequence_parallel=true, or "
+     "parallel.expert_tp=2"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.expert_tp=3"], HF, 4,
+     "parallel.expert_tp=3 is not built at parallel.tp=2; set parallel.expert_tp to 1 or 2"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.expert_tp=1"], {**HF, "model_type": "llama"}, 4,
+     "parallel.expert_tp=1 sets the experts' tensor parallelism, but the llama model has none"),
 ])
 def test_bad_expert_parallel_config_is_refused_before_any_group(extra, hf, world, message):
     from engine.assembly import build_run
     from models.hook import ModelHook
 
     assert not dist.is_initialized()
-    with pytest.raises(ValueError, match=message.replace("*", r"\*").replace("(", r"\(")):
+    pattern = ".*".join(part.replace("*", r"\*").replace("(", r"\(") for part in message.split("; "))
+    with pytest.raises(ValueError, match=pattern):
         cfg = _config(["train.global_batch_size=12", *extra])
         build_run(cfg, model=ModelHook.from_hf(hf, dtype=torch.float32), world=world, data=False, checkpoints=False)
     assert not dist.is_initialized()

@@ -140,8 +140,10 @@ DEFAULT_ROWS: tuple[Row, ...] = (
     Row(L(dp=2), "plain", family="qwen3", reshard=None, extra=("optim.grad_compression=powersgd",)),
     # Expert parallelism (docs/moe.md) with ZeRO and context parallelism: expert state sharded over edp (the 2 cp
     # ranks holding the same experts), the rest over dp x cp (4); expert keys are global, so the checkpoint
-    # resumes into tp2 at ep1 with the plain optimizer.
-    Row(L(dp=2, cp=2, ep=2), "zero2", family="mixtral", reshard=L(dp=2, tp=2, sp=True), reshard_optimizer="plain"),
+    # resumes into tp2 at ep1 with the plain optimizer, there with parallel.expert_tp=1 (whole experts on both tp
+    # ranks; at tp1 the key changes nothing).
+    Row(L(dp=2, cp=2, ep=2), "zero2", family="mixtral", reshard=L(dp=2, tp=2, sp=True), reshard_optimizer="plain",
+        extra=("parallel.expert_tp=1",)),
     # FP8 ring collective matmuls (docs/fp8.md): the delayed recipe's state resumes into the non-ring FP8 path.
     Row(L(tp=2, pp=2, sp=True, tp_overlap="ring"), "plain", fp8="delayed", reshard=L(dp=2, tp=2, sp=True)),
 )

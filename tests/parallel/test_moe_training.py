@@ -14,8 +14,12 @@
   dp, where each rank holds distinct expert shards).
 * ZeRO bytes: the last step's ledger under ZeRO-1/2 at ep2 x dp4 is, exactly, a reduce-scatter of 4 bytes per
   padded gradient element and an all-gather of the parameters of the dense buffer over dp (4 ranks) and of
-  the expert buffer over edp (2 ranks), the padded sizes from engine.memory.dp_buffer_numel; and every
-  layout's parameter, gradient and optimizer-state bytes equal the memory plan's (engine/memory.py).
+  the expert buffer over edp (2 ranks), the padded sizes from engine.memory.dp_buffer_numel. Under ZeRO-3
+  (at ep2 x dp4, also with full recompute, and on 8 ranks at dp4 x tp2 x ep2 with expert_tp=1, also ZeRO-2)
+  the reduce-scatters run once per micro-batch and the all-gathers, per set, are every bucket of every unit
+  before each micro-batch's forward and every layer's again before its backward: (p-1) x shard bytes each,
+  bytes and counts exact, the buckets derived from the parameter sizes (the experts' by hand, E/ep x 3hf).
+  Every layout's parameter, gradient and optimizer-state bytes equal the memory plan's (engine/memory.py).
 * Checkpoints: the ep2 x tp2 run saves; the same 4 ranks load it at ep=4 under ZeRO-3 and at expert_tp=1, one
   process loads it at ep=1; the ep2 x tp2 expert_tp=1 run saves, the 4 ranks load it at expert_tp=2 and one
   process at ep=1; the ep2 x dp4 ZeRO-2 run saves; the 4 ranks load it at ep=4 under ZeRO-1 and one process at
@@ -63,6 +67,8 @@ LAYOUTS = {  # name: overrides (4 ranks)
     "ep2_dp4_zero1": ["parallel.ep=2", *ZERO[1]],
     "ep2_dp4_zero2": ["parallel.ep=2", *ZERO[2]],
     "ep2_dp4_zero3": ["parallel.ep=2", *ZERO[3]],
+    # full recompute: each layer's forward replayed in its backward, under the backward's ZeRO-3 gather
+    "ep2_dp4_zero3_recompute": ["parallel.ep=2", *ZERO[3], "train.activation_checkpointing=full"],
     # the post-step gather waited for in forward pre-hooks: the experts' bare weight holders never run forward
     "ep2_dp4_zero1_overlap": ["parallel.ep=2", *ZERO[1], "optim.overlap_param_gather=true"],
     "ep4_allgather": ["parallel.ep=4", "parallel.moe_dispatcher=allgather"],
@@ -80,6 +86,8 @@ LAYOUTS_8 = {  # dp (4) above ep (2), with tp2 or pp2
     "ep2xpp2_dp4_zero2": ["parallel.ep=2", "parallel.pp=2", *ZERO[2]],
     # expert_tp=1 under ZeRO-2: the experts' gradients summed over tp, then reduce-scattered over edp (2 ranks)
     "ep2xtp2_dp4_etp1_zero2": [*ETP1, *ZERO[2]],
+    # and under ZeRO-3: the whole experts gathered over edp per unit, the tp-sharded dense part over dp
+    "ep2xtp2_dp4_etp1_zero3": [*ETP1, *ZERO[3]],
 }
 # A Qwen2-MoE (gated shared expert, sharded over tp also at expert_tp=1) trained at expert_tp=1 on 4 ranks.
 HF_QWEN2 = {**{k: v for k, v in HF.items() if k != "num_local_experts"}, "model_type": "qwen2_moe", "num_experts": 4,
@@ -111,7 +119,8 @@ def _build(extra=(), run_dir=None, hf=HF):
     model = ModelHook.from_hf(hf, dtype=torch.float32, seed=cfg.train.seed,
                               sequence_parallel=cfg.parallel.sequence_parallel,
                               moe_dispatcher=cfg.parallel.moe_dispatcher,
-                              moe_bias_update_rate=cfg.parallel.moe_bias_update_rate, expert_tp=cfg.parallel.expert_tp)
+                              moe_bias_update_rate=cfg.parallel.moe_bias_update_rate, expert_tp=cfg.parallel.expert_tp,
+                              recompute=cfg.train.activation_checkpointing)
     return build_run(cfg, model=model, train_data=_tokens(8 * (STEPS + 1)), run_dir=run_dir,
                      checkpoints=run_dir is not None)
 
@@ -281,23 +290,74 @@ def _check_parity(results: list, ref: dict, layouts: dict) -> dict:
     return report
 
 
-def _check_zero_bytes(results: list, extra: list, *, zero: int) -> None:
-    """One step's data-parallel bytes at ep2 x dp4: each set reduce-scattered (fp32 gradients) and, ZeRO-1/2,
-    all-gathered (fp32 parameters) over its own group, the dense buffer over dp (4 ranks), the expert one over
-    edp (2 ranks); the padded sizes are the memory plan's. ZeRO-3 reduce-scatters once per micro-batch."""
+def _zero3_buckets(cfg, world: int, hf=HF) -> tuple[dict[str, int], list[tuple[str, str, int]]]:
+    """Each set's group size (``"dp"``: dp x cp; ``"edp"``: dp x cp / ep) and the ZeRO-3 buckets of one rank as
+    ``(set, unit, padded elements)`` (unit: a layer index, or ``"root"``), from the parameter sizes
+    (engine.memory.stage_param_sizes: the model's parameter list, nothing built). DataParallel places a set's
+    parameters in reverse registration order and starts a bucket where the unit changes (the tiny model is far
+    below the 25 MB bucket size), so the root unit has two: the output layer with the final norm, and the
+    embedding. Each bucket is padded to a multiple of its group size."""
+    from engine.memory import stage_param_sizes
+    from models.hook import ModelHook
+
+    p = cfg.parallel
+    assert p.pp == 1  # one stage: every unit on every rank
+    model = ModelHook.from_hf(hf)
+    sizes = stage_param_sizes(model, tp=p.tp, ep=p.ep, layer_range=(0, model.num_layers), pre_process=True,
+                              post_process=True, expert_tp=p.expert_tp)
+    dp = cfg.validate_world(world) * p.cp
+    group = {"dp": dp, "edp": dp // p.ep}
+    runs: list[list] = []  # [set, unit, elements] per bucket, in placement order
+    per_layer_experts: dict[str, int] = {}
+    for name, n, shared, expert in reversed(sizes):
+        assert not shared  # untied: no embedding bucket of its own
+        s, unit = "edp" if expert and p.ep > 1 else "dp", name.split(".")[1] if name.startswith("layers.") else "root"
+        last = next((r for r in reversed(runs) if r[0] == s), None)
+        if last is not None and last[1] == unit:
+            last[2] += n
+        else:
+            runs.append([s, unit, n])
+        if s == "edp":
+            per_layer_experts[unit] = per_layer_experts.get(unit, 0) + n
+    # The experts' part, by hand: E / ep experts of fc1 (2f x h) and fc2 (h x f) per layer, split over expert_tp.
+    etp = p.tp if p.expert_tp in (None, p.tp) else 1
+    h, f, e = hf["hidden_size"], hf["intermediate_size"], hf["num_local_experts"]
+    assert per_layer_experts == {str(i): e // p.ep * 3 * h * f // etp for i in range(hf["num_hidden_layers"])}
+    return group, [(s, u, -(-n // group[s]) * group[s]) for s, u, n in runs]
+
+
+def _check_zero_bytes(results: list, extra: list, *, world: int = 4) -> None:
+    """One step's data-parallel bytes (parallel/comm.py's cost table, per rank) at ep2: each set reduce-scattered
+    (fp32 gradients: (p-1)/p x 4 bytes per padded element) and all-gathered (parameters: (p-1) x the shard's
+    bytes) over its own group, the dense buffer over dp x cp, the expert one over edp; the padded sizes are the
+    memory plan's. ZeRO-1/2 gather each set once, after the step. ZeRO-3 reduce-scatters once per micro-batch
+    and gathers per unit: every unit before each micro-batch's forward, every layer again before its backward
+    (the root unit - embedding, final norm, output layer - stays gathered from forward to backward); a full
+    recompute replays the layer's forward inside its backward, under that same gather (no more bytes). Exact."""
     from engine.memory import dp_buffer_numel
     from models.hook import ModelHook
 
     cfg = _config(extra)
-    dense, expert, _, _ = dp_buffer_numel(cfg, ModelHook.from_hf(HF, dtype=torch.float32), world=4)
-    assert dense % 4 == 0 and expert % 2 == 0 and expert > 0
-    m = cfg.num_microbatches(4) if zero == 3 else 1
+    zero, elem = cfg.optim.zero_stage, 2 if cfg.model.dtype == "bf16" else 4
+    dense, expert, _, _ = dp_buffer_numel(cfg, ModelHook.from_hf(HF), world=world)
+    dp = cfg.validate_world(world) * cfg.parallel.cp
+    p = {"dp": dp, "edp": dp // cfg.parallel.ep}
+    assert dense % p["dp"] == 0 and expert % p["edp"] == 0 and expert > 0 and p["edp"] > 1
+    numel = {"dp": dense, "edp": expert}
+    m = cfg.num_microbatches(cfg.validate_world(world)) if zero == 3 else 1
+    want = {("reduce_scatter", s): (m * (p[s] - 1) / p[s] * 4 * numel[s], None) for s in p}
+    if zero < 3:
+        want.update({("all_gather", s): ((p[s] - 1) * elem * numel[s] // p[s], None) for s in p})
+    else:
+        group, buckets = _zero3_buckets(cfg, world)
+        assert group == p and {s: sum(n for t, _, n in buckets if t == s) for s in p} == numel  # the plan's padding
+        for s in p:
+            passes = [(1 if u == "root" else 2, n) for t, u, n in buckets if t == s]  # forward (+ backward)
+            want[("all_gather", s)] = (m * sum(k * (p[s] - 1) * (n // p[s]) * elem for k, n in passes),
+                                       m * sum(k for k, _ in passes))  # bytes; one gather per bucket and pass
     for rank, res in enumerate(results):
-        got = {k: v[0] for k, v in res["dp_bytes"].items()}
-        want = {("reduce_scatter", "dp"): m * 3 / 4 * 4 * dense, ("reduce_scatter", "edp"): m * 1 / 2 * 4 * expert}
-        if zero < 3:
-            want.update({("all_gather", "dp"): 3 * 4 * dense // 4, ("all_gather", "edp"): 1 * 4 * expert // 2})
-        assert {k: got[k] for k in want} == want, (zero, rank, got, want)
+        got = {k: (v[0], v[1] if want[k][1] is not None else None) for k, v in res["dp_bytes"].items()}
+        assert got == want, (extra, rank, got, want)
 
 
 def test_expert_parallel_training_equals_one_process(reference, tmp_path):
@@ -306,8 +366,8 @@ def test_expert_parallel_training_equals_one_process(reference, tmp_path):
     results = run_distributed(_parts, 4, str(tmp_path), timeout=400)
     _check_parity(results, ref, LAYOUTS)
     _check_parity(results, _train(hf=HF_QWEN2), LAYOUTS_QWEN2)  # its own one-process reference
-    for zero in (1, 2, 3):
-        _check_zero_bytes([r[f"ep2_dp4_zero{zero}"] for r in results], LAYOUTS[f"ep2_dp4_zero{zero}"], zero=zero)
+    for name in ("ep2_dp4_zero1", "ep2_dp4_zero2", "ep2_dp4_zero3", "ep2_dp4_zero3_recompute"):
+        _check_zero_bytes([r[name] for r in results], LAYOUTS[name])
     assert all(v[0] == 0 for r in results for k, v in r["ep2_dp4"]["dp_bytes"].items())  # plain: all-reduces only
 
     # Resharding: what ep2 x tp2 (plain) saved is what ep4 (ZeRO-3) loaded, what expert_tp=1 loaded and what one
@@ -390,6 +450,8 @@ def test_dp_above_ep_with_tp_or_pp_and_hf_oracle_on_8_ranks(reference, tmp_path)
                                                              ep=2, expert_tp=1))
     results = run_distributed(_parts_8, 8, str(tmp_path), checkpoints, timeout=400)
     _check_parity(results, reference, LAYOUTS_8)
+    for name in ("ep2xtp2_dp4_etp1_zero2", "ep2xtp2_dp4_etp1_zero3"):
+        _check_zero_bytes([r[name] for r in results], LAYOUTS_8[name], world=8)
     worst = {}
     for family, model in models.items():
         got = load_file(str(tmp_path / f"{family}_ep2_tp2_pp2.safetensors"))

@@ -30,19 +30,20 @@ class PlanHook(ModelHook):
     _memo: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def stage_params(self, *, tp: int, layer_range: tuple[int, int], pre_process: bool, post_process: bool,
-                     ep: int = 1):
-        key = ("params", tp, tuple(layer_range), pre_process, post_process, ep)
+                     ep: int = 1, expert_tp: int | None = None):
+        key = ("params", tp, tuple(layer_range), pre_process, post_process, ep, expert_tp)
         if key not in self._memo:
             self._memo[key] = tuple(super().stage_params(tp=tp, layer_range=layer_range, pre_process=pre_process,
-                                                         post_process=post_process, ep=ep))
+                                                         post_process=post_process, ep=ep, expert_tp=expert_tp))
         return list(self._memo[key])
 
     def stage_param_sizes(self, *, tp: int, layer_range: tuple[int, int], pre_process: bool,
-                          post_process: bool) -> list[tuple[str, int, bool]]:
-        key = ("sizes", tp, tuple(layer_range), pre_process, post_process)
+                          post_process: bool, expert_tp: int | None = None) -> list[tuple[str, int, bool]]:
+        key = ("sizes", tp, tuple(layer_range), pre_process, post_process, expert_tp)
         if key not in self._memo:
             self._memo[key] = tuple(super().stage_param_sizes(tp=tp, layer_range=layer_range,
-                                                              pre_process=pre_process, post_process=post_process))
+                                                              pre_process=pre_process, post_process=post_process,
+                                                              expert_tp=expert_tp))
         return list(self._memo[key])
 
 

@@ -49,3 +49,16 @@ def test_hang_is_killed_by_the_timeout():
 def test_bad_world_size():
     with pytest.raises(ValueError, match="world_size=0"):
         run_distributed(_rank_and_world, 0, 0)
+
+
+def test_a_failed_rendezvous_is_relaunched_once_then_reported(capfd):
+    """A rank whose init_process_group fails (here: a backend that does not exist, so both launches
+    fail the same way) makes the harness stop every rank and relaunch once, saying so on stderr; the
+    second failure raises DistributedError naming the initialisation, with the child's traceback. The
+    test function never runs."""
+    with pytest.raises(DistributedError) as info:
+        run_distributed(_rank_and_world, 2, 0, backend="no_such_backend", timeout=60)
+    assert "process group initialisation failed 2 times" in info.value.remote_traceback
+    assert "no_such_backend" in info.value.remote_traceback.lower()
+    assert "_rank_and_world" not in info.value.remote_traceback
+    assert capfd.readouterr().err.count("relaunching all ranks once") == 1

@@ -358,21 +358,44 @@ def run_tiny(tp: int, pp: int, dp: int, *, run_dir: str) -> dict:
     return {"step_s": statistics.median(steps), "peak_bytes": peak}
 
 
+def median_calibration(cals: list[dict]) -> dict:
+    """Figure by figure, the median of several :func:`measure` results (nested dicts of numbers): a machine
+    figure taken once carries that moment's noise into every prediction; taken at the start, the middle
+    and the end of the measured runs, the median is the machine the runs saw."""
+    out = {}
+    for key, first in cals[0].items():
+        values = [c[key] for c in cals]
+        out[key] = median_calibration(values) if isinstance(first, dict) else statistics.median(values)
+    return out
+
+
 def main_calibrate(*, repeats: int = 3, json_path: str | None = None) -> int:
-    cal = measure()
+    """Measure the machine at the start, after the middle layout and at the end; run every layout
+    ``repeats`` times; predict each layout on the figure-wise median of the three calibrations."""
+    cals = [measure()]
+    print(f"calibration 1: {json.dumps(cals[0])}", flush=True)
     tiny = from_preset("tiny_llama_cpu")
     tr = tiny.base["train"]
     ops = count_host_ops(tiny, recompute=tr["activation_checkpointing"], mbs=tr["micro_batch_size"],
                          seq=tr["seq_length"])
-    cal["host_op"]["counts"] = dataclasses.asdict(ops)
-    print(f"calibration: {json.dumps(cal)}")
-    rows = []
-    for name, tp, pp, dp in LAYOUTS:
-        pred = predict_tiny(cal, tp, pp, dp, host_ops=ops)
+    measured = []
+    for i, (name, tp, pp, dp) in enumerate(LAYOUTS):
         runs = []
-        for i in range(repeats):
+        for _ in range(repeats):
             with tempfile.TemporaryDirectory(prefix="tessel_cal_") as d:
                 runs.append(run_tiny(tp, pp, dp, run_dir=os.path.join(d, "run")))
+        measured.append(runs)
+        steps = ", ".join(f"{r['step_s']:.4f}" for r in runs)
+        print(f"{name:<12} measured {steps} s", flush=True)
+        if i == len(LAYOUTS) // 2 or i == len(LAYOUTS) - 1:
+            cals.append(measure())
+            print(f"calibration {len(cals)}: {json.dumps(cals[-1])}", flush=True)
+    cal = median_calibration(cals)
+    cal["host_op"]["counts"] = dataclasses.asdict(ops)
+    print(f"calibration (median of {len(cals)}): {json.dumps(cal)}")
+    rows = []
+    for (name, tp, pp, dp), runs in zip(LAYOUTS, measured):
+        pred = predict_tiny(cal, tp, pp, dp, host_ops=ops)
         times = [r["step_s"] for r in runs]
         peaks = [r["peak_bytes"] for r in runs]
         row = {"layout": name, "predicted_step_s": pred.step_time_s, "measured_step_s": times,
@@ -386,5 +409,5 @@ def main_calibrate(*, repeats: int = 3, json_path: str | None = None) -> int:
               flush=True)
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"calibration": cal, "rows": rows}, f, indent=1)
+            json.dump({"calibrations": cals, "calibration": cal, "rows": rows}, f, indent=1)
     return 0

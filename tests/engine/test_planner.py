@@ -430,6 +430,17 @@ def test_host_ops_counted_on_the_models_code_and_charged_per_op(tiny):
         predict_tiny(cal, 1, 1, 1, host_ops=dataclasses.replace(ops, recompute="full"))
 
 
+def test_calibration_figures_are_the_median_of_the_calibrations():
+    """--calibrate predicts on the figure-wise median of the calibrations it takes across the runs
+    (engine/planner/calibrate.py median_calibration): each nested figure its own median."""
+    from engine.planner.calibrate import median_calibration
+
+    cals = [{"cores": 2, "matmul_all_threads": {"tflops": t, "overhead_us": o}, "copy_gbps": g}
+            for t, o, g in ((0.17, 3.0, 7.4), (0.10, 5.0, 5.3), (0.19, 1.0, 5.6))]
+    assert median_calibration(cals) == {"cores": 2, "matmul_all_threads": {"tflops": 0.17, "overhead_us": 3.0},
+                                        "copy_gbps": 5.6}
+
+
 def test_compiled_pipeline_time_is_the_simulators_to_the_last_bit():
     """engine/planner/pipeline.py evaluates a schedule compiled once per (schedule, pp, vp, m): the makespan
     and busy times equal parallel/pipeline/simulate.py's dataflow_times exactly (==, not approx), with

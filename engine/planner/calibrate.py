@@ -268,18 +268,21 @@ def count_host_ops(model: PlanModel, *, recompute: str, mbs: int, seq: int) -> H
                    last_fwd=one["last_fwd"], last_bwd=one["last_bwd"], recompute=recompute)
 
 
-def host_op_us(model: PlanModel, *, threads: int, recompute: str = "none", mbs: int = 2, seq: int = 128,
-               repeats: int = 15) -> float:
-    """Microseconds per framework op on the host, on ``threads`` threads: the best time of one micro-batch's
-    forward and backward of a narrow copy of ``model`` (4 layers, 4 per head, FFN 32, vocab 128: the
-    arithmetic is negligible) over its aten op count."""
+def host_op_us(model: PlanModel, *, threads: tuple[int, ...], recompute: str = "none", mbs: int = 2,
+               seq: int = 128, repeats: int = 15) -> list[float]:
+    """Microseconds per framework op on the host, on each of ``threads`` thread counts: the best time of one
+    micro-batch's forward and backward of a narrow copy of ``model`` (4 layers, 4 per head, FFN 32, vocab
+    128: the arithmetic is negligible) over its aten op count (counted once)."""
     hf = _preset_hf(model, layers=4, narrow=True)
     ops = sum(count_phases(hf, recompute=recompute, mbs=mbs, seq=seq).values())
     _, forward, backward = _micro_batch(hf, recompute=recompute, mbs=mbs, seq=seq)
     old = torch.get_num_threads()
-    torch.set_num_threads(threads)
     try:
-        return _time(lambda: backward(forward()), repeats) / ops * 1e6
+        out = []
+        for n in threads:
+            torch.set_num_threads(n)
+            out.append(_time(lambda: backward(forward()), repeats) / ops * 1e6)
+        return out
     finally:
         torch.set_num_threads(old)
 
@@ -294,7 +297,7 @@ def measure(cores: int | None = None) -> dict:
             "matmul_all_threads": {"tflops": allt[0], "overhead_us": allt[1]}, "copy_gbps": copy_gbps(),
             "attention_efficiency": attention_efficiency(one[0]), "gloo": {"alpha_us": alpha, "gbps": gbps},
             "tp_collective": tp_collective_overhead(alpha, gbps),
-            "host_op": {"us_1_thread": host_op_us(tiny, threads=1), "us_all_threads": host_op_us(tiny, threads=cores)}}
+            "host_op": dict(zip(("us_1_thread", "us_all_threads"), host_op_us(tiny, threads=(1, cores))))}
 
 
 def cpu_device(cal: dict, *, world: int) -> GPU:

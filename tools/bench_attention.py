@@ -167,7 +167,8 @@ def run_cuda(args: argparse.Namespace) -> dict:
         for cp in args.cuda_cps:
             masks = BlockMasks(seq_len=s, num_chunks=2 * cp, doc_ids=None, window=None, device="cuda")
             every = list(range(2 * cp))
-            for name, fused in (("flash", True), ("explicit", False)):
+            variants = (("flash", True), ("explicit", False)) if s <= args.explicit_max_seq else (("flash", True),)
+            for name, fused in variants:
                 def step():
                     qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
                     ring_attention(qs, ks, vs, group=Group.trivial("cp"), chunks_of=lambda r: every, masks=masks,
@@ -255,6 +256,8 @@ def parse_args(argv=None):
     p.add_argument("--kv-heads", type=int, default=None, help="kv heads (default 2 CPU, 8 CUDA)")
     p.add_argument("--head-dim", type=int, default=None, help="head dim (default 32 CPU, 128 CUDA)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--explicit-max-seq", type=int, default=8192,
+                   help="--device cuda: the explicit block kernel only up to this length (at 32K it runs ~2 s a step)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--md", default=None, help="write a markdown page (table, machine, command, date) here")

@@ -40,6 +40,8 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # `python3 tools/bench_overlap.py` from anywhere: tools.* and engine.* import
+    sys.path.insert(0, ROOT)
 LAYOUTS = {"tp2": dict(world=2, tp=2, pp=1), "tp4": dict(world=4, tp=4, pp=1, sets=["model.num_key_value_heads=4"]),
            "tp2xpp2": dict(world=4, tp=2, pp=2),
            "tp2xpp2-early": dict(world=4, tp=2, pp=2, sets=["parallel.p2p_early_recv=true"])}

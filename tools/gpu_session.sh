@@ -5,9 +5,9 @@
 #
 # STEP: info build test fp8 overlap attention moe train kernels (default: all, in that order: the issues'
 # GPU checks first, the long benchmarks last). Each step is time-boxed, a failing step does not stop the next ones,
-# and the whole script keeps within $GPU_SESSION_BUDGET_S (default 420 s). A session has 15 minutes of
+# and the whole script keeps within $GPU_SESSION_BUDGET_S (default 450 s). A session has 15 minutes of
 # device time in all, machine starts (a minute or more each) included, and no machine starts with under
-# 4 minutes left: 420 s plus a start leaves room for one shorter rerun of the steps that failed
+# 4 minutes left: 450 s plus a start leaves room for one shorter rerun of the steps that failed
 # (`bash tools/gpu_session.sh build test`). A step gets min(its cap, time left) and is skipped when less
 # than 20 s are left. The benchmark with no bound of its own (bench_kernels: torch.compile baselines of
 # four ops at two sizes) runs last, with what is left, and without its torch.compile baselines when
@@ -44,7 +44,7 @@ fi
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 mkdir -p "$OUT" || exit 2
 PY=${PYTHON:-python3}
-BUDGET=${GPU_SESSION_BUDGET_S:-420}
+BUDGET=${GPU_SESSION_BUDGET_S:-450}
 TAIL_LINES=${TAIL_LINES:-40}
 ALL_STEPS=(info build test fp8 overlap attention moe train kernels)
 STEPS=("$@")
@@ -115,8 +115,9 @@ EOF
         ls -l engine/_*.so 2>/dev/null | sed 's/^/   built: /'
     fi
     if wanted test; then
-        run_step test 100 "$OUT/pytest_gpu.log" "$PY" -m pytest -q -m gpu -p no:cacheprovider \
-            --continue-on-collection-errors tests/
+        # -v: each test's name as it finishes (a time-out still shows where it stopped); short tracebacks
+        run_step test 150 "$OUT/pytest_gpu.log" "$PY" -m pytest -v -m gpu -p no:cacheprovider --tb=short -rfs \
+            --durations=10 --continue-on-collection-errors tests/
     fi
     if wanted fp8; then
         # shellcheck disable=SC2086
@@ -128,7 +129,7 @@ EOF
             --json /dev/stdout
     fi
     if wanted attention; then
-        run_step attention 60 "$OUT/bench_parallel.log" "$PY" tools/bench_attention.py --device cuda \
+        run_step attention 75 "$OUT/bench_parallel.log" "$PY" tools/bench_attention.py --device cuda \
             --json /dev/stdout
     fi
     if wanted moe; then

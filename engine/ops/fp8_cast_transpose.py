@@ -25,7 +25,9 @@ _BACKENDS = ("auto", "native", "reference")
 
 def fp8_cast_transpose_reference(x: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Plain-PyTorch version of :func:`fp8_cast_transpose` (same promises, bit for bit)."""
-    scaled = (x.float() * scale.float()).to(torch.float8_e4m3fn)  # (rows, cols)
+    # The explicit clamp saturates on every device: torch's CPU conversion saturates by itself, its
+    # CUDA conversion (torch 2.11) turns overflow into NaN. clamp keeps NaN as NaN.
+    scaled = (x.float() * scale.float()).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)  # (rows, cols)
     # NaN-propagating amax: torch.amax propagates NaN like the native bit-pattern maximum.
     amax = x.float().abs().amax().reshape(1) if x.numel() else x.new_zeros(1, dtype=torch.float32)
     return scaled, scaled.t().contiguous(), amax  # out_t: (cols, rows)

@@ -48,6 +48,7 @@ supplies them). Only per-tensor recipes need it; row and block scales are local 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
@@ -184,8 +185,22 @@ def _native_blockwise(a: Quantized, b: Quantized) -> Optional[Tensor]:
         out = torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=torch.bfloat16).float()
         GEMM_PATHS["blockwise"] = "native"
         return out
-    except (RuntimeError, ValueError, NotImplementedError):
+    except (RuntimeError, ValueError, NotImplementedError) as e:  # why, for the bench's and GPU test's report
+        GEMM_PATHS["blockwise_native_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_has_rowwise_scaled_mm() -> bool:
+    """Whether this torch's CPU ``_scaled_mm`` takes (rows, 1) x (1, cols) scales (2.13 does; 2.11's
+    oneDNN path asserts per-tensor scales). Probed once on a 16 x 16 product."""
+    a = torch.ones(16, 16).to(E4M3)
+    s = torch.ones(16, 1)
+    try:
+        torch._scaled_mm(a, a.t(), s, s.t().contiguous(), out_dtype=torch.float32)
+        return True
+    except RuntimeError:
+        return False
 
 
 def scaled_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> Tensor:
@@ -193,7 +208,14 @@ def scaled_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> Tensor:
     if a.granularity == "tensor" and b.granularity == "tensor":
         return torch._scaled_mm(a.data, b.data.t(), a.scale_inv, b.scale_inv, out_dtype=out_dtype)
     if a.granularity == "row" and b.granularity == "row":
-        dt = torch.bfloat16 if a.data.device.type == "cuda" else out_dtype
+        cuda = a.data.device.type == "cuda"
+        if not cuda and not _cpu_has_rowwise_scaled_mm():
+            # Dequantising fallback: fp32 products of the fp8 values times their scales, what the CPU
+            # _scaled_mm computes where it has row-wise scales (torch 2.13); torch 2.11's has none.
+            GEMM_PATHS["rowwise"] = "dequantised fp32 matmul (this torch's CPU _scaled_mm has per-tensor scales only)"
+            return (a.dequantize() @ b.dequantize().t()).to(out_dtype)  # (M, N)
+        GEMM_PATHS["rowwise"] = "_scaled_mm"
+        dt = torch.bfloat16 if cuda else out_dtype
         y = torch._scaled_mm(a.data, b.data.t(), a.scale_inv, b.scale_inv.t().contiguous(), out_dtype=dt)
         return y.to(out_dtype)
     if a.granularity in ("tile", "block") and b.granularity in ("tile", "block"):

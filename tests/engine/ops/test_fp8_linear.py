@@ -80,6 +80,20 @@ def test_equals_plain_reference_bitwise(recipe):
         assert torch.equal(a, b)
 
 
+def test_rowwise_fallback_where_cpu_scaled_mm_lacks_row_scales(monkeypatch):
+    """torch 2.11's CPU _scaled_mm takes per-tensor scales only: the dequantised fp32 matmul that
+    replaces it there gives the row-wise _scaled_mm's results bit for bit (this torch has both)."""
+    import engine.ops.fp8_linear as f8
+    x, w, dy = _case(6)
+    native = _run("rowwise", x, w, dy)
+    assert f8.GEMM_PATHS["rowwise"] == "_scaled_mm"
+    monkeypatch.setattr(f8, "_cpu_has_rowwise_scaled_mm", lambda: False)
+    fallback = _run("rowwise", x, w, dy)
+    assert f8.GEMM_PATHS["rowwise"].startswith("dequantised")
+    for a, b in zip(native, fallback):
+        assert torch.equal(a, b)
+
+
 def test_tensorwise_matches_a_from_scratch_reference():
     """The tensorwise recipe as four lines of plain PyTorch: same quantisation, fp32 matmuls."""
     x, w, dy = _case(2)

@@ -124,7 +124,9 @@ def test_fp8_linear_cuda_matches_the_cpu_path(recipe):
     dy = torch.randn(m, n, generator=g) * 1e-3
     outs = []
     for dev in ("cpu", "cuda"):
-        xx, ww = x.to(dev).requires_grad_(), w.to(dev).requires_grad_()
+        # detach: x.to("cpu") is x itself, so without it the CPU pass would make x require grad and
+        # the CUDA copy a non-leaf with no .grad
+        xx, ww = x.detach().to(dev).requires_grad_(), w.detach().to(dev).requires_grad_()
         state = DelayedScaling(device=dev) if recipe == "delayed" else None
         y = fp8_linear(xx, ww, recipe=recipe, state=state)
         y.backward(dy.to(dev))

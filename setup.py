@@ -11,6 +11,8 @@ every directory ``csrc/<name>/`` becomes one extension module ``engine._<name>``
 * ``.cu`` files include no torch headers (raw pointers + cudaStream_t launchers), which keeps
   the compile-only nvcc check in tests/test_cuda_compile.py fast and independent of torch.
 
+``TESSEL_EXTENSIONS=fp8,adamw`` builds only the named components (the others keep their last build).
+
 Install (see README): torch==2.13.0 first, then ``pip install --no-build-isolation -e .[test]``.
 """
 import glob
@@ -39,10 +41,17 @@ def _extensions():
 
     with_cuda = _cuda_build_enabled()
     exts = []
-    for comp_dir in sorted(glob.glob(os.path.join(ROOT, "csrc", "*"))):
-        if not os.path.isdir(comp_dir):
-            continue
+    dirs = [d for d in sorted(glob.glob(os.path.join(ROOT, "csrc", "*"))) if os.path.isdir(d)]
+    # TESSEL_EXTENSIONS=fp8,adamw builds only those (a quick rebuild of one component on a lent GPU)
+    only = [n for n in os.environ.get("TESSEL_EXTENSIONS", "").split(",") if n]
+    unknown = sorted(set(only) - {os.path.basename(d) for d in dirs})
+    if unknown:
+        raise SystemExit(f"TESSEL_EXTENSIONS names {unknown}, which are not directories under csrc/ "
+                         f"({', '.join(os.path.basename(d) for d in dirs)})")
+    for comp_dir in dirs:
         name = os.path.basename(comp_dir)
+        if only and name not in only:
+            continue
         cpp = sorted(glob.glob(os.path.join(comp_dir, "*.cpp")))
         cu = sorted(glob.glob(os.path.join(comp_dir, "*.cu")))
         if not cpp:

@@ -125,6 +125,53 @@ def bench_gemms(args, run) -> dict:
     return out
 
 
+def profile_layer(args) -> dict:
+    """Where one linear's forward + backward spends its device time: torch.profiler over ``--repeats``
+    calls at the ``--profile`` layer (e.g. 8b:qkv), bf16 ``F.linear`` and each recipe, every kernel's
+    self time summed by name (CUDA time on a GPU, CPU time on the CPU), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = args.device
+    model, lin = args.profile.split(":")
+    nf, kf = layer_shapes(model)[lin]
+    m, hp = args.tokens, (torch.bfloat16 if dev == "cuda" else torch.float32)
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(m, kf, device=dev, dtype=hp, generator=g).requires_grad_()
+    w = (torch.randn(nf, kf, device=dev, dtype=torch.float32, generator=g) * 0.02).requires_grad_()
+    wb = w.detach().to(hp).requires_grad_()
+    dy = torch.randn(m, nf, device=dev, dtype=hp, generator=g) * 1e-3
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+    sides = {"bf16" if dev == "cuda" else "fp32": lambda: F.linear(x, wb).backward(dy)}
+    for recipe in args.recipes:
+        state = DelayedScaling(device=dev) if recipe == "delayed" else None
+        sides[recipe] = (lambda r, st: lambda: fp8_linear(x, w, recipe=r, state=st).backward(dy))(recipe, state)
+    out = {"layer": args.profile, "M": m, "N": nf, "K": kf, "sides": {}}
+    for name, fn in sides.items():
+        fn()
+        fn()  # warm-up: kernel selection, allocator
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        with profile(activities=acts) as prof:
+            for _ in range(args.repeats):
+                fn()
+            if dev == "cuda":
+                torch.cuda.synchronize()
+        per = {}
+        for e in prof.key_averages():
+            t = e.self_device_time_total if dev == "cuda" else e.self_cpu_time_total  # microseconds
+            if t > 0 and (dev != "cuda" or e.device_type.name == "CUDA"):
+                per[e.key] = per.get(e.key, 0.0) + t / args.repeats
+        total = sum(per.values())
+        rows = sorted(per.items(), key=lambda kv: -kv[1])
+        out["sides"][name] = {"total_us": total, "kernels": [{"name": k, "us": v} for k, v in rows[:args.profile_top]]}
+        print(f"{name}: {total:9.1f} us of {'device' if dev == 'cuda' else 'CPU'} time per forward + backward "
+              f"({args.profile}, {m} x {nf} x {kf})")
+        for k, v in rows[:args.profile_top]:
+            print(f"    {v:9.1f} us {100 * v / total:5.1f}%  {k[:160]}")
+        x.grad = w.grad = wb.grad = None
+    return out
+
+
 def bench_step(args) -> dict:
     from tools.bench_train_step import PRESETS, _batch, _tessel_trainer
 
@@ -191,6 +238,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--skip", choices=("gemms", "step"), action="append", default=[])
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--profile", default=None, metavar="MODEL:LINEAR",
+                   help="only profile one linear's forward + backward per recipe, kernel by kernel (e.g. 8b:qkv)")
+    p.add_argument("--profile-top", type=int, default=15, help="kernels listed per side with --profile")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
@@ -210,6 +260,13 @@ def main(argv=None) -> int:
            "machine": torch.cuda.get_device_name(0) if cuda else f"CPU, {torch.get_num_threads()} threads",
            "command": "python3 tools/bench_fp8.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     run = _timer(args.device)
+    if args.profile:
+        model, _, lin = args.profile.partition(":")
+        if model not in MODELS or lin not in ("qkv", "out", "fc1", "fc2"):
+            p.error(f"--profile={args.profile!r}: give MODEL:LINEAR, MODEL one of {sorted(MODELS)}, LINEAR one of "
+                    "qkv out fc1 fc2 (e.g. 8b:qkv)")
+        res["profile"] = profile_layer(args)
+        args.skip = ["gemms", "step"]
     if "gemms" not in args.skip:
         res["gemms"] = bench_gemms(args, run)
         from engine.ops.fp8_linear import GEMM_PATHS

@@ -1,7 +1,8 @@
 // pybind11 bindings of the FP8 cast-transpose: engine._fp8.
 //
-// cast_transpose(input, scale) -> (out, out_t, amax): input (rows, cols) fp32 or bf16, contiguous;
-// scale a one-element fp32 tensor on the input's device (read on the device: no host sync).
+// cast_transpose(input, scale, e5m2=False) -> (out, out_t, amax): input (rows, cols) fp32 or bf16,
+// contiguous; scale a one-element fp32 tensor on the input's device (read on the device: no host
+// sync); out and out_t in float8_e4m3fn, or float8_e5m2 with e5m2=True.
 #include <torch/extension.h>
 
 #ifdef TESSEL_WITH_CUDA
@@ -20,7 +21,8 @@ namespace {
 
 [[noreturn]] void fail(const std::string& msg) { throw py::value_error("fp8 cast_transpose: " + msg); }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& input, const at::Tensor& scale) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& input, const at::Tensor& scale,
+                                                             bool e5m2) {
   if (input.dim() != 2) fail("input must be 2-D (rows, cols); reshape it to (-1, hidden) first");
   if (input.scalar_type() != at::kFloat && input.scalar_type() != at::kBFloat16) {
     fail(std::string("input dtype ") + c10::toString(input.scalar_type()) + " is not float32 or bfloat16");
@@ -32,7 +34,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& 
          " elements on " + scale.device().str());
   }
   const int64_t rows = input.size(0), cols = input.size(1);
-  const auto fp8 = input.options().dtype(at::kFloat8_e4m3fn);
+  const auto fp8 = input.options().dtype(e5m2 ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn);
   at::Tensor out = at::empty({rows, cols}, fp8);
   at::Tensor out_t = at::empty({cols, rows}, fp8);  // (cols, rows): the transpose
   at::Tensor amax = at::empty({1}, input.options().dtype(at::kFloat));
@@ -46,7 +48,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& 
     const at::Tensor scale_c = scale.contiguous();
     const int err = tessel::fp8::cast_transpose_cuda(
         input.data_ptr(), bf16, rows, cols, scale_c.data_ptr<float>(), out_ptr, out_t_ptr,
-        amax.data_ptr<float>(), c10::cuda::getCurrentCUDAStream(input.device().index()).stream());
+        amax.data_ptr<float>(), e5m2, c10::cuda::getCurrentCUDAStream(input.device().index()).stream());
     if (err != 0) throw std::runtime_error(std::string("fp8 cast_transpose: CUDA launch failed: ") +
                                            tessel::fp8::cuda_error_string(err));
     return {out, out_t, amax};
@@ -60,7 +62,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& 
   {
     py::gil_scoped_release release;
     tessel::fp8::cast_transpose_cpu(input.data_ptr(), bf16, rows, cols, s, out_ptr, out_t_ptr,
-                                    amax.data_ptr<float>());
+                                    amax.data_ptr<float>(), e5m2);
   }
   return {out, out_t, amax};
 }
@@ -68,13 +70,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "FP8 (e4m3) cast + transpose + amax";
+  m.doc() = "FP8 (e4m3 or e5m2) cast + transpose + amax";
 #ifdef TESSEL_WITH_CUDA
   m.attr("WITH_CUDA") = true;
 #else
   m.attr("WITH_CUDA") = false;
 #endif
-  m.def("cast_transpose", &cast_transpose, py::arg("input"), py::arg("scale"),
-        "(rows, cols) fp32/bf16 input, one-element fp32 scale -> (e4m3 (rows, cols) of input*scale, "
-        "e4m3 (cols, rows) transpose, fp32 (1,) amax of |input|); saturating, NaN-propagating amax.");
+  m.def("cast_transpose", &cast_transpose, py::arg("input"), py::arg("scale"), py::arg("e5m2") = false,
+        "(rows, cols) fp32/bf16 input, one-element fp32 scale -> (fp8 (rows, cols) of input*scale, "
+        "fp8 (cols, rows) transpose, fp32 (1,) amax of |input|); e4m3, or e5m2 with e5m2=True; "
+        "saturating, NaN-propagating amax.");
 }

@@ -1,4 +1,4 @@
-// FP8 (e4m3) cast + transpose + amax, CUDA kernel and launcher (no torch headers).
+// FP8 (e4m3 or e5m2) cast + transpose + amax, CUDA kernel and launcher (no torch headers).
 //
 // One 32x32 tile per block (32x8 threads, 4 rows each): the tile is read once, coalesced; its
 // scaled e4m3 bytes are written row-major directly and transposed through shared memory; the
@@ -27,7 +27,7 @@ __device__ __forceinline__ float load_float<__nv_bfloat16>(const __nv_bfloat16* 
   return __bfloat162float(*p);
 }
 
-template <typename T>
+template <typename T, __nv_fp8_interpretation_t kFormat>
 __global__ void __launch_bounds__(kTile * kTile / kRowsPerThread)
 cast_transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t cols, const float* __restrict__ scale,
                       uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, unsigned int* __restrict__ amax_bits) {
@@ -43,7 +43,7 @@ cast_transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t cols, cons
     if (row < rows && col < cols) {
       const float x = load_float(in + row * cols + col);
       local_max = max(local_max, __float_as_uint(x) & 0x7fffffffu);
-      const uint8_t q = static_cast<uint8_t>(__nv_cvt_float_to_fp8(x * s, __NV_SATFINITE, __NV_E4M3));
+      const uint8_t q = static_cast<uint8_t>(__nv_cvt_float_to_fp8(x * s, __NV_SATFINITE, kFormat));
       out[row * cols + col] = q;
       tile[r][threadIdx.x] = q;
     }
@@ -71,7 +71,7 @@ cast_transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t cols, cons
 }  // namespace
 
 int cast_transpose_cuda(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float* scale,
-                        uint8_t* out, uint8_t* out_t, float* amax, void* stream_ptr) {
+                        uint8_t* out, uint8_t* out_t, float* amax, bool e5m2, void* stream_ptr) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   // amax is a max over bit patterns of |x|: start from +0.
   cudaError_t err = cudaMemsetAsync(amax, 0, sizeof(float), stream);
@@ -80,12 +80,16 @@ int cast_transpose_cuda(const void* in, bool in_bf16, int64_t rows, int64_t cols
   const dim3 grid(static_cast<unsigned int>((cols + kTile - 1) / kTile),
                   static_cast<unsigned int>((rows + kTile - 1) / kTile));
   unsigned int* amax_bits = reinterpret_cast<unsigned int*>(amax);
-  if (in_bf16) {
-    cast_transpose_kernel<__nv_bfloat16><<<grid, block, 0, stream>>>(
-        static_cast<const __nv_bfloat16*>(in), rows, cols, scale, out, out_t, amax_bits);
+  const auto* in_bf = static_cast<const __nv_bfloat16*>(in);
+  const auto* in_f = static_cast<const float*>(in);
+  if (in_bf16 && e5m2) {
+    cast_transpose_kernel<__nv_bfloat16, __NV_E5M2><<<grid, block, 0, stream>>>(in_bf, rows, cols, scale, out, out_t, amax_bits);
+  } else if (in_bf16) {
+    cast_transpose_kernel<__nv_bfloat16, __NV_E4M3><<<grid, block, 0, stream>>>(in_bf, rows, cols, scale, out, out_t, amax_bits);
+  } else if (e5m2) {
+    cast_transpose_kernel<float, __NV_E5M2><<<grid, block, 0, stream>>>(in_f, rows, cols, scale, out, out_t, amax_bits);
   } else {
-    cast_transpose_kernel<float><<<grid, block, 0, stream>>>(
-        static_cast<const float*>(in), rows, cols, scale, out, out_t, amax_bits);
+    cast_transpose_kernel<float, __NV_E4M3><<<grid, block, 0, stream>>>(in_f, rows, cols, scale, out, out_t, amax_bits);
   }
   return static_cast<int>(cudaGetLastError());
 }

@@ -1,11 +1,13 @@
-// FP8 (e4m3) cast + transpose + amax: shared declarations (no torch, no CUDA headers).
+// FP8 (e4m3 or e5m2) cast + transpose + amax: shared declarations (no torch, no CUDA headers).
 //
 // For a row-major (rows, cols) input x (fp32 or bf16) and a device-resident fp32 scale s:
-//   out   (rows, cols) e4m3 = sat(x * s)       row-major, for the forward GEMM
-//   out_t (cols, rows) e4m3 = sat(x * s)^T     for the backward GEMMs (FP8 GEMMs want K-major)
-//   amax  fp32 scalar       = max |x|          of the unscaled input, for the next scale
-// sat(): round to nearest even, saturating to +-448 (inf too); NaN stays NaN - the semantics of
-// torch's .to(torch.float8_e4m3fn) and of CUDA's __NV_SATFINITE conversion. amax propagates NaN:
+//   out   (rows, cols) fp8 = sat(x * s)       row-major, for the forward GEMM
+//   out_t (cols, rows) fp8 = sat(x * s)^T     for the backward GEMMs (FP8 GEMMs want K-major)
+//   amax  fp32 scalar      = max |x|          of the unscaled input, for the next scale
+// fp8 is e4m3 (activations, weights) or, with e5m2 = true, e5m2 (output gradients).
+// sat(): round to nearest even, saturating to +-448 (e4m3) or +-57344 (e5m2), inf too; NaN stays
+// NaN - the semantics of CUDA's __NV_SATFINITE conversion, and of torch's .to(float8) after a clamp
+// to the format's range (torch's own e5m2 conversion overflows to inf). amax propagates NaN:
 // it is the maximum of |x| compared as IEEE bit patterns, where NaN > inf > every finite value.
 #pragma once
 
@@ -16,12 +18,12 @@ namespace fp8 {
 
 // CPU fallback (fp8_cpu.cpp). in_bf16: input holds bfloat16 bits (uint16) instead of float.
 void cast_transpose_cpu(const void* in, bool in_bf16, int64_t rows, int64_t cols, float scale,
-                        uint8_t* out, uint8_t* out_t, float* amax);
+                        uint8_t* out, uint8_t* out_t, float* amax, bool e5m2);
 
 // CUDA (fp8.cu). scale and amax are device pointers; stream is a cudaStream_t.
 // Returns a cudaError_t value (0 = success).
 int cast_transpose_cuda(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float* scale,
-                        uint8_t* out, uint8_t* out_t, float* amax, void* stream);
+                        uint8_t* out, uint8_t* out_t, float* amax, bool e5m2, void* stream);
 const char* cuda_error_string(int error);
 
 }  // namespace fp8

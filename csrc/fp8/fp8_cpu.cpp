@@ -1,8 +1,10 @@
-// FP8 (e4m3) cast + transpose + amax, CPU fallback. The conversion is c10::Float8_e4m3fn's, i.e.
-// exactly torch's .to(torch.float8_e4m3fn) (round to nearest even, saturating to +-448).
+// FP8 (e4m3 or e5m2) cast + transpose + amax, CPU fallback. The conversion is c10::Float8_e4m3fn's
+// or c10::Float8_e5m2's, i.e. exactly torch's .to(float8) (round to nearest even) after a NaN-keeping
+// clamp to the format's range (+-448 / +-57344: c10's e5m2 conversion would overflow to inf).
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 
 #include <algorithm>
 #include <cstring>
@@ -23,6 +25,14 @@ inline float load(const void* in, bool in_bf16, int64_t i) {
   return static_cast<const float*>(in)[i];
 }
 
+inline float saturate(float x, float m) { return x != x ? x : std::min(std::max(x, -m), m); }  // NaN stays
+
+template <bool kE5m2>
+inline uint8_t to_fp8(float x) {
+  if constexpr (kE5m2) return c10::Float8_e5m2(saturate(x, 57344.0f)).x;
+  return c10::Float8_e4m3fn(saturate(x, 448.0f)).x;
+}
+
 inline uint32_t abs_bits(float x) {
   uint32_t u;
   std::memcpy(&u, &x, sizeof(u));
@@ -31,8 +41,9 @@ inline uint32_t abs_bits(float x) {
 
 }  // namespace
 
-void cast_transpose_cpu(const void* in, bool in_bf16, int64_t rows, int64_t cols, float scale,
-                        uint8_t* out, uint8_t* out_t, float* amax) {
+template <bool kE5m2>
+void cast_transpose_impl(const void* in, bool in_bf16, int64_t rows, int64_t cols, float scale,
+                         uint8_t* out, uint8_t* out_t, float* amax) {
   const int64_t row_blocks = (rows + kBlock - 1) / kBlock;
   const uint32_t max_bits = at::parallel_reduce(
       0, row_blocks, 1, uint32_t{0},
@@ -45,7 +56,7 @@ void cast_transpose_cpu(const void* in, bool in_bf16, int64_t rows, int64_t cols
               for (int64_t c = c0; c < c_end; ++c) {
                 const float x = load(in, in_bf16, r * cols + c);
                 acc = std::max(acc, abs_bits(x));
-                const uint8_t q = c10::Float8_e4m3fn(x * scale).x;
+                const uint8_t q = to_fp8<kE5m2>(x * scale);
                 out[r * cols + c] = q;
                 out_t[c * rows + r] = q;
               }
@@ -56,6 +67,15 @@ void cast_transpose_cpu(const void* in, bool in_bf16, int64_t rows, int64_t cols
       },
       [](uint32_t a, uint32_t b) { return std::max(a, b); });
   std::memcpy(amax, &max_bits, sizeof(float));
+}
+
+void cast_transpose_cpu(const void* in, bool in_bf16, int64_t rows, int64_t cols, float scale,
+                        uint8_t* out, uint8_t* out_t, float* amax, bool e5m2) {
+  if (e5m2) {
+    cast_transpose_impl<true>(in, in_bf16, rows, cols, scale, out, out_t, amax);
+  } else {
+    cast_transpose_impl<false>(in, in_bf16, rows, cols, scale, out, out_t, amax);
+  }
 }
 
 }  // namespace fp8

@@ -84,7 +84,9 @@ def amax_to_scale(amax: Tensor, fmt: torch.dtype, *, margin: int = 0) -> Tensor:
 
 def _cast(t: Tensor, scale: Tensor, fmt: torch.dtype) -> Tensor:
     m = FP8_MAX[fmt]
-    return (t.float() * scale).clamp(-m, m).to(fmt)
+    f = t.float()
+    f = f * scale if f is t else f.mul_(scale)  # fp32 (a bf16 t's copy is scaled in place)
+    return f.clamp_(-m, m).to(fmt)
 
 
 @dataclass
@@ -121,16 +123,15 @@ class Quantized:
 
 def quantize_tensorwise(t: Tensor, fmt: torch.dtype, scale: Tensor, *, transpose: bool = False
                         ) -> tuple[Quantized, Optional[Quantized], Tensor]:
-    """``t`` (rows, cols) with one scale: (q, q.T or None, amax of t). e4m3 uses the fused
-    cast-transpose-amax (engine.ops.fp8_cast_transpose; bitwise equal to its reference)."""
+    """``t`` (rows, cols) with one scale: (q, q.T or None, amax of t). One pass of the fused
+    cast-transpose-amax (engine.ops.fp8_cast_transpose, e4m3 or e5m2; bitwise equal to its
+    reference) where the transpose is wanted; a plain cast otherwise."""
     scale = scale.reshape(1).float()
     inv = (1.0 / scale).reshape(())
-    if fmt == E4M3:
-        q, q_t, amax = fp8_cast_transpose(t.contiguous(), scale)
-        return Quantized(q, inv, "tensor"), (Quantized(q_t, inv, "tensor") if transpose else None), amax
-    q = _cast(t, scale, fmt)  # (rows, cols)
-    amax = t.float().abs().amax().reshape(1) if t.numel() else t.new_zeros(1, dtype=torch.float32)
-    return Quantized(q, inv, "tensor"), (Quantized(q.t().contiguous(), inv, "tensor") if transpose else None), amax
+    if transpose:
+        q, q_t, amax = fp8_cast_transpose(t.contiguous(), scale, fmt=fmt)
+        return Quantized(q, inv, "tensor"), Quantized(q_t, inv, "tensor"), amax
+    return Quantized(_cast(t, scale, fmt), inv, "tensor"), None, _amax(t)  # (rows, cols)
 
 
 def quantize_rowwise(t: Tensor, fmt: torch.dtype) -> Quantized:
@@ -374,8 +375,11 @@ def weight_grad_requantized(recipe: str, gemm, g: Tensor, x: Tensor, w_dtype: to
 
 
 def _amax(t: Tensor) -> Tensor:
-    """(1,) fp32 max |t| (0 for an empty tensor): a call's current amax."""
-    return t.float().abs().amax().reshape(1) if t.numel() else t.new_zeros(1, dtype=torch.float32)
+    """(1,) fp32 max |t| (0 for an empty tensor; NaN if t has one): a call's current amax, in one
+    reduction over ``t`` (no fp32 or |t| copy)."""
+    if not t.numel():
+        return t.new_zeros(1, dtype=torch.float32)
+    return torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32).reshape(1)
 
 
 class Scaler:
@@ -445,12 +449,12 @@ class _Fp8Linear(torch.autograd.Function):
         if recipe in ("tensorwise", "delayed"):
             xt_data, xt_inv, wt_data, wt_inv = ctx.saved_tensors
             scaler = ctx.scaler
-            gq, _, g_amax = quantize_tensorwise(g, E5M2, scaler.scale("grad_output", g))
+            # (M, N) and, for the weight gradient, its (N, M) transpose, from one pass over g
+            gq, gq_t, g_amax = quantize_tensorwise(g, E5M2, scaler.scale("grad_output", g), transpose=need_w)
             scaler.record("grad_output", g_amax)
             if need_x:
                 grad_x = gemm(gq, Quantized(wt_data, wt_inv, "tensor"), ctx.out_dtype)  # (M, K)
             if need_w:
-                gq_t = Quantized(gq.data.t().contiguous(), gq.scale_inv, "tensor")  # (N, M)
                 grad_w = wgrad_from_transposes(gemm, gq_t, Quantized(xt_data, xt_inv, "tensor"), ctx.w_dtype)
         elif recipe == "rowwise":
             x, weight = ctx.saved_tensors

@@ -129,7 +129,8 @@ class _Fp8RingColumn(torch.autograd.Function):
         if recipe in PER_TENSOR:
             xt_data, xt_inv, wt_data, wt_inv = ctx.saved_tensors
             scaler = ctx.scaler
-            gq, _, g_amax = quantize_tensorwise(g, E5M2, scaler.scale("grad_output", g))
+            # (M, N) and its (N, M) transpose for the weight gradient, from one pass over g
+            gq, gq_t, g_amax = quantize_tensorwise(g, E5M2, scaler.scale("grad_output", g), transpose=need_w)
             scaler.record("grad_output", g_amax)
             wt = Quantized(wt_data, wt_inv, "tensor")  # (K, N)
 
@@ -137,7 +138,6 @@ class _Fp8RingColumn(torch.autograd.Function):
                 return scaled_gemm(Quantized(_rows(gq.data, c, n), gq.scale_inv, "tensor"), wt, ctx.out_dtype)
 
             def weight_grad():
-                gq_t = Quantized(gq.data.t().contiguous(), gq.scale_inv, "tensor")  # (N, M)
                 wgrad["w"] = wgrad_from_transposes(scaled_gemm, gq_t, Quantized(xt_data, xt_inv, "tensor"), ctx.w_dtype)
         else:
             x_full, wt = _saved_row_block(ctx)

@@ -1,4 +1,4 @@
-"""FP8 e4m3 cast + transpose + amax: engine._fp8 (C++ path) bit for bit against torch."""
+"""FP8 e4m3 / e5m2 cast + transpose + amax: engine._fp8 (C++ path) bit for bit against torch."""
 import pytest
 import torch
 
@@ -29,6 +29,29 @@ def test_matches_torch_cast_bit_for_bit(backend, dtype, shape):
     assert torch.equal(_bits(out), _bits(want))
     assert torch.equal(_bits(out_t), _bits(want.t().contiguous()))
     assert amax.dtype == torch.float32 and amax.item() == x.float().abs().max().item()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_e5m2_matches_torch_cast_bit_for_bit(backend, dtype):
+    """The output-gradient format: torch's e5m2 conversion after a clamp to +-57344 (torch alone
+    would overflow to inf), subnormals included."""
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(37, 129, generator=gen) * 3e4).to(dtype)
+    x.view(-1)[::13] = 1e-6  # e5m2 subnormals after scaling
+    x[0, :3] = torch.tensor([float("inf"), -float("inf"), 1e9])
+    scale = torch.tensor([1.5])
+    out, out_t, amax = fp8_cast_transpose(x, scale, fmt=torch.float8_e5m2, backend=backend)
+    want = (x.float() * scale).clamp(-57344.0, 57344.0).to(torch.float8_e5m2)
+    assert out.dtype == out_t.dtype == torch.float8_e5m2
+    assert torch.equal(_bits(out), _bits(want)) and torch.equal(_bits(out_t), _bits(want.t().contiguous()))
+    assert out.float()[0, :3].tolist() == [57344.0, -57344.0, 57344.0]
+    assert amax.item() == float("inf")
+
+
+def test_bad_format_raises():
+    with pytest.raises(ValueError, match="fmt=torch.float16 is not torch.float8_e4m3fn or torch.float8_e5m2"):
+        fp8_cast_transpose(torch.ones(2, 2), torch.ones(1), fmt=torch.float16)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -99,11 +99,12 @@ def test_fused_adamw_cuda_matches_cpu_bits_and_torch():
 def test_fp8_cast_transpose_cuda_bit_for_bit():
     from engine.ops.fp8_cast_transpose import fp8_cast_transpose, fp8_cast_transpose_reference
 
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, fmt in [(d, f) for d in (torch.float32, torch.bfloat16) for f in (torch.float8_e4m3fn, torch.float8_e5m2)]:
         x = (torch.randn(4099, 1031, device="cuda") * 100).to(dtype)  # ragged tiles both ways
+        x[0, 0] = 1e9 if fmt == torch.float8_e5m2 else x[0, 0]  # past e5m2's 57344 too
         scale = torch.tensor([2.5], device="cuda")
-        got = fp8_cast_transpose(x, scale, backend="native")
-        want = fp8_cast_transpose_reference(x, scale)
+        got = fp8_cast_transpose(x, scale, fmt=fmt, backend="native")
+        want = fp8_cast_transpose_reference(x, scale, fmt=fmt)
         assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
         assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))
         assert torch.equal(got[2], want[2])

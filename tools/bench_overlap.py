@@ -294,6 +294,10 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=None, help="for --gemm-overhead (default 8192 CUDA, 512 CPU)")
     p.add_argument("--tp-degrees", type=int, nargs="+", default=[2, 4, 8], help="for --gemm-overhead")
     args = p.parse_args(argv)
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            p.error("--device cuda: no GPU visible to torch (run it on a GPU machine, or leave --device out)")
     if args.gemm_overhead:
         res = gemm_overhead(args)
         if args.json:

@@ -81,6 +81,21 @@ run_step() {
     SUMMARY+=("$name: $what, $((SECONDS - t0)) s")
 }
 
+# run_json_step NAME CAP_S LOG CMD...: run_step with `--json <temp file>` added, the JSON then appended to
+# LOG. (A tool writing `--json /dev/stdout` opens the log afresh, truncating it: that erased the lines
+# before each JSON in the first GPU session's logs.)
+run_json_step() {
+    local name=$1 cap=$2 log=$3
+    shift 3
+    local tmp="$OUT/.$name.json"
+    rm -f "$tmp"
+    run_step "$name" "$cap" "$log" "$@" --json "$tmp"
+    if [[ -s $tmp ]]; then
+        { echo "-- $name: JSON results"; cat "$tmp"; echo; } >>"$log"
+    fi
+    rm -f "$tmp"
+}
+
 session() {
     echo "tessel gpu_session $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')" \
         "$(git status --porcelain 2>/dev/null | grep -q . && echo '(with uncommitted changes)')"
@@ -121,25 +136,22 @@ EOF
     fi
     if wanted fp8; then
         # shellcheck disable=SC2086
-        run_step fp8 100 "$OUT/bench_fp8.log" "$PY" tools/bench_fp8.py --device cuda --json /dev/stdout \
-            ${FP8_ARGS:-}
+        run_json_step fp8 100 "$OUT/bench_fp8.log" "$PY" tools/bench_fp8.py --device cuda ${FP8_ARGS:-}
     fi
     if wanted overlap; then
-        run_step overlap 40 "$OUT/bench_parallel.log" "$PY" tools/bench_overlap.py --gemm-overhead --device cuda \
-            --json /dev/stdout
+        run_json_step overlap 40 "$OUT/bench_parallel.log" "$PY" tools/bench_overlap.py --gemm-overhead --device cuda
     fi
     if wanted attention; then
-        run_step attention 75 "$OUT/bench_parallel.log" "$PY" tools/bench_attention.py --device cuda \
-            --json /dev/stdout
+        run_json_step attention 75 "$OUT/bench_parallel.log" "$PY" tools/bench_attention.py --device cuda
     fi
     if wanted moe; then
-        run_step moe 40 "$OUT/bench_parallel.log" "$PY" tools/bench_moe.py --ep "" --tokens 8192 --hidden 4096 \
-            --ffn 14336 --experts 8 --top-k 2 --json /dev/stdout
+        run_json_step moe 40 "$OUT/bench_parallel.log" "$PY" tools/bench_moe.py --ep "" --tokens 8192 --hidden 4096 \
+            --ffn 14336 --experts 8 --top-k 2
     fi
     if wanted train; then
         # shellcheck disable=SC2086  # TRAIN_ARGS is a list of words
-        run_step train 150 "$OUT/train_step.log" "$PY" tools/bench_train_step.py --device cuda --preset gpu-1b \
-            --compare-kernels --json /dev/stdout ${TRAIN_ARGS:-}
+        run_json_step train 150 "$OUT/train_step.log" "$PY" tools/bench_train_step.py --device cuda --preset gpu-1b \
+            --compare-kernels ${TRAIN_ARGS:-}
     fi
     if wanted kernels; then
         local kargs=${KERNELS_ARGS:-}

@@ -134,24 +134,42 @@ def quantize_tensorwise(t: Tensor, fmt: torch.dtype, scale: Tensor, *, transpose
     return Quantized(_cast(t, scale, fmt), inv, "tensor"), None, _amax(t)  # (rows, cols)
 
 
-def quantize_rowwise(t: Tensor, fmt: torch.dtype) -> Quantized:
-    """One scale per row of ``t`` (rows, cols)."""
+def _absmax(t: Tensor, dim) -> Tensor:
+    """fp32 max |t| over ``dim`` (kept), in one reduction (no fp32 or |t| copy); NaN propagates."""
+    return torch.linalg.vector_norm(t, float("inf"), dim=dim, keepdim=True, dtype=torch.float32)
+
+
+def quantize_rowwise(t: Tensor, fmt: torch.dtype, *, transposed: bool = False) -> Quantized:
+    """One scale per row of ``t`` (rows, cols); with ``transposed``, of ``t.T``: the scales come from
+    t's columns and only the fp8 result is transposed (1 byte per element moved, not t's 2 or 4)."""
+    if transposed:
+        scale = amax_to_scale(_absmax(t, 0), fmt)  # (1, rows of t.T)
+        return Quantized(_cast(t, scale, fmt).t().contiguous(), (1.0 / scale).reshape(-1, 1), "row")  # (rows of t.T, 1); unit strides
     t = t.contiguous()  # the fp8 result must be row-major for the GEMM
-    amax = t.float().abs().amax(dim=1, keepdim=True)  # (rows, 1)
-    scale = amax_to_scale(amax, fmt)
+    scale = amax_to_scale(_absmax(t, 1), fmt)  # (rows, 1)
     return Quantized(_cast(t, scale, fmt), 1.0 / scale, "row")
 
 
-def quantize_tiles(t: Tensor, fmt: torch.dtype) -> Quantized:
-    """1 x 128 tiles along the columns of ``t`` (rows, cols); a ragged last tile has its own scale."""
+def quantize_tiles(t: Tensor, fmt: torch.dtype, *, transposed: bool = False) -> Quantized:
+    """1 x 128 tiles along the columns of ``t`` (rows, cols); a ragged last tile has its own scale.
+    With ``transposed``, the tiles of ``t.T``: 128 x 1 along t's rows, only the fp8 result transposed."""
+    if transposed:
+        rows, cols = t.shape
+        nb = -(-rows // BLOCK)
+        padded = torch.nn.functional.pad(t.float(), (0, 0, 0, nb * BLOCK - rows))  # (nb*128, cols)
+        tiles = padded.view(nb, BLOCK, cols)
+        scale = amax_to_scale(_absmax(tiles, 1), fmt)  # (nb, 1, cols)
+        q = _cast(tiles, scale, fmt).view(nb * BLOCK, cols)[:rows]  # (rows, cols)
+        inv = torch.empty(cols, nb, device=t.device).copy_((1.0 / scale).squeeze(1).t())  # (cols, nb), unit strides
+        return Quantized(q.t().contiguous(), inv, "tile")  # (cols, rows)
     t = t.contiguous()
     rows, cols = t.shape
     nb = -(-cols // BLOCK)
     padded = torch.nn.functional.pad(t.float(), (0, nb * BLOCK - cols))  # (rows, nb*128)
-    amax = padded.view(rows, nb, BLOCK).abs().amax(dim=2)  # (rows, nb)
-    scale = amax_to_scale(amax, fmt)
-    q = _cast(padded.view(rows, nb, BLOCK), scale.unsqueeze(2), fmt).view(rows, nb * BLOCK)[:, :cols]
-    return Quantized(q.contiguous(), 1.0 / scale, "tile")
+    tiles = padded.view(rows, nb, BLOCK)
+    scale = amax_to_scale(_absmax(tiles, 2), fmt)  # (rows, nb, 1)
+    q = _cast(tiles, scale, fmt).view(rows, nb * BLOCK)[:, :cols]
+    return Quantized(q.contiguous(), 1.0 / scale.squeeze(2), "tile")
 
 
 def quantize_blocks(t: Tensor, fmt: torch.dtype) -> Quantized:
@@ -369,8 +387,8 @@ def weight_grad_requantized(recipe: str, gemm, g: Tensor, x: Tensor, w_dtype: to
     """``dw = g.T @ x`` (g (M, N), x (M, K)) for the row and block recipes, which quantise g and x again
     along the tokens M (zero-padded to ALIGN): per row of the transposes, or in 1 x 128 tiles."""
     quantize = quantize_rowwise if recipe == "rowwise" else quantize_tiles
-    gt = quantize(pad_rows(g).t(), E5M2)  # (N, M')
-    xt = quantize(pad_rows(x).t(), E4M3)  # (K, M')
+    gt = quantize(pad_rows(g), E5M2, transposed=True)  # (N, M')
+    xt = quantize(pad_rows(x), E4M3, transposed=True)  # (K, M')
     return gemm(gt, xt, torch.float32).to(w_dtype)
 
 
@@ -459,7 +477,7 @@ class _Fp8Linear(torch.autograd.Function):
         elif recipe == "rowwise":
             x, weight = ctx.saved_tensors
             if need_x:
-                grad_x = gemm(quantize_rowwise(g, E5M2), quantize_rowwise(weight.t(), E4M3), ctx.out_dtype)
+                grad_x = gemm(quantize_rowwise(g, E5M2), quantize_rowwise(weight, E4M3, transposed=True), ctx.out_dtype)
             if need_w:
                 grad_w = weight_grad_requantized(recipe, gemm, g, x, ctx.w_dtype)
         else:

@@ -56,7 +56,7 @@ def _saved_row_block(ctx) -> tuple[Tensor, Quantized]:
     (rowwise), or its saved 128 x 128 blocks transposed (blockwise: no re-quantisation)."""
     if ctx.recipe == "rowwise":
         x, weight = ctx.saved_tensors
-        return x, quantize_rowwise(weight.t(), E4M3)
+        return x, quantize_rowwise(weight, E4M3, transposed=True)
     x, w_data, w_inv = ctx.saved_tensors
     return x, Quantized(w_data, w_inv, "block").t()
 

@@ -80,6 +80,22 @@ def test_equals_plain_reference_bitwise(recipe):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transposed_quantisation_equals_quantising_the_transpose(dtype):
+    """The backward's row and tile scales of x.T, w.T and dy.T come from the untransposed tensor with
+    only the fp8 bytes transposed: bit for bit what quantising a transposed copy gives."""
+    from engine.ops.fp8_linear import quantize_rowwise
+    g = torch.Generator().manual_seed(7)
+    for rows, cols in ((48, 208), (37, 300)):  # ragged 128-tiles both ways
+        t = (torch.randn(rows, cols, generator=g) * torch.logspace(-3, 3, cols)).to(dtype)
+        for fmt in (E4M3, E5M2):
+            for quantize in (quantize_rowwise, quantize_tiles):
+                a, b = quantize(t.t(), fmt), quantize(t, fmt, transposed=True)
+                assert a.data.shape == b.data.shape == (cols, rows) and a.scale_inv.shape == b.scale_inv.shape
+                assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+                assert torch.equal(a.scale_inv, b.scale_inv)
+
+
 def test_rowwise_fallback_where_cpu_scaled_mm_lacks_row_scales(monkeypatch):
     """torch 2.11's CPU _scaled_mm takes per-tensor scales only: the dequantised fp32 matmul that
     replaces it there gives the row-wise _scaled_mm's results bit for bit (this torch has both)."""

@@ -137,6 +137,9 @@ EOF
     if wanted fp8; then
         # shellcheck disable=SC2086
         run_json_step fp8 100 "$OUT/bench_fp8.log" "$PY" tools/bench_fp8.py --device cuda ${FP8_ARGS:-}
+        # where one linear's time goes, kernel by kernel (docs/fp8.md, "Where the time goes")
+        run_json_step fp8_profile 30 "$OUT/bench_fp8.log" "$PY" tools/bench_fp8.py --device cuda --profile 8b:qkv \
+            --repeats 5
     fi
     if wanted overlap; then
         run_json_step overlap 40 "$OUT/bench_parallel.log" "$PY" tools/bench_overlap.py --gemm-overhead --device cuda

@@ -67,6 +67,62 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& 
   return {out, out_t, amax};
 }
 
+// cast_transpose_grid(input, scale, block_rows, block_cols, e5m2, want_out, want_out_t) -> (out or None,
+// out_t or None, amax): as cast_transpose, element (r, c) scaled by scale[r / block_rows][c / block_cols];
+// scale a contiguous fp32 (ceil(rows / block_rows), ceil(cols / block_cols)) grid on the input's device.
+std::tuple<py::object, py::object, at::Tensor> cast_transpose_grid(const at::Tensor& input, const at::Tensor& scale,
+                                                                    int64_t block_rows, int64_t block_cols,
+                                                                    bool e5m2, bool want_out, bool want_out_t) {
+  if (input.dim() != 2) fail("input must be 2-D (rows, cols); reshape it to (-1, hidden) first");
+  if (input.scalar_type() != at::kFloat && input.scalar_type() != at::kBFloat16) {
+    fail(std::string("input dtype ") + c10::toString(input.scalar_type()) + " is not float32 or bfloat16");
+  }
+  if (!input.is_contiguous()) fail("input must be contiguous; call .contiguous()");
+  if (block_rows < 1 || block_cols < 1) fail("block_rows and block_cols must be >= 1");
+  if (!want_out && !want_out_t) fail("nothing to write: want_out and want_out_t are both False");
+  const int64_t rows = input.size(0), cols = input.size(1);
+  const int64_t grid_rows = (rows + block_rows - 1) / block_rows, grid_cols = (cols + block_cols - 1) / block_cols;
+  if (scale.scalar_type() != at::kFloat || scale.dim() != 2 || scale.size(0) != grid_rows ||
+      scale.size(1) != grid_cols || !scale.is_contiguous() || scale.device() != input.device()) {
+    fail("scale must be a contiguous float32 (" + std::to_string(grid_rows) + ", " + std::to_string(grid_cols) +
+         ") grid on the input's device (ceil(rows / block_rows), ceil(cols / block_cols)), got " +
+         std::string(c10::toString(scale.scalar_type())) + " " + std::to_string(scale.dim()) + "-D on " +
+         scale.device().str());
+  }
+  const auto fp8 = input.options().dtype(e5m2 ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn);
+  at::Tensor out = want_out ? at::empty({rows, cols}, fp8) : at::Tensor();
+  at::Tensor out_t = want_out_t ? at::empty({cols, rows}, fp8) : at::Tensor();
+  at::Tensor amax = at::empty({1}, input.options().dtype(at::kFloat));
+  const bool bf16 = input.scalar_type() == at::kBFloat16;
+  auto* out_ptr = want_out ? reinterpret_cast<uint8_t*>(out.data_ptr()) : nullptr;
+  auto* out_t_ptr = want_out_t ? reinterpret_cast<uint8_t*>(out_t.data_ptr()) : nullptr;
+  auto wrap = [&]() -> std::tuple<py::object, py::object, at::Tensor> {
+    return {want_out ? py::cast(out) : py::none(), want_out_t ? py::cast(out_t) : py::none(), amax};
+  };
+  if (input.is_cuda()) {
+#ifdef TESSEL_WITH_CUDA
+    if ((rows + 31) / 32 > 65535) fail("more than 65535 * 32 rows; split the input");
+    const c10::cuda::CUDAGuard guard(input.device());
+    const int err = tessel::fp8::cast_transpose_grid_cuda(
+        input.data_ptr(), bf16, rows, cols, scale.data_ptr<float>(), block_rows, block_cols, out_ptr, out_t_ptr,
+        amax.data_ptr<float>(), e5m2, c10::cuda::getCurrentCUDAStream(input.device().index()).stream());
+    if (err != 0) throw std::runtime_error(std::string("fp8 cast_transpose_grid: CUDA launch failed: ") +
+                                           tessel::fp8::cuda_error_string(err));
+    return wrap();
+#else
+    fail("input is on " + input.device().str() + " but engine._fp8 was built without CUDA; rebuild "
+         "with nvcc and a CUDA torch, or use backend='reference'");
+#endif
+  }
+  if (!input.is_cpu()) fail("unsupported device " + input.device().str());
+  {
+    py::gil_scoped_release release;
+    tessel::fp8::cast_transpose_grid_cpu(input.data_ptr(), bf16, rows, cols, scale.data_ptr<float>(), block_rows,
+                                         block_cols, out_ptr, out_t_ptr, amax.data_ptr<float>(), e5m2);
+  }
+  return wrap();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -80,4 +136,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(rows, cols) fp32/bf16 input, one-element fp32 scale -> (fp8 (rows, cols) of input*scale, "
         "fp8 (cols, rows) transpose, fp32 (1,) amax of |input|); e4m3, or e5m2 with e5m2=True; "
         "saturating, NaN-propagating amax.");
+  m.def("cast_transpose_grid", &cast_transpose_grid, py::arg("input"), py::arg("scale"), py::arg("block_rows"),
+        py::arg("block_cols"), py::arg("e5m2") = false, py::arg("want_out") = true, py::arg("want_out_t") = true,
+        "cast_transpose with a grid of scales: element (r, c) times scale[r / block_rows][c / block_cols]; "
+        "outputs not wanted come back as None.");
 }

@@ -20,10 +20,21 @@ namespace fp8 {
 void cast_transpose_cpu(const void* in, bool in_bf16, int64_t rows, int64_t cols, float scale,
                         uint8_t* out, uint8_t* out_t, float* amax, bool e5m2);
 
+// The same with a grid of scales (the row-, tile- and block-wise recipes): element (r, c) is scaled by
+//   scale[(r / block_rows) * scale_cols + (c / block_cols)],  scale_cols = ceil(cols / block_cols),
+// e.g. (1, cols) blocks: one scale per row; (rows, 1): one per column; (1, 128): 1 x 128 tiles;
+// (128, 128): blocks. out or out_t may be null (not written). amax is max |x| of the whole input.
+void cast_transpose_grid_cpu(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float* scale,
+                             int64_t block_rows, int64_t block_cols, uint8_t* out, uint8_t* out_t, float* amax,
+                             bool e5m2);
+
 // CUDA (fp8.cu). scale and amax are device pointers; stream is a cudaStream_t.
 // Returns a cudaError_t value (0 = success).
 int cast_transpose_cuda(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float* scale,
                         uint8_t* out, uint8_t* out_t, float* amax, bool e5m2, void* stream);
+int cast_transpose_grid_cuda(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float* scale,
+                             int64_t block_rows, int64_t block_cols, uint8_t* out, uint8_t* out_t, float* amax,
+                             bool e5m2, void* stream);
 const char* cuda_error_string(int error);
 
 }  // namespace fp8

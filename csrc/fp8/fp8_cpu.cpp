@@ -41,10 +41,16 @@ inline uint32_t abs_bits(float x) {
 
 }  // namespace
 
-template <bool kE5m2>
-void cast_transpose_impl(const void* in, bool in_bf16, int64_t rows, int64_t cols, float scale,
-                         uint8_t* out, uint8_t* out_t, float* amax) {
+namespace {
+
+// kGrid: scale is a grid (fp8.h) looked up per element; else scale[0] for the tensor. out / out_t may
+// be null (not written).
+template <bool kE5m2, bool kGrid>
+void cast_transpose_impl(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float* scale,
+                         int64_t block_rows, int64_t block_cols, uint8_t* out, uint8_t* out_t, float* amax) {
   const int64_t row_blocks = (rows + kBlock - 1) / kBlock;
+  const int64_t scale_cols = (cols + block_cols - 1) / block_cols;
+  const float s0 = scale[0];
   const uint32_t max_bits = at::parallel_reduce(
       0, row_blocks, 1, uint32_t{0},
       [&](int64_t lo, int64_t hi, uint32_t acc) {
@@ -53,12 +59,13 @@ void cast_transpose_impl(const void* in, bool in_bf16, int64_t rows, int64_t col
           for (int64_t c0 = 0; c0 < cols; c0 += kBlock) {
             const int64_t c_end = std::min(c0 + kBlock, cols);
             for (int64_t r = rb * kBlock; r < r_end; ++r) {
+              const float* srow = kGrid ? scale + (r / block_rows) * scale_cols : nullptr;
               for (int64_t c = c0; c < c_end; ++c) {
                 const float x = load(in, in_bf16, r * cols + c);
                 acc = std::max(acc, abs_bits(x));
-                const uint8_t q = to_fp8<kE5m2>(x * scale);
-                out[r * cols + c] = q;
-                out_t[c * rows + r] = q;
+                const uint8_t q = to_fp8<kE5m2>(x * (kGrid ? srow[c / block_cols] : s0));
+                if (out != nullptr) out[r * cols + c] = q;
+                if (out_t != nullptr) out_t[c * rows + r] = q;
               }
             }
           }
@@ -69,13 +76,27 @@ void cast_transpose_impl(const void* in, bool in_bf16, int64_t rows, int64_t col
   std::memcpy(amax, &max_bits, sizeof(float));
 }
 
+template <bool kGrid>
+void dispatch(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float* scale, int64_t block_rows,
+              int64_t block_cols, uint8_t* out, uint8_t* out_t, float* amax, bool e5m2) {
+  if (e5m2) {
+    cast_transpose_impl<true, kGrid>(in, in_bf16, rows, cols, scale, block_rows, block_cols, out, out_t, amax);
+  } else {
+    cast_transpose_impl<false, kGrid>(in, in_bf16, rows, cols, scale, block_rows, block_cols, out, out_t, amax);
+  }
+}
+
+}  // namespace
+
 void cast_transpose_cpu(const void* in, bool in_bf16, int64_t rows, int64_t cols, float scale,
                         uint8_t* out, uint8_t* out_t, float* amax, bool e5m2) {
-  if (e5m2) {
-    cast_transpose_impl<true>(in, in_bf16, rows, cols, scale, out, out_t, amax);
-  } else {
-    cast_transpose_impl<false>(in, in_bf16, rows, cols, scale, out, out_t, amax);
-  }
+  dispatch<false>(in, in_bf16, rows, cols, &scale, 1, 1, out, out_t, amax, e5m2);
+}
+
+void cast_transpose_grid_cpu(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float* scale,
+                             int64_t block_rows, int64_t block_cols, uint8_t* out, uint8_t* out_t, float* amax,
+                             bool e5m2) {
+  dispatch<true>(in, in_bf16, rows, cols, scale, block_rows, block_cols, out, out_t, amax, e5m2);
 }
 
 }  // namespace fp8

@@ -14,7 +14,7 @@ function shadows its module's name (``engine.ops.swiglu`` is the module).
     engine.ops.fused_linear_ce  fused_linear_cross_entropy, FusedLinearCrossEntropy,
                                 linear_cross_entropy_reference
     engine.ops.fused_adamw      fused_adamw_, fused_adamw_reference_
-    engine.ops.fp8_cast_transpose  fp8_cast_transpose, fp8_cast_transpose_reference
+    engine.ops.fp8_cast_transpose  fp8_cast_transpose, fp8_cast_transpose_reference, fp8_cast_transpose_grid(_reference)
     engine.ops.fp8_linear       fp8_linear, DelayedScaling, scaled_gemm, scaled_gemm_reference (FP8 recipes
                                 on torch._scaled_mm; docs/fp8.md)
     engine.ops.grouped_gemm     grouped_mm, grouped_mm_reference (MoE experts over torch._grouped_mm)

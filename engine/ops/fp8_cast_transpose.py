@@ -61,3 +61,48 @@ def fp8_cast_transpose(x: Tensor, scale: Tensor, *, fmt: torch.dtype = torch.flo
     if backend == "native" or (backend == "auto" and _native.available("fp8")):
         return _native.load("fp8").cast_transpose(x.contiguous(), scale, e5m2=fmt == torch.float8_e5m2)
     return fp8_cast_transpose_reference(x, scale, fmt=fmt)
+
+
+def fp8_cast_transpose_grid_reference(x: Tensor, scale: Tensor, block: tuple[int, int], *,
+                                      fmt: torch.dtype = torch.float8_e4m3fn, want_out: bool = True,
+                                      want_out_t: bool = True) -> tuple[Tensor | None, Tensor | None, Tensor]:
+    """Plain-PyTorch version of :func:`fp8_cast_transpose_grid` (same promises, bit for bit)."""
+    rows, cols = x.shape
+    br, bc = block
+    full = scale.float().repeat_interleave(br, dim=0)[:rows].repeat_interleave(bc, dim=1)[:, :cols]  # (rows, cols)
+    m = _MAX[fmt]
+    q = (x.float() * full).clamp(-m, m).to(fmt)  # (rows, cols)
+    amax = x.float().abs().amax().reshape(1) if x.numel() else x.new_zeros(1, dtype=torch.float32)
+    return (q if want_out else None), (q.t().contiguous() if want_out_t else None), amax
+
+
+def fp8_cast_transpose_grid(x: Tensor, scale: Tensor, block: tuple[int, int], *,
+                            fmt: torch.dtype = torch.float8_e4m3fn, want_out: bool = True, want_out_t: bool = True,
+                            backend: str = "auto") -> tuple[Tensor | None, Tensor | None, Tensor]:
+    """:func:`fp8_cast_transpose` with a grid of scales, for the row-, tile- and block-wise recipes:
+    element (r, c) of ``x`` (rows, cols) is multiplied by ``scale[r // block[0], c // block[1]]``, ``scale``
+    a float32 (ceil(rows / block[0]), ceil(cols / block[1])) tensor on x's device. E.g. block (1, cols):
+    a scale per row; (rows, 1): per column; (1, 128): 1 x 128 tiles; (128, 128): blocks. Returns (out or
+    None, out_t or None, amax of x): ``want_out`` / ``want_out_t`` say which of the fp8 (rows, cols) and
+    its (cols, rows) transpose to write (one pass over x either way)."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"{_OP}_grid: backend={backend!r} is not one of {_BACKENDS}.")
+    if fmt not in _MAX:
+        raise ValueError(f"{_OP}_grid: fmt={fmt} is not torch.float8_e4m3fn or torch.float8_e5m2.")
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{_OP}_grid: x must be a 2-D float32 or bfloat16 tensor, got {x.dtype} "
+                         f"{tuple(x.shape)}; reshape to (-1, hidden) and cast.")
+    br, bc = block
+    if br < 1 or bc < 1:
+        raise ValueError(f"{_OP}_grid: block={block} must be two sizes >= 1")
+    grid = (-(-x.shape[0] // br), -(-x.shape[1] // bc))
+    if scale.dtype != torch.float32 or tuple(scale.shape) != grid or scale.device != x.device:
+        raise ValueError(f"{_OP}_grid: scale must be a float32 {grid} tensor on {x.device} (ceil(rows / "
+                         f"{br}), ceil(cols / {bc})), got {scale.dtype} {tuple(scale.shape)} on {scale.device}.")
+    if not (want_out or want_out_t):
+        raise ValueError(f"{_OP}_grid: want_out and want_out_t are both False: nothing to compute")
+    if backend == "native" or (backend == "auto" and _native.available("fp8")):
+        return _native.load("fp8").cast_transpose_grid(x.contiguous(), scale.contiguous(), br, bc,
+                                                       e5m2=fmt == torch.float8_e5m2, want_out=want_out,
+                                                       want_out_t=want_out_t)
+    return fp8_cast_transpose_grid_reference(x, scale, block, fmt=fmt, want_out=want_out, want_out_t=want_out_t)

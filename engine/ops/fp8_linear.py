@@ -55,7 +55,7 @@ from typing import Callable, Mapping, Optional
 import torch
 from torch import Tensor
 
-from engine.ops.fp8_cast_transpose import fp8_cast_transpose
+from engine.ops.fp8_cast_transpose import fp8_cast_transpose, fp8_cast_transpose_grid
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -82,11 +82,22 @@ def amax_to_scale(amax: Tensor, fmt: torch.dtype, *, margin: int = 0) -> Tensor:
     return scale.clamp(max=torch.finfo(torch.float32).max)
 
 
-def _cast(t: Tensor, scale: Tensor, fmt: torch.dtype) -> Tensor:
-    m = FP8_MAX[fmt]
-    f = t.float()
-    f = f * scale if f is t else f.mul_(scale)  # fp32 (a bf16 t's copy is scaled in place)
-    return f.clamp_(-m, m).to(fmt)
+def _grid_cast(t: Tensor, scale: Tensor, block: tuple[int, int], fmt: torch.dtype, *, out: bool = True,
+               out_t: bool = False) -> tuple[Optional[Tensor], Optional[Tensor], Tensor]:
+    """One pass over ``t`` (rows, cols): fp8(t * scale[r // block[0], c // block[1]]) clamped to the format's
+    range, and/or its transpose, and max |t| (engine.ops.fp8_cast_transpose_grid: csrc/fp8 when built)."""
+    if not t.numel():  # (0, cols) or (rows, 0): empty outputs, amax 0
+        rows, cols = t.shape
+        return (t.new_empty((rows, cols), dtype=fmt) if out else None,
+                t.new_empty((cols, rows), dtype=fmt) if out_t else None, t.new_zeros(1, dtype=torch.float32))
+    return fp8_cast_transpose_grid(t.contiguous(), scale.float().contiguous(), (max(block[0], 1), max(block[1], 1)),
+                                   fmt=fmt, want_out=out, want_out_t=out_t)
+
+
+def _padded_to(t: Tensor, rows: int, cols: int) -> Tensor:
+    """``t`` zero-padded to (rows, cols) in its own dtype (a view when nothing is missing): for block amaxes."""
+    extra_r, extra_c = rows - t.shape[0], cols - t.shape[1]
+    return torch.nn.functional.pad(t, (0, extra_c, 0, extra_r)) if extra_r or extra_c else t
 
 
 @dataclass
@@ -131,7 +142,8 @@ def quantize_tensorwise(t: Tensor, fmt: torch.dtype, scale: Tensor, *, transpose
     if transpose:
         q, q_t, amax = fp8_cast_transpose(t.contiguous(), scale, fmt=fmt)
         return Quantized(q, inv, "tensor"), Quantized(q_t, inv, "tensor"), amax
-    return Quantized(_cast(t, scale, fmt), inv, "tensor"), None, _amax(t)  # (rows, cols)
+    q, _, amax = _grid_cast(t, scale.reshape(1, 1), tuple(t.shape), fmt)  # (rows, cols)
+    return Quantized(q, inv, "tensor"), None, amax
 
 
 def _absmax(t: Tensor, dim) -> Tensor:
@@ -141,47 +153,46 @@ def _absmax(t: Tensor, dim) -> Tensor:
 
 def quantize_rowwise(t: Tensor, fmt: torch.dtype, *, transposed: bool = False) -> Quantized:
     """One scale per row of ``t`` (rows, cols); with ``transposed``, of ``t.T``: the scales come from
-    t's columns and only the fp8 result is transposed (1 byte per element moved, not t's 2 or 4)."""
+    t's columns and the cast writes the transpose directly (t itself is never copied transposed)."""
+    t = t.contiguous()
+    rows, cols = t.shape
     if transposed:
-        scale = amax_to_scale(_absmax(t, 0), fmt)  # (1, rows of t.T)
-        return Quantized(_cast(t, scale, fmt).t().contiguous(), (1.0 / scale).reshape(-1, 1), "row")  # (rows of t.T, 1); unit strides
-    t = t.contiguous()  # the fp8 result must be row-major for the GEMM
+        scale = amax_to_scale(_absmax(t, 0), fmt)  # (1, cols): one per row of t.T
+        _, q_t, _ = _grid_cast(t, scale, (rows, 1), fmt, out=False, out_t=True)  # (cols, rows)
+        return Quantized(q_t, (1.0 / scale).reshape(-1, 1), "row")  # (cols, 1), unit strides
     scale = amax_to_scale(_absmax(t, 1), fmt)  # (rows, 1)
-    return Quantized(_cast(t, scale, fmt), 1.0 / scale, "row")
+    q, _, _ = _grid_cast(t, scale, (1, cols), fmt)
+    return Quantized(q, 1.0 / scale, "row")
 
 
 def quantize_tiles(t: Tensor, fmt: torch.dtype, *, transposed: bool = False) -> Quantized:
     """1 x 128 tiles along the columns of ``t`` (rows, cols); a ragged last tile has its own scale.
-    With ``transposed``, the tiles of ``t.T``: 128 x 1 along t's rows, only the fp8 result transposed."""
-    if transposed:
-        rows, cols = t.shape
-        nb = -(-rows // BLOCK)
-        padded = torch.nn.functional.pad(t.float(), (0, 0, 0, nb * BLOCK - rows))  # (nb*128, cols)
-        tiles = padded.view(nb, BLOCK, cols)
-        scale = amax_to_scale(_absmax(tiles, 1), fmt)  # (nb, 1, cols)
-        q = _cast(tiles, scale, fmt).view(nb * BLOCK, cols)[:rows]  # (rows, cols)
-        inv = torch.empty(cols, nb, device=t.device).copy_((1.0 / scale).squeeze(1).t())  # (cols, nb), unit strides
-        return Quantized(q.t().contiguous(), inv, "tile")  # (cols, rows)
+    With ``transposed``, the tiles of ``t.T``: 128 x 1 along t's rows, the cast writing the transpose."""
     t = t.contiguous()
     rows, cols = t.shape
+    if transposed:
+        nb = -(-rows // BLOCK)
+        tiles = _padded_to(t, nb * BLOCK, cols).view(nb, BLOCK, cols)
+        scale = amax_to_scale(_absmax(tiles, 1), fmt).squeeze(1)  # (nb, cols)
+        _, q_t, _ = _grid_cast(t, scale, (BLOCK, 1), fmt, out=False, out_t=True)  # (cols, rows)
+        inv = torch.empty(cols, nb, device=t.device).copy_((1.0 / scale).t())  # (cols, nb), unit strides
+        return Quantized(q_t, inv, "tile")
     nb = -(-cols // BLOCK)
-    padded = torch.nn.functional.pad(t.float(), (0, nb * BLOCK - cols))  # (rows, nb*128)
-    tiles = padded.view(rows, nb, BLOCK)
-    scale = amax_to_scale(_absmax(tiles, 2), fmt)  # (rows, nb, 1)
-    q = _cast(tiles, scale, fmt).view(rows, nb * BLOCK)[:, :cols]
-    return Quantized(q.contiguous(), 1.0 / scale.squeeze(2), "tile")
+    tiles = _padded_to(t, rows, nb * BLOCK).view(rows, nb, BLOCK)
+    scale = amax_to_scale(_absmax(tiles, 2), fmt).squeeze(2)  # (rows, nb)
+    q, _, _ = _grid_cast(t, scale, (1, BLOCK), fmt)
+    return Quantized(q, 1.0 / scale, "tile")
 
 
 def quantize_blocks(t: Tensor, fmt: torch.dtype) -> Quantized:
     """128 x 128 blocks of ``t`` (rows, cols)."""
+    t = t.contiguous()
     rows, cols = t.shape
     rb, cb = -(-rows // BLOCK), -(-cols // BLOCK)
-    padded = torch.nn.functional.pad(t.float(), (0, cb * BLOCK - cols, 0, rb * BLOCK - rows))
-    tiles = padded.view(rb, BLOCK, cb, BLOCK)  # (rb, 128, cb, 128)
-    amax = tiles.abs().amax(dim=(1, 3))  # (rb, cb)
-    scale = amax_to_scale(amax, fmt)
-    q = _cast(tiles, scale[:, None, :, None], fmt).view(rb * BLOCK, cb * BLOCK)[:rows, :cols]
-    return Quantized(q.contiguous(), 1.0 / scale, "block")
+    tiles = _padded_to(t, rb * BLOCK, cb * BLOCK).view(rb, BLOCK, cb, BLOCK)  # (rb, 128, cb, 128)
+    scale = amax_to_scale(_absmax(tiles, (1, 3)).reshape(rb, cb), fmt)  # (rb, cb)
+    q, _, _ = _grid_cast(t, scale, (BLOCK, BLOCK), fmt)
+    return Quantized(q, 1.0 / scale, "block")
 
 
 # -- GEMMs ----------------------------------------------------------------------------------------

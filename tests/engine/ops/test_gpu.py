@@ -110,6 +110,24 @@ def test_fp8_cast_transpose_cuda_bit_for_bit():
         assert torch.equal(got[2], want[2])
 
 
+@pytest.mark.skipif(not _native.has_cuda("fp8"), reason="engine._fp8 was built without CUDA")
+def test_fp8_cast_transpose_grid_cuda_bit_for_bit():
+    """The row-, column-, tile- and block-scaled casts (the row- and block-wise recipes' quantisation)."""
+    from engine.ops.fp8_cast_transpose import fp8_cast_transpose_grid, fp8_cast_transpose_grid_reference
+
+    rows, cols = 4099, 1031
+    for dtype, fmt in [(d, f) for d in (torch.float32, torch.bfloat16) for f in (torch.float8_e4m3fn, torch.float8_e5m2)]:
+        x = (torch.randn(rows, cols, device="cuda") * 100).to(dtype)
+        for block in ((1, cols), (rows, 1), (1, 128), (128, 1), (128, 128)):
+            grid = (-(-rows // block[0]), -(-cols // block[1]))
+            scale = torch.rand(grid, device="cuda") * 4
+            got = fp8_cast_transpose_grid(x, scale, block, fmt=fmt, backend="native")
+            want = fp8_cast_transpose_grid_reference(x, scale, block, fmt=fmt)
+            assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)), (dtype, fmt, block)
+            assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8)), (dtype, fmt, block)
+            assert torch.equal(got[2], want[2])
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise", "blockwise"])
 def test_fp8_linear_cuda_matches_the_cpu_path(recipe):
     """fp8_linear on CUDA (cuBLAS / CUTLASS _scaled_mm, torch's sm_90 blockwise kernel where it exists)

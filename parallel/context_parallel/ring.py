@@ -164,6 +164,35 @@ def _block_backward(q, k, v, dout, lse, delta, mask, scale):
     return dq, dk, dv
 
 
+def _hop_plan(my_chunks: Sequence[int], src_chunks: Sequence[int], masks: BlockMasks, flash: bool
+              ) -> list[tuple[int, int, int, int, str, torch.Tensor | None]]:
+    """The kernel calls of one hop: ``(q0, q1, k0, k1, kind, mask)``, local chunk ranges [q0, q1) x [k0, k1).
+
+    With the flash kernel, the unmasked ("full") blocks merge into as few rectangles as cover them
+    exactly: all of them in one call when they form a rectangle (under the zigzag split every hop after
+    the first is one: both local query chunks against one kv chunk, or one against both), else one call
+    per query chunk and run of consecutive kv chunks. Fewer, larger kernel calls, and one merge of the
+    running output per call instead of per block. Causal and masked blocks stay one call each."""
+    blocks = [(qi, ki, mask, masks.kind(my_chunks[qi], src_chunks[ki]))
+              for qi, ki, mask in computed_blocks(my_chunks, src_chunks, masks)]
+    plan = []
+    full = sorted((qi, ki) for qi, ki, _, kind in blocks if flash and kind == "full")
+    if full:
+        qs, ks = sorted({q for q, _ in full}), sorted({k for _, k in full})
+        if (len(full) == len(qs) * len(ks) and qs == list(range(qs[0], qs[-1] + 1))
+                and ks == list(range(ks[0], ks[-1] + 1))):
+            plan.append((qs[0], qs[-1] + 1, ks[0], ks[-1] + 1, "full", None))
+        else:
+            for qi, ki in full:  # extend the previous run of this row, or start one
+                if plan and plan[-1][0] == qi and plan[-1][3] == ki:
+                    plan[-1] = (qi, qi + 1, plan[-1][2], ki + 1, "full", None)
+                else:
+                    plan.append((qi, qi + 1, ki, ki + 1, "full", None))
+    plan += [(qi, qi + 1, ki, ki + 1, kind, mask) for qi, ki, mask, kind in blocks
+             if not (flash and kind == "full")]
+    return plan
+
+
 def _rotate(buf: torch.Tensor, group: Group) -> tuple[torch.Tensor, list]:
     """Post the send of ``buf`` to the next ring rank and the receive of the previous rank's; returns
     (the receive buffer, the work handles). Nothing to do on a ring of one."""
@@ -192,10 +221,8 @@ class _RingAttention(torch.autograd.Function):
             src = (me - t) % n
             nxt, works = _rotate(kv, group) if t < n - 1 else (None, [])
             kvc = None  # this hop's K/V in the compute dtype, for the explicit kernel
-            src_chunks = chunks_of(src)
-            for qi, ki, mask in computed_blocks(my_chunks, src_chunks, masks):
-                rows, cols = slice(qi * L, (qi + 1) * L), slice(ki * L, (ki + 1) * L)
-                kind = masks.kind(my_chunks[qi], src_chunks[ki])
+            for q0, q1, k0, k1, kind, mask in _hop_plan(my_chunks, chunks_of(src), masks, fdt is not None):
+                rows, cols = slice(q0 * L, q1 * L), slice(k0 * L, k1 * L)
                 if fdt is not None and kind != "masked":  # the fused kernel takes the inputs' own dtype on CUDA
                     o, l = _flash_block_forward(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
                                                 kind == "causal", scale, fdt)
@@ -227,10 +254,8 @@ class _RingAttention(torch.autograd.Function):
             nxt, works = _rotate(kv, group) if t < n - 1 else (None, [])
             kvc = None  # this hop's K/V in the compute dtype, for the explicit kernel
             dkv = torch.zeros(kv.shape, dtype=cdt, device=kv.device)  # this rank's share for block src
-            src_chunks = chunks_of(src)
-            for qi, ki, mask in computed_blocks(my_chunks, src_chunks, masks):
-                rows, cols = slice(qi * L, (qi + 1) * L), slice(ki * L, (ki + 1) * L)
-                kind = masks.kind(my_chunks[qi], src_chunks[ki])
+            for q0, q1, k0, k1, kind, mask in _hop_plan(my_chunks, chunks_of(src), masks, fdt is not None):
+                rows, cols = slice(q0 * L, q1 * L), slice(k0 * L, k1 * L)
                 if fdt is not None and kind != "masked":
                     dqb, dkb, dvb = _flash_block_backward(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
                                                           dout[..., rows, :], out[..., rows, :], lse[..., rows],

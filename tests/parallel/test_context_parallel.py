@@ -250,6 +250,38 @@ def test_zigzag_balances_causal_attention(cp, capsys):
               f"(max/mean {imbalance:.2f}); visible pairs contiguous max/mean {max(pairs) / (sum(pairs) / cp):.2f}")
 
 
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_hop_plan_merges_full_blocks_into_rectangles(cp):
+    """Under zigzag every hop after the first is ONE flash call over its full blocks (both local query
+    chunks against one kv chunk, or one against both); the first is the two diagonals and one full block;
+    a rank holding every chunk gets one call per query chunk's run. The calls cover exactly the blocks
+    that are computed, each once; without the flash kernel every block stays its own call."""
+    from parallel.context_parallel.masks import computed_blocks
+    from parallel.context_parallel.ring import _hop_plan
+
+    masks = BlockMasks(seq_len=16 * cp, num_chunks=2 * cp, doc_ids=None, window=None)
+
+    def cells(plan):
+        return sorted((q, k) for q0, q1, k0, k1, *_ in plan for q in range(q0, q1) for k in range(k0, k1))
+
+    every = list(range(2 * cp))
+    for mine, srcs in [*[(zigzag_chunks(r, cp), [zigzag_chunks(s, cp) for s in range(cp)]) for r in range(cp)],
+                       (every, [every])]:
+        for src in srcs:
+            want = sorted((qi, ki) for qi, ki, _ in computed_blocks(mine, src, masks))
+            plan = _hop_plan(mine, src, masks, True)
+            assert cells(plan) == want
+            assert _hop_plan(mine, src, masks, False) == [(q, q + 1, k, k + 1, masks.kind(mine[q], src[k]), m)
+                                                           for q, k, m in computed_blocks(mine, src, masks)]
+            kinds = sorted(kind for *_, kind, _ in plan)
+            if mine is every:
+                assert kinds == ["causal"] * (2 * cp) + ["full"] * (2 * cp - 1)  # one run per row below the first
+            elif src == mine:
+                assert kinds == ["causal", "causal", "full"]
+            else:
+                assert kinds == ["full"]  # two blocks, one call
+
+
 def _one_process_ring(masks_kind: str, dtype: torch.dtype, fused):
     """Ring attention over a trivial group holding every chunk (each block kind occurs), and its q/k/v grads."""
     from parallel.context_parallel import ring_attention

@@ -32,8 +32,10 @@ Recipes (where the amax comes from, and its granularity):
   128-wide slice of the contraction (``_scaled_mm`` with unit scales, fp32 out) whose fp32 partial
   is scaled by the outer product of the slice's row and column scales and added in fp32: exactly
   DeepSeek-V3's "promote to fp32 every 128 elements of K". Not a dequantising fallback: every
-  product is an FP8 x FP8 GEMM. On CUDA the native ``_scaled_mm`` blockwise kernel (torch >= 2.9,
-  sm_90) is tried first; the loop is the fallback (K/128 GEMM launches: slow, correct).
+  product is an FP8 x FP8 GEMM. On CUDA torch's sm_90 blockwise kernel is tried first
+  (``torch.nn.functional.scaled_mm`` with BlockWise1x128 / BlockWise128x128 recipes where torch has
+  it, else ``torch._scaled_mm``; 1x128 x 1x128 for the weight gradient), its first result in a
+  process checked against the loop; the loop is the fallback (K/128 GEMM launches: slow, correct).
 
 Shape rules (checked on every backend, so what runs on CPU runs on a GPU): K and N must be
 multiples of 16 (cuBLAS FP8 needs 16-byte aligned rows; the backward contracts over N); M (the
@@ -203,21 +205,74 @@ def _slice_scales(q: Quantized, k: int, n: int) -> Tensor:
     return q.scale_inv[:, k].repeat_interleave(BLOCK)[:n]
 
 
+def blockwise_scale_layouts(a: Quantized, b: Quantized) -> tuple[Tensor, Tensor]:
+    """The dequantisation scales of ``a`` (M, K) in 1 x 128 tiles and ``b`` (N, K) in 1 x 128 tiles or
+    128 x 128 blocks laid out as torch's sm_90 blockwise ``scaled_mm`` reads them: a tile operand's
+    (rows, K/128) outer-dim-major (stride 1 along the rows); a block operand's (N/128, K/128) with the
+    K/128 blocks zero-padded to a multiple of 4, seen transposed as (L4, N/128)."""
+    def tiles(q: Quantized) -> Tensor:
+        return q.scale_inv.t().contiguous().t()  # (rows, K/128), stride (1, rows)
+    if b.granularity == "tile":
+        return tiles(a), tiles(b)
+    kb = b.scale_inv.shape[1]
+    padded = torch.nn.functional.pad(b.scale_inv, (0, -kb % 4))  # (N/128, L4)
+    return tiles(a), padded.t()  # (L4, N/128) view
+
+
 def _native_blockwise(a: Quantized, b: Quantized) -> Optional[Tensor]:
-    """torch's sm_90 blockwise kernel (1x128 x 128x128), or None where this torch/GPU has none."""
-    if a.data.device.type != "cuda" or a.granularity != "tile" or b.granularity != "block":
+    """torch's sm_90 blockwise kernel (1x128 x 128x128, or 1x128 x 1x128 for the weight gradient), fp32
+    out, or None where this torch/GPU has none (the reason recorded in GEMM_PATHS). The first result in a
+    process is checked against the per-slice loop; a kernel that disagrees is not used again."""
+    if a.data.device.type != "cuda" or a.granularity != "tile" or b.granularity not in ("tile", "block"):
         return None
-    if a.data.shape[1] % BLOCK or b.data.shape[0] % BLOCK:
+    if a.data.shape[1] % BLOCK or (b.granularity == "block" and b.data.shape[0] % BLOCK):
         return None
-    try:  # scale_a (M, K/128) outer-dim-major; scale_b (K/128, N/128) for b = (N, K).T
-        sa = a.scale_inv.t().contiguous().t()  # (M, K/128), outer-dim-major
-        sb = b.scale_inv.t()  # (K/128, N/128) view: its transpose, b's (N/128, K/128), is row-major
-        out = torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=torch.bfloat16).float()
-        GEMM_PATHS["blockwise"] = "native"
-        return out
-    except (RuntimeError, ValueError, NotImplementedError) as e:  # why, for the bench's and GPU test's report
-        GEMM_PATHS["blockwise_native_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    if GEMM_PATHS.get("blockwise_native") == "off":
         return None
+    sa, sb = blockwise_scale_layouts(a, b)
+    errors = []
+    out = None
+    F = torch.nn.functional
+    if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):  # torch >= 2.10: the recipes named
+        recipe_b = F.ScalingType.BlockWise1x128 if b.granularity == "tile" else F.ScalingType.BlockWise128x128
+        try:
+            out = F.scaled_mm(a.data, b.data.t(), sa, F.ScalingType.BlockWise1x128, sb, recipe_b,
+                              output_dtype=torch.bfloat16)
+        except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
+            errors.append(f"F.scaled_mm: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    if out is None:
+        try:  # the older entry point, which infers the recipes from the scales' shapes
+            out = torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=torch.bfloat16)
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            errors.append(f"torch._scaled_mm: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    if out is None:
+        GEMM_PATHS["blockwise_native_error"] = "; ".join(errors)
+        return None
+    out = out.float()
+    if GEMM_PATHS.get("blockwise_native") != "checked":  # once per process: the kernel's scale convention
+        ref = _blockwise_loop(a, b)
+        rel = ((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
+        if not rel < 2e-2:  # bf16 output rounding is 4e-3
+            GEMM_PATHS["blockwise_native"] = "off"
+            GEMM_PATHS["blockwise_native_error"] = f"native result differs from the per-slice loop by {rel:.2e}"
+            return None
+        GEMM_PATHS["blockwise_native"] = "checked"
+    GEMM_PATHS["blockwise"] = "native"
+    return out
+
+
+def _blockwise_loop(a: Quantized, b: Quantized) -> Tensor:
+    """One FP8 GEMM per 128-wide slice of the contraction (unit scales, fp32 out), each partial scaled by
+    its slice's row and column scales and summed in fp32: (M, N) fp32."""
+    (m, c), n = a.data.shape, b.data.shape[0]
+    one = torch.ones((), dtype=torch.float32, device=a.data.device)
+    acc = torch.zeros(m, n, dtype=torch.float32, device=a.data.device)
+    for k, start in enumerate(range(0, c, BLOCK)):
+        end = min(start + BLOCK, c)
+        part = torch._scaled_mm(a.data[:, start:end].contiguous(), b.data[:, start:end].contiguous().t(),
+                                one, one, out_dtype=torch.float32)  # (m, n) fp32, exact products
+        acc += part * _slice_scales(a, k, m).unsqueeze(1) * _slice_scales(b, k, n).unsqueeze(0)
+    return acc
 
 
 @functools.lru_cache(maxsize=None)
@@ -253,15 +308,7 @@ def scaled_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> Tensor:
         if native is not None:
             return native.to(out_dtype)
         GEMM_PATHS["blockwise"] = "per-128-slice loop"
-        (m, c), n = a.data.shape, b.data.shape[0]
-        one = torch.ones((), dtype=torch.float32, device=a.data.device)
-        acc = torch.zeros(m, n, dtype=torch.float32, device=a.data.device)
-        for k, start in enumerate(range(0, c, BLOCK)):
-            end = min(start + BLOCK, c)
-            part = torch._scaled_mm(a.data[:, start:end].contiguous(), b.data[:, start:end].contiguous().t(),
-                                    one, one, out_dtype=torch.float32)  # (m, n) fp32, exact products
-            acc += part * _slice_scales(a, k, m).unsqueeze(1) * _slice_scales(b, k, n).unsqueeze(0)
-        return acc.to(out_dtype)
+        return _blockwise_loop(a, b).to(out_dtype)
     raise ValueError(f"no FP8 GEMM for {a.granularity} x {b.granularity} operands")
 
 

@@ -96,6 +96,21 @@ def test_transposed_quantisation_equals_quantising_the_transpose(dtype):
                 assert torch.equal(a.scale_inv, b.scale_inv)
 
 
+def test_blockwise_scale_layouts_for_the_sm90_kernel():
+    """What torch's blockwise scaled_mm reads (its test_scaled_matmul_cuda layouts): tile scales (rows,
+    K/128) with stride 1 along the rows; block scales' K/128 padded to a multiple of 4 and transposed."""
+    from engine.ops.fp8_linear import blockwise_scale_layouts
+    x = torch.randn(64, 640)  # K/128 = 5: padded to 8
+    w = torch.randn(256, 640)
+    sa, sb = blockwise_scale_layouts(quantize_tiles(x, E4M3), quantize_blocks(w, E4M3))
+    assert sa.shape == (64, 5) and sa.stride() == (1, 64)
+    assert torch.equal(sa, quantize_tiles(x, E4M3).scale_inv)
+    assert sb.shape == (8, 2) and sb.stride() == (1, 8)
+    assert torch.equal(sb[:5], quantize_blocks(w, E4M3).scale_inv.t()) and bool((sb[5:] == 0).all())
+    sa2, sb2 = blockwise_scale_layouts(quantize_tiles(x, E4M3), quantize_tiles(w, E4M3))
+    assert sb2.shape == (256, 5) and sb2.stride() == (1, 256)
+
+
 def test_rowwise_fallback_where_cpu_scaled_mm_lacks_row_scales(monkeypatch):
     """torch 2.11's CPU _scaled_mm takes per-tensor scales only: the dequantised fp32 matmul that
     replaces it there gives the row-wise _scaled_mm's results bit for bit (this torch has both)."""

@@ -26,6 +26,9 @@ attention into the ring's blocks. bf16 causal attention fwd + bwd at the model's
 ``--kv-heads``, ``--head-dim``, default Llama-3 8B's 32 over 8 of 128), ``--seqs`` tokens: SDPA (flash)
 over the whole sequence against the ring's block kernels in one process over the ``2 cp`` zigzag chunks
 (flash per block, and the explicit kernel), for cp = ``--cuda-cps``; CUDA events, medians.
+
+``--profile-cp CP`` (either device): instead of timing, SDPA against the ring's flash blocks at that cp,
+kernel by kernel (tools/kernel_profile.py), at the first ``--seqs`` length.
 """
 from __future__ import annotations
 
@@ -189,6 +192,36 @@ def run_cuda(args: argparse.Namespace) -> dict:
             "rows": rows}
 
 
+def run_profile(args: argparse.Namespace) -> dict:
+    """``--profile-cp CP``: one process, the first ``--seqs`` length, kernel by kernel (tools/kernel_profile.py):
+    SDPA over the whole sequence against the ring's flash blocks over the 2 CP zigzag chunks (bf16 on
+    CUDA, fp32 on the CPU), forward + backward. Where the blocks' time goes beyond SDPA's."""
+    from parallel.comm import Group
+    from parallel.context_parallel import BlockMasks, ring_attention
+    from tools.kernel_profile import kernel_table, print_kernel_table
+
+    dev, cp, s = args.device, args.profile_cp, args.seqs[0]
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(args.seed + s)
+    q, k, v = (torch.randn(s, 1, h, args.head_dim, generator=g).to(dev, dtype)
+               for h in (args.heads, args.kv_heads, args.kv_heads))
+    go = torch.randn(s, 1, args.heads * args.head_dim, generator=g).to(dev, dtype)
+    scale = args.head_dim ** -0.5
+    masks = BlockMasks(seq_len=s, num_chunks=2 * cp, doc_ids=None, window=None, device=dev)
+    every = list(range(2 * cp))
+
+    def blocks():
+        qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+        ring_attention(qs, ks, vs, group=Group.trivial("cp"), chunks_of=lambda r: every, masks=masks,
+                       scale=scale, fused=None).backward(go)
+    out = {"seq": s, "cp": cp, "device": dev, "sides": {}}
+    for name, fn in (("sdpa", _sdpa_step(q, k, v, go, scale)), (f"cp{cp}_blocks", blocks)):
+        table = kernel_table(fn, device=dev, repeats=args.repeats)
+        out["sides"][name] = {"total_us": table["total_us"], "kernels": table["kernels"][:args.profile_top]}
+        print_kernel_table(f"{name}, forward + backward, {s} tokens, {dtype}", table, top=args.profile_top)
+    return out
+
+
 def run(args: argparse.Namespace) -> dict:
     from parallel.context_parallel import check_a2a_heads, check_cp_sequence
     from parallel.testing import run_distributed
@@ -259,6 +292,10 @@ def parse_args(argv=None):
     p.add_argument("--explicit-max-seq", type=int, default=8192,
                    help="--device cuda: the explicit block kernel only up to this length (at 32K it runs ~2 s a step)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile-cp", type=int, default=None, metavar="CP",
+                   help="only profile, kernel by kernel, SDPA against the ring's flash blocks at this cp (one process, "
+                        "the first --seqs length)")
+    p.add_argument("--profile-top", type=int, default=15, help="kernels listed per side with --profile-cp")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--md", default=None, help="write a markdown page (table, machine, command, date) here")
     args = p.parse_args(argv)
@@ -281,6 +318,18 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.repeats < 1 or args.cp < 2:
         raise SystemExit("--repeats must be >= 1 and --cp >= 2")
+    if args.profile_cp is not None:
+        from parallel.context_parallel import check_cp_sequence
+
+        check_cp_sequence(args.seqs[0], cp=args.profile_cp)
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no GPU visible to torch")
+        res = run_profile(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=2)
+                f.write("\n")
+        return 0
     if args.device == "cuda":
         from parallel.context_parallel import check_cp_sequence
 

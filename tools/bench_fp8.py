@@ -126,10 +126,10 @@ def bench_gemms(args, run) -> dict:
 
 
 def profile_layer(args) -> dict:
-    """Where one linear's forward + backward spends its device time: torch.profiler over ``--repeats``
-    calls at the ``--profile`` layer (e.g. 8b:qkv), bf16 ``F.linear`` and each recipe, every kernel's
-    self time summed by name (CUDA time on a GPU, CPU time on the CPU), largest first."""
-    from torch.profiler import ProfilerActivity, profile
+    """Where one linear's forward + backward spends its device time: tools/kernel_profile.py over
+    ``--repeats`` calls at the ``--profile`` layer (e.g. 8b:qkv), bf16 ``F.linear`` and each recipe, every
+    kernel's self time summed by name (CUDA time on a GPU, CPU time on the CPU), largest first."""
+    from tools.kernel_profile import kernel_table, print_kernel_table
 
     dev = args.device
     model, lin = args.profile.split(":")
@@ -140,34 +140,16 @@ def profile_layer(args) -> dict:
     w = (torch.randn(nf, kf, device=dev, dtype=torch.float32, generator=g) * 0.02).requires_grad_()
     wb = w.detach().to(hp).requires_grad_()
     dy = torch.randn(m, nf, device=dev, dtype=hp, generator=g) * 1e-3
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
     sides = {"bf16" if dev == "cuda" else "fp32": lambda: F.linear(x, wb).backward(dy)}
     for recipe in args.recipes:
         state = DelayedScaling(device=dev) if recipe == "delayed" else None
         sides[recipe] = (lambda r, st: lambda: fp8_linear(x, w, recipe=r, state=st).backward(dy))(recipe, state)
     out = {"layer": args.profile, "M": m, "N": nf, "K": kf, "sides": {}}
     for name, fn in sides.items():
-        fn()
-        fn()  # warm-up: kernel selection, allocator
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        with profile(activities=acts) as prof:
-            for _ in range(args.repeats):
-                fn()
-            if dev == "cuda":
-                torch.cuda.synchronize()
-        per = {}
-        for e in prof.key_averages():
-            t = e.self_device_time_total if dev == "cuda" else e.self_cpu_time_total  # microseconds
-            if t > 0 and (dev != "cuda" or e.device_type.name == "CUDA"):
-                per[e.key] = per.get(e.key, 0.0) + t / args.repeats
-        total = sum(per.values())
-        rows = sorted(per.items(), key=lambda kv: -kv[1])
-        out["sides"][name] = {"total_us": total, "kernels": [{"name": k, "us": v} for k, v in rows[:args.profile_top]]}
-        print(f"{name}: {total:9.1f} us of {'device' if dev == 'cuda' else 'CPU'} time per forward + backward "
-              f"({args.profile}, {m} x {nf} x {kf})")
-        for k, v in rows[:args.profile_top]:
-            print(f"    {v:9.1f} us {100 * v / total:5.1f}%  {k[:160]}")
+        table = kernel_table(fn, device=dev, repeats=args.repeats)
+        out["sides"][name] = {"total_us": table["total_us"], "kernels": table["kernels"][:args.profile_top]}
+        print_kernel_table(f"{name}, forward + backward ({args.profile}, {m} x {nf} x {kf}), "
+                           f"{'device' if dev == 'cuda' else 'CPU'} time", table, top=args.profile_top)
         x.grad = w.grad = wb.grad = None
     return out
 

@@ -146,6 +146,9 @@ EOF
     fi
     if wanted attention; then
         run_json_step attention 75 "$OUT/bench_parallel.log" "$PY" tools/bench_attention.py --device cuda
+        # where the ring's blocks spend their time beyond SDPA's, kernel by kernel (docs/context_parallel.md)
+        run_json_step attention_profile 30 "$OUT/bench_parallel.log" "$PY" tools/bench_attention.py --device cuda \
+            --profile-cp 8 --seqs 8192 --repeats 5
     fi
     if wanted moe; then
         run_json_step moe 40 "$OUT/bench_parallel.log" "$PY" tools/bench_moe.py --ep "" --tokens 8192 --hidden 4096 \

@@ -24,3 +24,13 @@ def test_tiny_run(tmp_path):
     assert row["ring_explicit_sent_bytes_per_rank"] == row["ring_sent_bytes_per_rank"]  # the kernel moves nothing
     assert row["a2a_sent_bytes_per_rank"] == 2 * 0.5 * (2 * q + 2 * kv)
     assert "bench_attention.py" in md.read_text() and res["machine"]["cpu_count"] >= 1
+
+
+def test_profile_compares_sdpa_with_the_blocks(tmp_path):
+    """--profile-cp: kernel tables for SDPA and the ring's flash blocks in one process (CPU here)."""
+    out = tmp_path / "prof.json"
+    assert bench_attention.main(["--profile-cp", "2", "--seqs", "256", "--repeats", "1", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert set(res["sides"]) == {"sdpa", "cp2_blocks"} and res["seq"] == 256
+    names = [k["name"] for k in res["sides"]["cp2_blocks"]["kernels"]]
+    assert any("flash_attention" in n for n in names)

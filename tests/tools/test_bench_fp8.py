@@ -27,3 +27,15 @@ def test_bench_fp8_train_step_ratio(tmp_path, capsys):
     assert step["preset"] == "cpu-tiny" and step["none"]["speedup_vs_none"] == 1.0
     assert step["delayed"]["step_s"] > 0
     assert "model.fp8=delayed" in capsys.readouterr().out
+
+
+def test_bench_fp8_profile_lists_each_sides_kernels(tmp_path):
+    """--profile: per side the summed kernel (CPU op) times; the FP8 side's list shows its FP8 GEMMs."""
+    out = tmp_path / "prof.json"
+    assert bench_fp8.main(["--profile", "tiny:fc1", "--tokens", "32", "--repeats", "1", "--recipes", "tensorwise",
+                           "--json", str(out)]) == 0
+    prof = json.loads(out.read_text())["profile"]
+    assert set(prof["sides"]) == {"fp32", "tensorwise"} and (prof["N"], prof["K"]) == (704, 128)
+    for side in prof["sides"].values():
+        assert side["total_us"] >= sum(k["us"] for k in side["kernels"]) > 0
+    assert any("_scaled_mm" in k["name"] for k in prof["sides"]["tensorwise"]["kernels"])

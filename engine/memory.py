@@ -184,7 +184,12 @@ def cp_attention_transients(shape: LayerShape, *, s: int, b: int, tp: int = 1, c
       the chunk: 3 in forward (scores, shifted scores, probabilities), 5 in backward (with dP, dP - delta,
       dS). ``blocks="flash"``: no score-sized buffer; the block's rows copied into the kernel's layout, its
       output and the merge's temporaries (one more q-sized term in forward, two in backward), its k/v slices
-      made contiguous (half a kv term in forward; with the dK/dV slices, two more in backward);
+      made contiguous (half a kv term in forward; with the dK/dV slices, two more in backward); a hop's
+      full blocks may run as one call over both local query chunks (ring._hop_plan: on the ranks whose
+      hop pairs both query chunks with one kv chunk), so the call's q rows and output in forward, and its
+      q, dout, out copies, dq and the kernel's own row buffers in backward, span all the local rows: one
+      more q-sized term in forward and 3.5 in backward on those ranks (the formula is the worst rank's;
+      measured on the allocator, below);
     * a2a: q, k and v packed for the all-to-all, received, and put back in natural order (3 copies);
     * hybrid: the all-to-all's received q, k, v, then the ring over the ``cp / a2a_size`` groups with
       ``1 / a2a_size`` of the heads.
@@ -202,7 +207,7 @@ def cp_attention_transients(shape: LayerShape, *, s: int, b: int, tp: int = 1, c
     def ring(tokens, h, g, chunk):
         kvu, qu, blk = tokens * b * g * d, tokens * b * h * d, b * h * chunk * chunk
         if blocks == "flash":
-            return (4 * kvu * elem + kvu * cdt // 2 + 3 * qu * cdt, 10 * kvu * cdt + 4 * qu * cdt)
+            return (4 * kvu * elem + kvu * cdt // 2 + 4 * qu * cdt, 10 * kvu * cdt + 15 * qu * cdt // 2)
         return (3 * blk * cdt + 4 * kvu * elem + 2 * qu * cdt,
                 5 * blk * cdt + 8 * kvu * cdt + 2 * qu * cdt)
     chunk = s // 2  # s_full / (2 cp)

@@ -266,15 +266,18 @@ def test_ep2_zero2_state_exact_with_experts_sharded_over_edp(two_ranks):
 @pytest.mark.parametrize("blocks", ["flash", "explicit"])
 def test_ring_attention_buffers_within_10_percent_of_the_formula(two_ranks, blocks):
     """cp_attention_transients against one ring attention's measured forward and backward peaks (cp2, fp32):
-    the explicit kernel's score-sized block temporaries, the flash kernel's q- and kv-sized buffers."""
+    the explicit kernel's score-sized block temporaries, the flash kernel's q- and kv-sized buffers. The
+    formula is the worst rank's (with flash blocks one rank's hop runs both its query chunks in one call):
+    the largest rank within 10%, no rank above it by more than 10%."""
     from engine.memory import LayerShape, cp_attention_transients
 
     s_local, b, nh, g, hd = RING_SHAPE
     shape = LayerShape(hidden_size=nh * hd, num_heads=nh, num_kv_heads=g, head_dim=hd, ffn_hidden_size=4 * nh * hd)
     predicted = cp_attention_transients(shape, s=s_local, b=b, cp=2, blocks=blocks)
-    for rank, out in enumerate(two_ranks):
-        for what, got, want in zip(("forward", "backward"), out["ring", blocks], predicted):
-            assert got == pytest.approx(want, rel=0.10), (rank, blocks, what, got, want)
+    for i, (what, want) in enumerate(zip(("forward", "backward"), predicted)):
+        got = [out["ring", blocks][i] for out in two_ranks]
+        assert max(got) == pytest.approx(want, rel=0.10), (blocks, what, got, want)
+        assert all(g <= 1.10 * want for g in got), (blocks, what, got, want)
     flash, explicit = two_ranks[0]["ring", "flash"], two_ranks[0]["ring", "explicit"]
     assert flash[0] < explicit[0] / 2 and flash[1] < explicit[1] / 2  # no L x L scores
 

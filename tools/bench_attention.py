@@ -314,6 +314,13 @@ def parse_args(argv=None):
     return args
 
 
+def _write_json(path: str | None, res: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(res, f, indent=2)
+            f.write("\n")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.repeats < 1 or args.cp < 2:
@@ -324,11 +331,7 @@ def main(argv=None) -> int:
         check_cp_sequence(args.seqs[0], cp=args.profile_cp)
         if args.device == "cuda" and not torch.cuda.is_available():
             raise SystemExit("--device cuda: no GPU visible to torch")
-        res = run_profile(args)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=2)
-                f.write("\n")
+        _write_json(args.json, run_profile(args))
         return 0
     if args.device == "cuda":
         from parallel.context_parallel import check_cp_sequence
@@ -338,19 +341,12 @@ def main(argv=None) -> int:
                 check_cp_sequence(s, cp=cp)
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no GPU visible to torch")
-        res = run_cuda(args)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=2)
-                f.write("\n")
+        _write_json(args.json, run_cuda(args))
         return 0
     res = run(args)
     table = format_table(res)
     print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-            f.write("\n")
+    _write_json(args.json, res)
     if args.md:
         m = res["machine"]
         with open(args.md, "w") as f:

@@ -40,6 +40,17 @@ def fp8_cast_transpose_reference(x: Tensor, scale: Tensor, *, fmt: torch.dtype =
     return scaled, scaled.t().contiguous(), amax  # out_t: (cols, rows)
 
 
+def _check_common(op: str, x: Tensor, fmt: torch.dtype, backend: str) -> None:
+    """The checks both entry points share: backend, format, and x a 2-D fp32/bf16 tensor."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"{op}: backend={backend!r} is not one of {_BACKENDS}.")
+    if fmt not in _MAX:
+        raise ValueError(f"{op}: fmt={fmt} is not torch.float8_e4m3fn or torch.float8_e5m2.")
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{op}: x must be a 2-D float32 or bfloat16 tensor, got {x.dtype} "
+                         f"{tuple(x.shape)}; reshape to (-1, hidden) and cast.")
+
+
 def fp8_cast_transpose(x: Tensor, scale: Tensor, *, fmt: torch.dtype = torch.float8_e4m3fn,
                        backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
     """``x``: (rows, cols) float32 or bfloat16, contiguous; ``fmt``: torch.float8_e4m3fn or
@@ -48,13 +59,7 @@ def fp8_cast_transpose(x: Tensor, scale: Tensor, *, fmt: torch.dtype = torch.flo
     backend: "native" (engine._fp8: CUDA kernel or C++ loop by device), "reference", or "auto"
     (native when built, else reference).
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"{_OP}: backend={backend!r} is not one of {_BACKENDS}.")
-    if fmt not in _MAX:
-        raise ValueError(f"{_OP}: fmt={fmt} is not torch.float8_e4m3fn or torch.float8_e5m2.")
-    if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"{_OP}: x must be a 2-D float32 or bfloat16 tensor, got {x.dtype} "
-                         f"{tuple(x.shape)}; reshape to (-1, hidden) and cast.")
+    _check_common(_OP, x, fmt, backend)
     if scale.dtype != torch.float32 or scale.numel() != 1 or scale.device != x.device:
         raise ValueError(f"{_OP}: scale must be a one-element float32 tensor on {x.device}, got "
                          f"{scale.dtype} with {scale.numel()} elements on {scale.device}.")
@@ -85,13 +90,7 @@ def fp8_cast_transpose_grid(x: Tensor, scale: Tensor, block: tuple[int, int], *,
     a scale per row; (rows, 1): per column; (1, 128): 1 x 128 tiles; (128, 128): blocks. Returns (out or
     None, out_t or None, amax of x): ``want_out`` / ``want_out_t`` say which of the fp8 (rows, cols) and
     its (cols, rows) transpose to write (one pass over x either way)."""
-    if backend not in _BACKENDS:
-        raise ValueError(f"{_OP}_grid: backend={backend!r} is not one of {_BACKENDS}.")
-    if fmt not in _MAX:
-        raise ValueError(f"{_OP}_grid: fmt={fmt} is not torch.float8_e4m3fn or torch.float8_e5m2.")
-    if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"{_OP}_grid: x must be a 2-D float32 or bfloat16 tensor, got {x.dtype} "
-                         f"{tuple(x.shape)}; reshape to (-1, hidden) and cast.")
+    _check_common(f"{_OP}_grid", x, fmt, backend)
     br, bc = block
     if br < 1 or bc < 1:
         raise ValueError(f"{_OP}_grid: block={block} must be two sizes >= 1")

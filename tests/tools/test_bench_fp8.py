@@ -37,5 +37,6 @@ def test_bench_fp8_profile_lists_each_sides_kernels(tmp_path):
     prof = json.loads(out.read_text())["profile"]
     assert set(prof["sides"]) == {"fp32", "tensorwise"} and (prof["N"], prof["K"]) == (704, 128)
     for side in prof["sides"].values():
-        assert side["total_us"] >= sum(k["us"] for k in side["kernels"]) > 0
+        listed = sum(k["us"] for k in side["kernels"])  # the top kernels: at most the total (float sums)
+        assert listed > 0 and side["total_us"] >= listed * (1 - 1e-9)
     assert any("_scaled_mm" in k["name"] for k in prof["sides"]["tensorwise"]["kernels"])

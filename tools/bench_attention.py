@@ -305,8 +305,14 @@ def parse_args(argv=None):
     args.head_dim = args.head_dim or (128 if cuda else 32)
     if args.cuda_cps is not None and not cuda:
         p.error("--cuda-cps is read with --device cuda only (the CPU run times --cp ranks)")
-    args.cuda_cps = args.cuda_cps or [2, 4, 8]
     given = argv if argv is not None else sys.argv[1:]
+    if not cuda and any(a.startswith("--explicit-max-seq") for a in given):
+        p.error("--explicit-max-seq is read with --device cuda only (the CPU run times both kernels at every length)")
+    if args.profile_cp is not None and args.profile_cp < 1:
+        p.error(f"--profile-cp={args.profile_cp} must be a cp degree >= 1")
+    if args.profile_cp is None and any(a.startswith("--profile-top") for a in given):
+        p.error("--profile-top is read with --profile-cp only")
+    args.cuda_cps = args.cuda_cps or [2, 4, 8]
     if cuda and "--seqs" not in given:
         args.seqs = [8192, 32768]
     if cuda and "--repeats" not in given:

@@ -242,6 +242,8 @@ def main(argv=None) -> int:
            "machine": torch.cuda.get_device_name(0) if cuda else f"CPU, {torch.get_num_threads()} threads",
            "command": "python3 tools/bench_fp8.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     run = _timer(args.device)
+    if args.profile is None and any(a.startswith("--profile-top") for a in (argv if argv is not None else sys.argv[1:])):
+        p.error("--profile-top is read with --profile only")
     if args.profile:
         model, _, lin = args.profile.partition(":")
         if model not in MODELS or lin not in ("qkv", "out", "fc1", "fc2"):

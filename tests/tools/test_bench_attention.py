@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tools import bench_attention
 
 
@@ -34,3 +36,14 @@ def test_profile_compares_sdpa_with_the_blocks(tmp_path):
     assert set(res["sides"]) == {"sdpa", "cp2_blocks"} and res["seq"] == 256
     names = [k["name"] for k in res["sides"]["cp2_blocks"]["kernels"]]
     assert any("flash_attention" in n for n in names)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--profile-cp", "0", "--seqs", "512"], "must be a cp degree >= 1"),
+    (["--explicit-max-seq", "4096"], "read with --device cuda only"),
+    (["--profile-top", "3"], "read with --profile-cp only"),
+])
+def test_flags_that_would_do_nothing_are_refused(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        bench_attention.main(argv)
+    assert match in capsys.readouterr().err

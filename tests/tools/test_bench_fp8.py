@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tools import bench_fp8
 
 
@@ -40,3 +42,11 @@ def test_bench_fp8_profile_lists_each_sides_kernels(tmp_path):
         listed = sum(k["us"] for k in side["kernels"])  # the top kernels: at most the total (float sums)
         assert listed > 0 and side["total_us"] >= listed * (1 - 1e-9)
     assert any("_scaled_mm" in k["name"] for k in prof["sides"]["tensorwise"]["kernels"])
+
+
+@pytest.mark.parametrize("argv, match", [(["--profile-top", "3"], "read with --profile only"),
+                                         (["--profile", "8b"], "give MODEL:LINEAR")])
+def test_bench_fp8_profile_flags_are_checked(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        bench_fp8.main(argv)
+    assert match in capsys.readouterr().err

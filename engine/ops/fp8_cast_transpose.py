@@ -25,26 +25,22 @@ _OP = "fp8_cast_transpose"
 _BACKENDS = ("auto", "native", "reference")
 
 
-_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}  # the formats' largest finite values
 
 
 def fp8_cast_transpose_reference(x: Tensor, scale: Tensor, *, fmt: torch.dtype = torch.float8_e4m3fn
                                  ) -> tuple[Tensor, Tensor, Tensor]:
-    """Plain-PyTorch version of :func:`fp8_cast_transpose` (same promises, bit for bit)."""
-    # The explicit clamp saturates on every device and format: torch's CPU e4m3 conversion saturates
-    # by itself, its CUDA one (torch 2.11) turns overflow into NaN, e5m2 into inf. clamp keeps NaN.
-    m = _MAX[fmt]
-    scaled = (x.float() * scale.float()).clamp(-m, m).to(fmt)  # (rows, cols)
-    # NaN-propagating amax: torch.amax propagates NaN like the native bit-pattern maximum.
-    amax = x.float().abs().amax().reshape(1) if x.numel() else x.new_zeros(1, dtype=torch.float32)
-    return scaled, scaled.t().contiguous(), amax  # out_t: (cols, rows)
+    """Plain-PyTorch version of :func:`fp8_cast_transpose` (same promises, bit for bit): the grid
+    reference with one cell."""
+    block = (max(x.shape[0], 1), max(x.shape[1], 1))
+    return fp8_cast_transpose_grid_reference(x, scale.reshape(1, 1), block, fmt=fmt)
 
 
 def _check_common(op: str, x: Tensor, fmt: torch.dtype, backend: str) -> None:
     """The checks both entry points share: backend, format, and x a 2-D fp32/bf16 tensor."""
     if backend not in _BACKENDS:
         raise ValueError(f"{op}: backend={backend!r} is not one of {_BACKENDS}.")
-    if fmt not in _MAX:
+    if fmt not in FP8_MAX:
         raise ValueError(f"{op}: fmt={fmt} is not torch.float8_e4m3fn or torch.float8_e5m2.")
     if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"{op}: x must be a 2-D float32 or bfloat16 tensor, got {x.dtype} "
@@ -75,8 +71,11 @@ def fp8_cast_transpose_grid_reference(x: Tensor, scale: Tensor, block: tuple[int
     rows, cols = x.shape
     br, bc = block
     full = scale.float().repeat_interleave(br, dim=0)[:rows].repeat_interleave(bc, dim=1)[:, :cols]  # (rows, cols)
-    m = _MAX[fmt]
+    m = FP8_MAX[fmt]
+    # The explicit clamp saturates on every device and format: torch's CPU e4m3 conversion saturates
+    # by itself, its CUDA one (torch 2.11) turns overflow into NaN, e5m2 into inf. clamp keeps NaN.
     q = (x.float() * full).clamp(-m, m).to(fmt)  # (rows, cols)
+    # NaN-propagating amax: torch.amax propagates NaN like the native bit-pattern maximum.
     amax = x.float().abs().amax().reshape(1) if x.numel() else x.new_zeros(1, dtype=torch.float32)
     return (q if want_out else None), (q.t().contiguous() if want_out_t else None), amax
 

@@ -57,11 +57,10 @@ from typing import Callable, Mapping, Optional
 import torch
 from torch import Tensor
 
-from engine.ops.fp8_cast_transpose import fp8_cast_transpose, fp8_cast_transpose_grid
+from engine.ops.fp8_cast_transpose import FP8_MAX, fp8_cast_transpose, fp8_cast_transpose_grid
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
 RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
 BLOCK = 128   # blockwise tile edge
 ALIGN = 16    # FP8 GEMM row alignment (elements of 1 byte)
@@ -451,11 +450,8 @@ def weight_grad_requantized(recipe: str, gemm, g: Tensor, x: Tensor, w_dtype: to
 
 
 def _amax(t: Tensor) -> Tensor:
-    """(1,) fp32 max |t| (0 for an empty tensor; NaN if t has one): a call's current amax, in one
-    reduction over ``t`` (no fp32 or |t| copy)."""
-    if not t.numel():
-        return t.new_zeros(1, dtype=torch.float32)
-    return torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32).reshape(1)
+    """(1,) fp32 max |t| (0 for an empty tensor; NaN if t has one): a call's current amax."""
+    return _absmax(t, None).reshape(1) if t.numel() else t.new_zeros(1, dtype=torch.float32)
 
 
 class Scaler:

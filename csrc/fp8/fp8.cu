@@ -41,13 +41,15 @@ cast_transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t cols, cons
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTile;
   unsigned int local_max = 0;
+  const int64_t col = col0 + threadIdx.x;                     // this thread's column, fixed over its rows
+  const int64_t scale_col = kGrid ? col / block_cols : 0;     // 64-bit divisions: once per column, once per row
   for (int k = 0; k < kRowsPerThread; ++k) {
     const int r = threadIdx.y + k * (kTile / kRowsPerThread);
-    const int64_t row = row0 + r, col = col0 + threadIdx.x;
+    const int64_t row = row0 + r;
     if (row < rows && col < cols) {
       const float x = load_float(in + row * cols + col);
       local_max = max(local_max, __float_as_uint(x) & 0x7fffffffu);
-      const float s = kGrid ? scale[(row / block_rows) * scale_cols + col / block_cols] : s0;
+      const float s = kGrid ? scale[(row / block_rows) * scale_cols + scale_col] : s0;
       const uint8_t q = static_cast<uint8_t>(__nv_cvt_float_to_fp8(x * s, __NV_SATFINITE, kFormat));
       if (out != nullptr) out[row * cols + col] = q;
       tile[r][threadIdx.x] = q;

@@ -38,7 +38,7 @@ from parallel.expert_parallel.metrics import MoEMetrics
 from parallel.mesh import Mesh
 from parallel.pipeline import Schedule
 from parallel.pipeline.runtime import allreduce_tied_embedding_grads, check_stage_shapes, run_schedule
-from parallel.tensor_parallel.fp8 import update_fp8
+from parallel.tensor_parallel.fp8 import fp8_weight_casts, update_fp8, weight_casts_enabled
 
 
 @dataclass
@@ -134,6 +134,9 @@ class Trainer:
                                               device=self.device)
         fp8 = cfg.model.fp8
         self.precision = cfg.model.dtype if fp8 == "none" else f"fp8-{fp8}/{cfg.model.dtype}"
+        # model.fp8_weight_cache: each FP8 weight cast once per step (and per evaluation), not per micro-batch
+        zero = cfg.optim.zero_stage if cfg.optim.distributed else 0
+        self.fp8_weight_cache = fp8 != "none" and weight_casts_enabled(cfg.model.fp8_weight_cache, zero_stage=zero)
 
     # -- state (the checkpoint composes it) ------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -219,9 +222,10 @@ class Trainer:
         self.ddp.finish_param_sync()
         self.chunks.eval()
         try:
-            return run_schedule(self.eval_schedule, rank=self.pp_rank, pp_group=self.mesh.pp, forward_step=step,
-                                act_shape=self.act_shape, dtype=self.dtype, device=self.device,
-                                early_recv=self.cfg.parallel.p2p_early_recv)
+            with fp8_weight_casts(self.chunks, self.fp8_weight_cache):  # the weights are constant here
+                return run_schedule(self.eval_schedule, rank=self.pp_rank, pp_group=self.mesh.pp, forward_step=step,
+                                    act_shape=self.act_shape, dtype=self.dtype, device=self.device,
+                                    early_recv=self.cfg.parallel.p2p_early_recv)
         finally:
             self.chunks.train()
 
@@ -234,10 +238,12 @@ class Trainer:
             grad_sync = self.ddp.enable_grad_sync
         self.ddp.is_last_microbatch = False
         self.ddp.reset_grad_sync()
-        res = run_schedule(self.schedule, rank=self.pp_rank, pp_group=self.mesh.pp,
-                           forward_step=self._forward_step(micro, weights), act_shape=self.act_shape,
-                           dtype=self.dtype, device=self.device, grad_sync=grad_sync,
-                           early_recv=self.cfg.parallel.p2p_early_recv)
+        # No weight changes during the schedule (the optimizer steps after it): FP8 casts are reused across it.
+        with fp8_weight_casts(self.chunks, self.fp8_weight_cache and train):
+            res = run_schedule(self.schedule, rank=self.pp_rank, pp_group=self.mesh.pp,
+                               forward_step=self._forward_step(micro, weights), act_shape=self.act_shape,
+                               dtype=self.dtype, device=self.device, grad_sync=grad_sync,
+                               early_recv=self.cfg.parallel.p2p_early_recv)
         self.ddp.is_last_microbatch = True
         self.ddp.reset_grad_sync()
         return res.losses

@@ -8,7 +8,9 @@
    checked against the plain-PyTorch reference of its recipe (max relative difference printed).
 2. **Training step** of ``--preset`` (gpu-1b on CUDA, cpu-tiny on CPU; tools/bench_train_step.py's
    Trainer at TP=PP=DP=1): model.fp8 = none vs each recipe, timed round-robin in the same run; the
-   ratio is the FP8 step speed-up (goal on an H100: 1.3x or more at gpu-1b).
+   ratio is the FP8 step speed-up (goal on an H100: 1.3x or more at gpu-1b). ``--micro-batch`` splits
+   the batch into micro-batches; ``--weight-cache-ab`` adds, per recipe, a side with
+   ``model.fp8_weight_cache=false`` (each weight cast per micro-batch instead of once per step).
 
     python3 tools/bench_fp8.py --device cuda --json OUT/bench_fp8.json         (a lent GPU)
     .venv/bin/python tools/bench_fp8.py --threads 1 --tokens 128 --steps 3     (CPU: correctness, CPU figures)
@@ -166,8 +168,12 @@ def bench_step(args) -> dict:
             return batch
 
     sides = {}
-    for fp8 in ["none", *args.recipes]:
-        trainer, _, _ = _tessel_trainer(ns, fp8=fp8)
+    names = ["none", *args.recipes] + ([f"{r}/nocache" for r in args.recipes] if args.weight_cache_ab else [])
+    for name in names:
+        fp8, _, nocache = name.partition("/")
+        trainer, _, _ = _tessel_trainer(ns, fp8=fp8, micro_batch=args.micro_batch,
+                                        extra=("model.fp8_weight_cache=false",) if nocache else ())
+        fp8 = name
         loader = Loader()
         for _ in range(args.warmup):
             trainer.train_step(loader)
@@ -193,7 +199,8 @@ def bench_step(args) -> dict:
     base = times["none"]["step_s"]
     for k, v in times.items():
         v["speedup_vs_none"] = base / v["step_s"]
-    return {"preset": args.preset, "dtype": args.dtype, **{k: v for k, v in times.items()}}
+    return {"preset": args.preset, "dtype": args.dtype, "micro_batch": args.micro_batch or preset["batch"],
+            "batch": preset["batch"], **{k: v for k, v in times.items()}}
 
 
 def _time_side(args, trainer, loader) -> dict:
@@ -217,6 +224,10 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default=None, help="train-step preset (default gpu-1b on CUDA, cpu-tiny on CPU)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="model.dtype (default bf16 / fp32)")
     p.add_argument("--steps", type=int, default=None, help="timed train steps per side (default 10 / 3)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="train-step micro-batch size (default: the preset's whole batch, one micro-batch)")
+    p.add_argument("--weight-cache-ab", action="store_true",
+                   help="also time each recipe with model.fp8_weight_cache=false (same run)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--skip", choices=("gemms", "step"), action="append", default=[])
     p.add_argument("--threads", type=int, default=None)
@@ -238,6 +249,15 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     if args.tokens % 16:
         p.error(f"--tokens={args.tokens} must be a multiple of 16 (FP8 GEMM alignment)")
+    if "step" in args.skip or args.profile:
+        for flag, val in (("--micro-batch", args.micro_batch), ("--weight-cache-ab", args.weight_cache_ab)):
+            if val:
+                p.error(f"{flag} applies to the train step, which --skip step / --profile leave out")
+    if args.micro_batch is not None:
+        from tools.bench_train_step import PRESETS
+        batch = PRESETS[args.preset]["batch"]
+        if args.micro_batch < 1 or batch % args.micro_batch:
+            p.error(f"--micro-batch={args.micro_batch} must divide the {args.preset} preset's batch of {batch}")
     res = {"date": datetime.date.today().isoformat(), "device": args.device, "torch": torch.__version__,
            "machine": torch.cuda.get_device_name(0) if cuda else f"CPU, {torch.get_num_threads()} threads",
            "command": "python3 tools/bench_fp8.py " + " ".join(argv if argv is not None else sys.argv[1:])}
@@ -270,11 +290,14 @@ def main(argv=None) -> int:
     if "step" not in args.skip:
         res["step"] = bench_step(args)
         s = res["step"]
-        print(f"train step, preset {s['preset']} ({s['dtype']}), median of {args.steps}:")
-        for k in ["none", *args.recipes]:
+        print(f"train step, preset {s['preset']} ({s['dtype']}), batch {s['batch']} in micro-batches of "
+              f"{s['micro_batch']}, median of {args.steps}:")
+        for k in [k for k in s if k == "none" or k.split("/")[0] in args.recipes]:
             v = s[k]
             extra = f", peak {v['peak_mem_gib']:.1f} GiB, loss {v['last_loss']:.4f}" if "peak_mem_gib" in v else ""
-            print(f"  model.fp8={k:<10} {v['step_s'] * 1e3:9.1f} ms   speed-up vs none {v['speedup_vs_none']:.3f}x{extra}")
+            if k.endswith("/nocache"):  # the same recipe with its weight casts reused, over this side
+                extra += f"   (weight cache: {v['step_s'] / s[k.split('/')[0]]['step_s']:.3f}x)"
+            print(f"  model.fp8={k:<18} {v['step_s'] * 1e3:9.1f} ms   speed-up vs none {v['speedup_vs_none']:.3f}x{extra}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

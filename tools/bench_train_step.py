@@ -85,9 +85,11 @@ def _side_kernels(name: str, args) -> tuple[str, str]:
     return REFERENCE if name == "tessel_ref" else (args.kernels, args.fused_cross_entropy)
 
 
-def _tessel_trainer(args, *, kernels: str = "auto", fused_ce: str = "auto", fp8: str = "none"):
+def _tessel_trainer(args, *, kernels: str = "auto", fused_ce: str = "auto", fp8: str = "none",
+                    micro_batch: int | None = None, extra: tuple[str, ...] = ()):
     """A Trainer for TP=PP=DP=1 from the CPU preset with the benchmark's shapes (as tools/pretrain.py);
-    ``fp8``: model.fp8 (tools/bench_fp8.py)."""
+    ``fp8``: model.fp8 (tools/bench_fp8.py); ``micro_batch``: train.micro_batch_size (default: the whole
+    batch, one micro-batch); ``extra``: more config overrides."""
     from engine.assembly import build_run
     from engine.config import load_config
     from models.hook import ModelHook, hf_config_from_run
@@ -102,9 +104,9 @@ def _tessel_trainer(args, *, kernels: str = "auto", fused_ce: str = "auto", fp8:
         f"model.dtype={args.dtype}", f"model.kernels={kernels}",
         f"model.fused_cross_entropy={'none' if fce is None else str(fce).lower()}",
         f"train.seq_length={args.seq}", f"train.global_batch_size={args.batch}",
-        f"train.micro_batch_size={args.batch}", "train.steps=100000", "train.eval_interval=0",
+        f"train.micro_batch_size={micro_batch or args.batch}", "train.steps=100000", "train.eval_interval=0",
         "optim.warmup_steps=0", "optim.distributed=false", "checkpoint.interval=0",
-        "logging.tensorboard=false", "logging.jsonl=false", "logging.progress_bar=off", f"model.fp8={fp8}",
+        "logging.tensorboard=false", "logging.jsonl=false", "logging.progress_bar=off", f"model.fp8={fp8}", *extra,
     ]
     cfg = load_config("tiny_llama_cpu", overrides)
     cfg.validate_world(1)

@@ -90,6 +90,10 @@ class ModelConfig(Section):
     1 there, docs/fp8.md), "rowwise" or "blockwise". ``fp8_exclude`` lists linears kept in high
     precision ("mlp.fc2", "layers.0.attention.qkv", ...). ``fp8_backend``: "tessel" (engine/ops on
     torch._scaled_mm) or "te" (Transformer Engine; not available in this build, see docs/fp8.md).
+    ``fp8_weight_cache``: cast each weight to FP8 once per step and reuse the casts across the step's
+    micro-batches and recompute (TE's is_first_microbatch); unset = on, except under ZeRO-3, where it
+    would hold every layer's FP8 weight for the whole step. Costs up to 2 bytes per FP8 weight element
+    during the step (docs/fp8.md).
     """
 
     SECTION = "model"
@@ -116,6 +120,7 @@ class ModelConfig(Section):
     fp8_backend: str = "tessel"
     fp8_amax_history: int = 16
     fp8_margin: int = 0
+    fp8_weight_cache: bool | None = None
 
     def _validate(self) -> None:
         check_choice(self, "family", FAMILIES)
@@ -167,7 +172,7 @@ class ModelConfig(Section):
                              "pushes every value into the format's subnormals; use 0-2 (16 at most)")
         if self.fp8 == "none":
             used = [k for k, default in (("fp8_exclude", []), ("fp8_backend", "tessel"), ("fp8_amax_history", 16),
-                                         ("fp8_margin", 0)) if getattr(self, k) != default]
+                                         ("fp8_margin", 0), ("fp8_weight_cache", None)) if getattr(self, k) != default]
             if used:
                 raise ValueError(f"model.{used[0]} is set but model.fp8 = 'none' (no FP8); set model.fp8 to one of "
                                  f"{FP8[1:]} or remove model.{used[0]}")
@@ -175,6 +180,9 @@ class ModelConfig(Section):
             for k, default in (("fp8_amax_history", 16), ("fp8_margin", 0)):
                 if getattr(self, k) != default:
                     raise ValueError(f"model.{k} only applies to model.fp8 = 'delayed', not '{self.fp8}'; remove it")
+        if self.fp8_backend == "te" and self.fp8_weight_cache is not None:
+            raise ValueError("model.fp8_weight_cache applies to model.fp8_backend = 'tessel' (Transformer Engine "
+                             "keeps its own weight casts); remove it")
         for i, name in enumerate(self.fp8_exclude):
             if not isinstance(name, str) or not name.strip():
                 raise ValueError(f"model.fp8_exclude[{i}]={name!r} must be a linear's name, e.g. 'mlp.fc2'")

@@ -43,6 +43,14 @@ tokens, the weight gradient's contraction) is zero-padded to a multiple of 16 wh
 add nothing). Inputs and weights are fp32 or bf16; the output has the input's dtype, the weight
 gradient the weight's.
 
+Weight casts across calls (``weight_casts``, a :class:`WeightCasts`): while the caller guarantees that
+a weight does not change -- the trainer, for one step's forward, recompute and backward over all its
+micro-batches, and for evaluation -- its FP8 casts are made once and reused by every later call: per
+tensor (x) the cast, its transpose and its amax (with the amax's TP all-reduce), per row the two
+orientations, per block the one cast. Transformer Engine's ``is_first_microbatch``, owned by the caller
+that knows when weights change rather than guessed from a tensor's version counter (which optimizer
+kernels and collectives writing through raw pointers do not bump). Bitwise the same results.
+
 Tensor parallelism: a tensor sharded over a process group has per-tensor scales equal to those of
 the unsharded tensor when its amax is all-reduced (MAX) over that group: ``amax_reduce`` maps an
 operand ("input", "weight", "grad_output") to a function doing that (parallel/tensor_parallel/fp8.py
@@ -401,6 +409,78 @@ def update_delayed_states(states: list[DelayedScaling], reduce: Optional[AmaxRed
         s.update()
 
 
+# -- weight casts reused across calls ------------------------------------------------------------
+class WeightCasts:
+    """One linear's weight casts, reused by every call until :meth:`close` (see the module docstring).
+
+    ``made`` and ``reused`` count the casts computed and the calls that took one from here. A closed
+    cache (its scope ended) caches nothing: a late call computes its cast as without a cache."""
+
+    KINDS = ("tensor", "row", "row_t", "block")
+
+    def __init__(self):
+        self._casts: dict[str, object] = {}
+        self._weight: Optional[tuple] = None  # (shape, dtype, device) of the weight the casts are of
+        self.made = self.reused = 0
+        self.open = True
+
+    def has(self, kind: str) -> bool:
+        return self.open and kind in self._casts
+
+    def get(self, kind: str, weight: Tensor) -> Optional[object]:
+        """The cached ``kind`` cast of ``weight``, or None."""
+        if not self.open or kind not in self._casts:
+            return None
+        if self._weight != (weight.shape, weight.dtype, weight.device):
+            raise RuntimeError(f"{_OP}: a WeightCasts holds casts of a {self._weight[0]} weight and was handed a "
+                               f"{tuple(weight.shape)} one; each linear needs its own WeightCasts")
+        self.reused += 1
+        return self._casts[kind]
+
+    def put(self, kind: str, weight: Tensor, cast):
+        if kind not in self.KINDS:
+            raise ValueError(f"WeightCasts kind {kind!r} is not one of {self.KINDS}")
+        self.made += 1
+        if self.open:
+            self._weight = (weight.shape, weight.dtype, weight.device)
+            self._casts[kind] = cast
+        return cast
+
+    def close(self) -> None:
+        """The weight may change from here on: drop the casts (their memory) and cache nothing more."""
+        self._casts.clear()
+        self.open = False
+
+
+def _cast(casts: Optional[WeightCasts], kind: str, weight: Tensor, make: Callable[[], object]):
+    hit = casts.get(kind, weight) if casts is not None else None
+    if hit is not None:
+        return hit
+    cast = make()
+    return casts.put(kind, weight, cast) if casts is not None else cast
+
+
+def weight_tensorwise(weight: Tensor, scaler: "Scaler", casts: Optional[WeightCasts],
+                      scale: Optional[Tensor] = None) -> tuple[Quantized, Quantized]:
+    """The per-tensor e4m3 weight and its transpose (N, K), (K, N); its amax recorded for delayed
+    scaling. ``scale``: the weight's scale if the caller already has it (a stacked reduction)."""
+    wq, wq_t, amax = _cast(casts, "tensor", weight, lambda: quantize_tensorwise(
+        weight, E4M3, scaler.scale("weight", weight) if scale is None else scale, transpose=True))
+    scaler.record("weight", amax)
+    return wq, wq_t
+
+
+def weight_rowwise(weight: Tensor, casts: Optional[WeightCasts], *, transposed: bool = False) -> Quantized:
+    """The weight per output channel (N, K), or, ``transposed``, per row of its transpose (K, N)."""
+    return _cast(casts, "row_t" if transposed else "row", weight,
+                 lambda: quantize_rowwise(weight, E4M3, transposed=transposed))
+
+
+def weight_blocks(weight: Tensor, casts: Optional[WeightCasts]) -> Quantized:
+    """The weight in 128 x 128 blocks (N, K)."""
+    return _cast(casts, "block", weight, lambda: quantize_blocks(weight, E4M3))
+
+
 # -- the op --------------------------------------------------------------------------------------
 def check_fp8_shapes(in_features: int, out_features: int, *, where: str = _OP) -> None:
     """K and N multiples of 16 (the forward contracts K, the input gradient N)."""
@@ -488,24 +568,23 @@ class Scaler:
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe, scaler, gemm):
+    def forward(ctx, x, weight, bias, recipe, scaler, gemm, casts):
         # x: (M, K) 2-D; weight: (N, K)
         out_dtype = x.dtype
         ctx.recipe, ctx.gemm, ctx.out_dtype, ctx.w_dtype = recipe, gemm, out_dtype, weight.dtype
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.casts = bias is not None, casts
         if recipe in ("tensorwise", "delayed"):
             ctx.scaler = scaler
             xq, xq_t, x_amax = quantize_tensorwise(x, E4M3, scaler.scale("input", x), transpose=True)
-            wq, wq_t, w_amax = quantize_tensorwise(weight, E4M3, scaler.scale("weight", weight), transpose=True)
+            wq, wq_t = weight_tensorwise(weight, scaler, casts)
             scaler.record("input", x_amax)
-            scaler.record("weight", w_amax)
             y = gemm(xq, wq, out_dtype)
             ctx.save_for_backward(xq_t.data, xq_t.scale_inv, wq_t.data, wq_t.scale_inv)
         elif recipe == "rowwise":
-            y = gemm(quantize_rowwise(x, E4M3), quantize_rowwise(weight, E4M3), out_dtype)
+            y = gemm(quantize_rowwise(x, E4M3), weight_rowwise(weight, casts), out_dtype)
             ctx.save_for_backward(x, weight)
         else:  # blockwise
-            wq = quantize_blocks(weight, E4M3)
+            wq = weight_blocks(weight, casts)
             y = gemm(quantize_tiles(x, E4M3), wq, out_dtype)
             ctx.save_for_backward(x, wq.data, wq.scale_inv)
         if bias is not None:
@@ -531,7 +610,8 @@ class _Fp8Linear(torch.autograd.Function):
         elif recipe == "rowwise":
             x, weight = ctx.saved_tensors
             if need_x:
-                grad_x = gemm(quantize_rowwise(g, E5M2), quantize_rowwise(weight, E4M3, transposed=True), ctx.out_dtype)
+                grad_x = gemm(quantize_rowwise(g, E5M2), weight_rowwise(weight, ctx.casts, transposed=True),
+                              ctx.out_dtype)
             if need_w:
                 grad_w = weight_grad_requantized(recipe, gemm, g, x, ctx.w_dtype)
         else:
@@ -543,7 +623,7 @@ class _Fp8Linear(torch.autograd.Function):
                 grad_w = weight_grad_requantized(recipe, gemm, g, x, ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.float().sum(0).to(ctx.w_dtype)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 def wgrad_from_transposes(gemm, gq_t: Quantized, xq_t: Quantized, w_dtype: torch.dtype) -> Tensor:
@@ -558,14 +638,15 @@ def wgrad_from_transposes(gemm, gq_t: Quantized, xq_t: Quantized, w_dtype: torch
 
 def fp8_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, recipe: str = "tensorwise",
                state: Optional[DelayedScaling] = None, amax_reduce: Optional[Mapping[str, AmaxReduce]] = None,
-               reference: bool = False) -> Tensor:
+               reference: bool = False, weight_casts: Optional[WeightCasts] = None) -> Tensor:
     """``input @ weight.T + bias`` with FP8 GEMMs forward and backward (see the module docstring).
 
     ``input``: (..., K); ``weight``: (N, K); returns (..., N) in ``input``'s dtype. ``state``: the
     :class:`DelayedScaling` of this linear (recipe "delayed" only). ``amax_reduce``: per operand
     ("input", "weight", "grad_output"), a function all-reducing a (1,) amax over the group that
     shards it (per-tensor recipes). ``reference=True`` runs every GEMM as the plain-PyTorch
-    :func:`scaled_gemm_reference` (same quantisation; for tests).
+    :func:`scaled_gemm_reference` (same quantisation; for tests). ``weight_casts``: this linear's
+    :class:`WeightCasts` while its weight is constant (the casts are made once and reused).
     """
     _check(input, weight, bias, recipe, state)
     lead = input.shape[:-1]
@@ -573,5 +654,5 @@ def fp8_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, 
     gemm = scaled_gemm_reference if reference else scaled_gemm
     # Per-tensor scales: built here, where grad mode is still the caller's (evaluation records no amax).
     scaler = Scaler(recipe, state, dict(amax_reduce or {})) if recipe in ("tensorwise", "delayed") else None
-    y = _Fp8Linear.apply(x2d, weight, bias, recipe, scaler, gemm)
+    y = _Fp8Linear.apply(x2d, weight, bias, recipe, scaler, gemm, weight_casts)
     return y.reshape(*lead, weight.shape[0])  # (..., N)

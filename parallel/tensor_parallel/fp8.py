@@ -20,16 +20,24 @@ scale equals the unsharded tensor's:
 ``delayed`` reduces nothing per call: each call records its local amax, and the trainer's
 :func:`update_fp8` all-reduces (MAX) all of a stage's amaxes at once, once per step, over TP and
 DP, so every replica keeps identical histories (Transformer Engine's amax reduction group).
+
+Weight casts reused across micro-batches: inside :func:`fp8_weight_casts` (the trainer opens it
+around one step's forward and backward, and around evaluation) each layer's impl holds a
+:class:`~engine.ops.fp8_linear.WeightCasts`, so a weight is cast -- and, tensorwise, its amax
+all-reduced -- once per step instead of once per micro-batch (and per recompute). Every TP rank
+runs the same calls in the same order, so all of them reuse at the same calls and the amax
+all-reduces stay matched.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import contextlib
+from typing import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from engine.ops.fp8_linear import RECIPES, DelayedScaling, Scaler, check_fp8_shapes, delayed_states, fp8_linear, \
-    update_delayed_states
+from engine.ops.fp8_linear import RECIPES, DelayedScaling, Scaler, WeightCasts, check_fp8_shapes, delayed_states, \
+    fp8_linear, update_delayed_states
 from parallel import comm
 from parallel.comm import Group
 from parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp
@@ -43,13 +51,15 @@ ALWAYS_EXCLUDED = ("output_layer",)
 class Fp8LinearImpl(LinearImpl):
     """One layer's FP8 strategy: ``recipe`` and, for ``delayed``, that layer's scaling ``state``.
     ``ring``: sequence-parallel layers run as FP8 ring collective matmuls (parallel.tp_overlap = "ring";
-    parallel/tensor_parallel/fp8_ring.py), computing what the non-ring path computes."""
+    parallel/tensor_parallel/fp8_ring.py), computing what the non-ring path computes. ``weight_casts``:
+    set inside :func:`fp8_weight_casts` only."""
 
     def __init__(self, recipe: str, *, state: DelayedScaling | None = None, ring: bool = False):
         if recipe not in RECIPES:
             raise ValueError(f"FP8 recipe {recipe!r} is not one of {RECIPES}")
         self.recipe, self.state, self.ring = recipe, state, ring
         self.overlap_comm = ring
+        self.weight_casts: WeightCasts | None = None
 
     def _scaler(self, group: Group, sharded: Sequence[str]) -> Scaler | None:
         """The per-tensor recipes' scales of one ring call (the ring reduces what it holds in chunks itself)."""
@@ -67,20 +77,20 @@ class Fp8LinearImpl(LinearImpl):
 
     def column_forward(self, x, weight, bias, *, group, sequence_parallel, gather_output):
         if self.ring and sequence_parallel and group.size > 1:
-            y = fp8_ring_column(x, weight, bias, recipe=self.recipe, group=group,
+            y = fp8_ring_column(x, weight, bias, recipe=self.recipe, group=group, weight_casts=self.weight_casts,
                                 scaler=self._scaler(group, ("weight", "grad_output")))  # (s, b, out/tp)
             return gather_from_tp(y, group) if gather_output else y
         x = gather_from_sp(x, group) if sequence_parallel else copy_to_tp(x, group)  # (s, b, in)
-        y = fp8_linear(x, weight, bias, recipe=self.recipe, state=self.state,
+        y = fp8_linear(x, weight, bias, recipe=self.recipe, state=self.state, weight_casts=self.weight_casts,
                        amax_reduce=self._reduce(group, ("weight", "grad_output")))  # (s, b, out/tp)
         return gather_from_tp(y, group) if gather_output else y
 
     def row_forward(self, x, weight, bias, *, group, sequence_parallel):
         if self.ring and sequence_parallel and group.size > 1:
-            y = fp8_ring_row(x, weight, recipe=self.recipe, group=group,
+            y = fp8_ring_row(x, weight, recipe=self.recipe, group=group, weight_casts=self.weight_casts,
                              scaler=self._scaler(group, ("input", "weight")))  # (s/tp, b, out)
             return y if bias is None else y + bias
-        y = fp8_linear(x, weight, None, recipe=self.recipe, state=self.state,
+        y = fp8_linear(x, weight, None, recipe=self.recipe, state=self.state, weight_casts=self.weight_casts,
                        amax_reduce=self._reduce(group, ("input", "weight")))  # (s, b, out) partial
         y = reduce_scatter_to_sp(y, group) if sequence_parallel else reduce_from_tp(y, group)
         return y if bias is None else y + bias
@@ -150,3 +160,35 @@ def update_fp8(module: nn.Module, groups: Sequence[Group]) -> None:
             comm.all_reduce(t, g, op="max")
         return t
     update_delayed_states(states, reduce)
+
+
+def fp8_impls(module: nn.Module) -> list[Fp8LinearImpl]:
+    """The :class:`Fp8LinearImpl` of every FP8 linear of ``module``, in module order."""
+    return [m.impl for m in module.modules() if isinstance(getattr(m, "impl", None), Fp8LinearImpl)]
+
+
+@contextlib.contextmanager
+def fp8_weight_casts(module: nn.Module, enabled: bool = True) -> Iterator[list[WeightCasts]]:
+    """While open, every FP8 linear of ``module`` casts its weight once and reuses the casts; the caller
+    promises that no weight changes inside (the trainer: one step's micro-batches, forward, recompute and
+    backward; evaluation). On exit the casts are dropped. Yields the caches (empty when disabled or when
+    no linear is in FP8); a scope already open on a linear is left to its owner (nesting is harmless)."""
+    if not enabled:
+        yield []
+        return
+    mine = [impl for impl in fp8_impls(module) if impl.weight_casts is None]
+    caches = [WeightCasts() for _ in mine]
+    for impl, cache in zip(mine, caches):
+        impl.weight_casts = cache
+    try:
+        yield caches
+    finally:
+        for impl, cache in zip(mine, caches):
+            cache.close()
+            impl.weight_casts = None
+
+
+def weight_casts_enabled(setting: bool | None, *, zero_stage: int) -> bool:
+    """``model.fp8_weight_cache``: unset means on, except under ZeRO-3, where holding every layer's FP8
+    weight for the whole step would undo the sharding of the parameters."""
+    return setting if setting is not None else zero_stage != 3

@@ -23,7 +23,8 @@ sequence chunk never splits: no communication, the same scales as the non-ring p
 recipes (``tensorwise``, and ``delayed`` before its first update) need the amax of a tensor that the
 ring only ever holds in chunks -- the column input in forward and the row output-gradient in
 backward -- so its shard's amax is all-reduced (MAX) over tp: 4 bytes. In the column forward it rides
-in the weight's amax all-reduce (one stacked call of 8 bytes instead of 4: no extra call); in the row
+in the weight's amax all-reduce (one stacked call of 8 bytes instead of 4: no extra call; 4 bytes, x's alone,
+where the weight's cast is reused from an earlier micro-batch); in the row
 backward it is one extra call of 4 bytes. ``delayed`` after its first update scales from its history
 (nothing reduced per call); each chunk's amax is recorded, so the state's pending amax is the whole
 tensor's, as in the non-ring path.
@@ -37,9 +38,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.ops.fp8_linear import (E4M3, E5M2, Quantized, Scaler, quantize_blocks, quantize_rowwise,
-                                   quantize_tensorwise, quantize_tiles, scaled_gemm, weight_grad_requantized,
-                                   wgrad_from_transposes)
+from engine.ops.fp8_linear import (E4M3, E5M2, Quantized, Scaler, WeightCasts, quantize_rowwise, quantize_tensorwise,
+                                   quantize_tiles, scaled_gemm, weight_blocks, weight_grad_requantized, weight_rowwise,
+                                   weight_tensorwise, wgrad_from_transposes)
 from parallel import comm
 from parallel.comm import Group
 from parallel.tensor_parallel.overlap import ring_all_gather, ring_reduce_scatter
@@ -56,7 +57,7 @@ def _saved_row_block(ctx) -> tuple[Tensor, Quantized]:
     (rowwise), or its saved 128 x 128 blocks transposed (blockwise: no re-quantisation)."""
     if ctx.recipe == "rowwise":
         x, weight = ctx.saved_tensors
-        return x, quantize_rowwise(weight, E4M3, transposed=True)
+        return x, weight_rowwise(weight, ctx.casts, transposed=True)
     x, w_data, w_inv = ctx.saved_tensors
     return x, Quantized(w_data, w_inv, "block").t()
 
@@ -74,20 +75,23 @@ class _Fp8RingColumn(torch.autograd.Function):
     """(s/tp, b, in) -> (s, b, out/tp) = FP8(all_gather(x) @ W^T) + b, as a ring."""
 
     @staticmethod
-    def forward(ctx, x_shard, weight, bias, recipe, scaler, group):
+    def forward(ctx, x_shard, weight, bias, recipe, scaler, group, casts):
         k = x_shard.shape[-1]
         n = x_shard.numel() // k  # rows of one chunk
         m = n * group.size
         out_dtype = x_shard.dtype
-        ctx.recipe, ctx.scaler, ctx.group, ctx.n = recipe, scaler, group, n
+        ctx.recipe, ctx.scaler, ctx.group, ctx.n, ctx.casts = recipe, scaler, group, n, casts
         ctx.out_dtype, ctx.w_dtype, ctx.has_bias = out_dtype, weight.dtype, bias is not None
         y = x_shard.new_empty((m, weight.shape[0]))  # (M, out/tp)
         bias_c = None if bias is None else bias.to(out_dtype)
         if recipe in PER_TENSOR:
-            # The whole gathered x's amax, beside the weight's in the weight's own all-reduce.
-            s_x, s_w = scaler.scales([("input", x_shard), ("weight", weight)], max_over(group))
-            wq, wq_t, w_amax = quantize_tensorwise(weight, E4M3, s_w, transpose=True)
-            scaler.record("weight", w_amax)
+            # The whole gathered x's amax, beside the weight's in the weight's own all-reduce (only x's
+            # where the weight's cast is reused: casts).
+            if casts is not None and casts.has("tensor"):
+                s_x, s_w = scaler.scales([("input", x_shard)], max_over(group))[0], None
+            else:
+                s_x, s_w = scaler.scales([("input", x_shard), ("weight", weight)], max_over(group))
+            wq, wq_t = weight_tensorwise(weight, scaler, casts, scale=s_w)
             xq_t = torch.empty((k, m), dtype=E4M3, device=x_shard.device)  # fp8 x^T of the gathered x
             x_amax = []
 
@@ -102,7 +106,7 @@ class _Fp8RingColumn(torch.autograd.Function):
             x_inv = (1.0 / s_x.reshape(1).float()).reshape(())  # quantize_tensorwise's scale_inv
             ctx.save_for_backward(xq_t, x_inv, wq_t.data, wq_t.scale_inv)
         else:
-            wq = quantize_rowwise(weight, E4M3) if recipe == "rowwise" else quantize_blocks(weight, E4M3)
+            wq = weight_rowwise(weight, casts) if recipe == "rowwise" else weight_blocks(weight, casts)
             quantize = quantize_rowwise if recipe == "rowwise" else quantize_tiles
             x_full = x_shard.new_empty((m, k))  # the gathered x, saved as the non-ring path saves it
 
@@ -157,26 +161,25 @@ class _Fp8RingColumn(torch.autograd.Function):
         grad_w = wgrad.get("w")
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.float().sum(0).to(ctx.w_dtype)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 class _Fp8RingRow(torch.autograd.Function):
     """(s, b, in/tp) -> (s/tp, b, out) = reduce_scatter(FP8(x @ W^T)), as a ring."""
 
     @staticmethod
-    def forward(ctx, x, weight, recipe, scaler, group):
+    def forward(ctx, x, weight, recipe, scaler, group, casts):
         k = x.shape[-1]
         x2d = x.reshape(-1, k)  # (M, in/tp)
         n = x2d.shape[0] // group.size
         out_dtype = x.dtype
-        ctx.recipe, ctx.scaler, ctx.group, ctx.n = recipe, scaler, group, n
+        ctx.recipe, ctx.scaler, ctx.group, ctx.n, ctx.casts = recipe, scaler, group, n, casts
         ctx.out_dtype, ctx.w_dtype = out_dtype, weight.dtype
         if recipe in PER_TENSOR:
             # x and W are sharded along K: each amax all-reduced over tp, as the non-ring path does.
             xq, xq_t, x_amax = quantize_tensorwise(x2d, E4M3, scaler.scale("input", x2d), transpose=True)
-            wq, wq_t, w_amax = quantize_tensorwise(weight, E4M3, scaler.scale("weight", weight), transpose=True)
+            wq, wq_t = weight_tensorwise(weight, scaler, casts)
             scaler.record("input", x_amax)
-            scaler.record("weight", w_amax)
             ctx.save_for_backward(xq_t.data, xq_t.scale_inv, wq_t.data, wq_t.scale_inv)
 
             def partial(c):
@@ -184,7 +187,7 @@ class _Fp8RingRow(torch.autograd.Function):
         else:
             quantize = quantize_rowwise if recipe == "rowwise" else quantize_tiles
             xq = quantize(x2d, E4M3)  # row / tile scales: local to each row
-            wq = quantize_rowwise(weight, E4M3) if recipe == "rowwise" else quantize_blocks(weight, E4M3)
+            wq = weight_rowwise(weight, casts) if recipe == "rowwise" else weight_blocks(weight, casts)
             if recipe == "rowwise":
                 ctx.save_for_backward(x2d, weight)
             else:
@@ -247,18 +250,19 @@ class _Fp8RingRow(torch.autograd.Function):
                 grad_w = wgrad_from_transposes(scaled_gemm, gq_t, Quantized(xt_data, xt_inv, "tensor"), ctx.w_dtype)
         elif need_w:
             grad_w = weight_grad_requantized(recipe, scaled_gemm, g_full, x2d, ctx.w_dtype)
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
 def fp8_ring_column(x_shard: Tensor, weight: Tensor, bias, *, recipe: str, scaler: Scaler | None,
-                    group: Group) -> Tensor:
+                    group: Group, weight_casts: WeightCasts | None = None) -> Tensor:
     """(s/tp, b, in) -> (s, b, out/tp): the FP8 column-parallel linear of a sequence-parallel layer as a ring."""
-    return _Fp8RingColumn.apply(x_shard, weight, bias, recipe, scaler, group)
+    return _Fp8RingColumn.apply(x_shard, weight, bias, recipe, scaler, group, weight_casts)
 
 
-def fp8_ring_row(x: Tensor, weight: Tensor, *, recipe: str, scaler: Scaler | None, group: Group) -> Tensor:
+def fp8_ring_row(x: Tensor, weight: Tensor, *, recipe: str, scaler: Scaler | None, group: Group,
+                 weight_casts: WeightCasts | None = None) -> Tensor:
     """(s, b, in/tp) -> (s/tp, b, out): the FP8 row-parallel linear of a sequence-parallel layer as a ring."""
     if x.shape[0] % group.size:
         raise ValueError(f"ring row-parallel linear: sequence length {x.shape[0]} is not divisible by "
                          f"tp={group.size}; pad or pack sequences to a multiple of it")
-    return _Fp8RingRow.apply(x, weight, recipe, scaler, group)
+    return _Fp8RingRow.apply(x, weight, recipe, scaler, group, weight_casts)

@@ -163,6 +163,8 @@ REFUSED: tuple[tuple[tuple[str, ...], str], ...] = (
     (("model.fp8=tensorwise", "model.fp8_exclude=[\"mlp.fc3\"]"), "match no linear"),
     (("model.fp8=tensorwise", "model.ffn_hidden_size=344"), r"multiples of 16.*model.fp8_exclude"),
     (("model.fp8_margin=1",), "model.fp8 = 'none'"),
+    (("model.fp8_weight_cache=false",), "model.fp8 = 'none'"),
+    (("model.fp8=tensorwise", "model.fp8_backend=te", "model.fp8_weight_cache=true"), "keeps its own weight casts"),
     (("parallel.tp_overlap=symm_mem",), "symm_mem"),
     (("parallel.tp_overlap=ring", "parallel.sequence_parallel=false"), "sequence_parallel = true"),
     # Split backward (docs/pipeline.md) does not compose with ZeRO-3, V placement included.

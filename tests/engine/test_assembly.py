@@ -11,6 +11,8 @@
   resident memory from step 100 to 1,000 within 1%; the per-step ``comm_bytes_tp`` equals the bytes a
   capture of the same step records, and reaches metrics.jsonl.
 * ``tp_group=`` takes a torch ProcessGroup; vocab-parallel cross-entropy keeps fp64 in fp64.
+* ``model.fp8_weight_cache``: the trainer casts each FP8 weight once per step (2 micro-batches) and once
+  per evaluation, and the losses equal those of the run that casts per micro-batch, bitwise.
 
 One 2-rank launch runs every distributed part.
 """
@@ -205,3 +207,24 @@ def test_interleaved_pipeline_overlaps_dp_reduction_and_matches_one_process():
         for kinds in r["orders"]:
             last_pp = max(i for i, k in enumerate(kinds) if k == "pp")
             assert "dp" in kinds[:last_pp], f"rank {rank}: no data-parallel reduction before the last p2p: {kinds}"
+
+
+def test_fp8_weight_casts_once_per_step_in_the_trainer(monkeypatch):
+    from engine.assembly import build_run
+    from engine.ops.fp8_linear import WeightCasts
+    from models.hook import ModelHook
+
+    made = []
+    put = WeightCasts.put
+    monkeypatch.setattr(WeightCasts, "put", lambda self, kind, w, cast: made.append(kind) or put(self, kind, w, cast))
+    got = {}
+    for cache in (None, "false"):
+        made.clear()
+        cfg = _cfg(mbs=1, gbs=2, extra=["model.fp8=tensorwise"] + ([f"model.fp8_weight_cache={cache}"] if cache else []))
+        model = ModelHook.from_hf(HF, dtype=torch.float32, seed=cfg.train.seed, fp8="tensorwise")
+        run = build_run(cfg, model=model, train_data=_Masked(6), checkpoints=False)
+        losses = [run.trainer.train_step(run.train_loader).loss for _ in range(2)]
+        got[cache] = (losses + [run.trainer.evaluate(run.train_loader, 1)], len(made))
+    linears = 2 * 4  # 2 layers: qkv, out, fc1, fc2
+    assert got[None][0] == got["false"][0]
+    assert got[None][1] == linears * 3 and got["false"][1] == 0  # 2 steps and 1 evaluation; none without the cache

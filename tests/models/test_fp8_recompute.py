@@ -14,6 +14,11 @@ update. Shown here, bitwise, for every recipe:
   the recompute adds to the ledger exactly the tp bytes of each recomputed layer's forward (measured
   per micro-batch in the plain run) less the layer's closing reduce-scatter, which torch's
   non-reentrant checkpoint does not replay (it stops once the last saved tensor is rebuilt).
+
+The same holds with each weight's FP8 casts made once per step and reused by the step's other
+micro-batches and by the recompute (``fp8_weight_casts``, the trainer's ``model.fp8_weight_cache``):
+bitwise equal, with exactly the analytic number of casts made, and at TP=2 exactly one weight-amax
+all-reduce per linear and step fewer per extra micro-batch and recompute.
 """
 from __future__ import annotations
 
@@ -46,19 +51,23 @@ def _model(recipe: str, recompute: str, num_layers: int | None, *, tp: Group, sp
     return model.train()
 
 
-def _train(model, tp: Group):
-    """Two steps of two micro-batches; delayed states updated (amax MAX over tp) after each step."""
-    from parallel.tensor_parallel.fp8 import update_fp8
+def _train(model, tp: Group, *, casts: bool = False, counts: list | None = None):
+    """Two steps of two micro-batches; delayed states updated (amax MAX over tp) after each step.
+    ``casts``: each step inside fp8_weight_casts; ``counts`` gets each step's (made, reused) totals."""
+    from parallel.tensor_parallel.fp8 import fp8_weight_casts, update_fp8
 
     losses, grads = [], []
     data = _batches(4)
     for step in range(2):
         for p in model.parameters():
             p.grad = None
-        for ids, labels in data[2 * step:2 * step + 2]:
-            loss = model(ids, labels=labels).mean()
-            loss.backward()
-            losses.append(loss.detach())
+        with fp8_weight_casts(model, casts) as caches:
+            for ids, labels in data[2 * step:2 * step + 2]:
+                loss = model(ids, labels=labels).mean()
+                loss.backward()
+                losses.append(loss.detach())
+        if counts is not None:
+            counts.append((sum(c.made for c in caches), sum(c.reused for c in caches)))
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         pending = {n: s.pending.clone() for n, s in delayed_states(model)}
         update_fp8(model, [tp])
@@ -92,6 +101,53 @@ def test_fp8_recompute_is_bitwise_identical_single_process(recipe):
         _assert_same(_train(_model(recipe, recompute, n, tp=tp), tp), ref, (recipe, recompute, n))
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_weight_casts_reused_across_micro_batches_and_recompute(recipe):
+    """Casts made once per step and linear, bitwise the same training. Per step and linear: 2 micro-batch
+    forwards (4 with full recompute) need the forward cast; rowwise's 2 backwards need the transposed one."""
+    tp = Group.trivial("tp")
+    ref = _train(_model(recipe, "none", None, tp=tp), tp)
+    linears, kinds = 8, 2 if recipe == "rowwise" else 1
+    for recompute in ("none", "full"):
+        counts = []
+        _assert_same(_train(_model(recipe, recompute, None, tp=tp), tp, casts=True, counts=counts), ref,
+                     (recipe, recompute, "casts"))
+        forwards = 4 if recompute == "full" else 2
+        uses = forwards + (2 if recipe == "rowwise" else 0)
+        assert counts == [(linears * kinds, linears * (uses - kinds))] * 2, (recipe, recompute, counts)
+
+
+def test_fp8_weight_casts_scope():
+    """The scope is the only place casts are kept: outside it nothing is cached, a closed cache caches
+    nothing, a cache handed another linear's weight refuses, and a nested scope leaves the outer's."""
+    from engine.ops.fp8_linear import WeightCasts, fp8_linear
+    from parallel.tensor_parallel.fp8 import fp8_impls, fp8_weight_casts, weight_casts_enabled
+
+    model = _model("tensorwise", "none", None, tp=Group.trivial("tp"))
+    impls = fp8_impls(model)
+    assert len(impls) == 8 and all(i.weight_casts is None for i in impls)
+    with fp8_weight_casts(model) as outer:
+        assert [i.weight_casts for i in impls] == outer
+        with fp8_weight_casts(model) as inner:
+            assert inner == []
+        assert [i.weight_casts for i in impls] == outer
+    assert all(i.weight_casts is None for i in impls) and not any(c.open for c in outer)
+    with fp8_weight_casts(model, enabled=False) as none:
+        assert none == [] and all(i.weight_casts is None for i in impls)
+    w, x = torch.randn(32, 16), torch.randn(4, 16)
+    c = WeightCasts()
+    fp8_linear(x, w, weight_casts=c)
+    fp8_linear(x, w, weight_casts=c)
+    assert (c.made, c.reused) == (1, 1)
+    with pytest.raises(RuntimeError, match="each linear needs its own WeightCasts"):
+        fp8_linear(torch.randn(4, 32), torch.randn(16, 32), weight_casts=c)
+    c.close()
+    fp8_linear(x, w, weight_casts=c)
+    assert (c.made, c.reused) == (2, 1)
+    assert weight_casts_enabled(None, zero_stage=1) and not weight_casts_enabled(None, zero_stage=3)
+    assert weight_casts_enabled(True, zero_stage=3) and not weight_casts_enabled(False, zero_stage=0)
+
+
 def _tp_worker():
     import torch.distributed as dist
 
@@ -112,6 +168,12 @@ def _tp_worker():
             before = mesh.ledger.total(axis="tp")
             got = _train(model, mesh.tp)
             out[recipe, recompute, n] = got, mesh.ledger.total(axis="tp") - before, fwd_bytes
+    for recompute in ("none", "full"):  # weight casts reused across micro-batches and the recompute
+        for casts in (False, True):
+            with mesh.tp.ledger.capture() as led:
+                got = _train(_model("tensorwise", recompute, None, tp=mesh.tp, sp=True), mesh.tp, casts=casts)
+            out["casts", recompute, casts] = got, sum(rec.op == "all_reduce" and rec.payload_bytes == 4
+                                                      for rec in led.records)
     return out
 
 
@@ -136,3 +198,13 @@ def test_fp8_recompute_under_tensor_and_sequence_parallelism(tp_results, recipe)
             assert nbytes - ref_bytes == replayed, (rank, recipe, n, nbytes, ref_bytes, fwd_bytes)
     if recipe == "delayed":  # step 2 ran on history scales: no amax all-reduce in its forwards
         assert tp_results[0][recipe, "none", None][2][0][2] < tp_results[0][recipe, "none", None][2][0][0]
+
+
+def test_fp8_weight_casts_reused_under_tensor_and_sequence_parallelism(tp_results):
+    """TP=2 + SP, tensorwise: bitwise equal with the casts reused, and per step each of the 8 linears
+    all-reduces its weight's amax once instead of once per forward (2 micro-batches; 4 with recompute)."""
+    for rank, out in enumerate(tp_results):
+        for recompute, forwards in (("none", 2), ("full", 4)):
+            (ref, n_ref), (got, n_got) = out["casts", recompute, False], out["casts", recompute, True]
+            _assert_same(got, ref, (rank, recompute, "casts"))
+            assert n_ref - n_got == 2 * 8 * (forwards - 1), (rank, recompute, n_ref, n_got)

@@ -198,7 +198,39 @@ def _ring_worker():
                     torch.equal(states[True][k], states[False][k]) for k in states[False]),
                 "state_keys": len(states[False]),
             }
+            if tp_size == 2:  # the ring with each weight cast once per step: 2 micro-batches per step
+                runs = {}
+                for casts in (False, True):
+                    with tp.ledger.capture() as led:
+                        runs[casts] = _steps_casts(_ring_pair(tp, recipe, w1, w2, True), tp, x[chunk], dy[chunk],
+                                                   casts)
+                    runs[casts] += ([(rec.op, rec.payload_bytes) for rec in led.records if rec.payload_bytes < 100],)
+                out[("casts", recipe)] = {
+                    "equal": all(torch.equal(a, b) for a, b in zip(runs[False][0], runs[True][0])),
+                    "amax": (runs[False][2], runs[True][2]), "made": runs[True][1]}
     return out
+
+
+def _steps_casts(m, tp, x, dy, casts):
+    """Two steps of two micro-batches (the second: x and dy reversed along the sequence) inside
+    fp8_weight_casts or not (delayed: an update between the steps); returns every output and gradient,
+    and the casts made."""
+    from parallel.tensor_parallel.fp8 import fp8_weight_casts, update_fp8
+
+    tensors, made = [], 0
+    for step in range(2):
+        for p in m.parameters():
+            p.grad = None
+        with fp8_weight_casts(m, casts) as caches:
+            for xs, dys in ((x, dy), (x.flip(0), dy.flip(0))):
+                xi = xs.clone().requires_grad_()
+                y = m["fc2"](torch.relu(m["fc1"](xi)))
+                (y * dys).sum().backward()
+                tensors += [y.detach(), xi.grad]
+        made += sum(c.made for c in caches)
+        tensors += [p.grad.clone() for p in m.parameters()]
+        update_fp8(m, [tp])
+    return tensors, made
 
 
 @pytest.fixture(scope="module")
@@ -239,3 +271,23 @@ def test_fp8_ring_bytes_and_delayed_state(ring_results, tp, recipe):
         assert r["amax_bytes"][1] == r["amax_bytes"][0] + extra_steps * 2 * 4 * per_call
         assert r["amax_calls"][1] == r["amax_calls"][0] + extra_steps
         assert r["state_equal"] and r["state_keys"] == (6 if recipe == "delayed" else 0)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_ring_with_weight_casts_reused(ring_results, recipe):
+    """TP=2 ring, two micro-batches per step, each weight cast once per step (fp8_weight_casts): bitwise
+    the same outputs and gradients. Per-tensor current scaling saves, per step, the second micro-batch's
+    weight amaxes: the column ring's stacked all-reduce carries x's amax alone (4 bytes, not 8) and the
+    row ring's weight all-reduce is not made."""
+    for res in ring_results:
+        r = res[("casts", recipe)]
+        assert r["equal"]
+        assert r["made"] == 2 * (4 if recipe == "rowwise" else 2)  # per step, fc1's and fc2's (rowwise: and W^T's)
+        plain, reused = r["amax"]
+        if recipe == "tensorwise":
+            assert len(plain) - len(reused) == 2  # one row weight call per step
+            assert sum(b for _, b in plain) - sum(b for _, b in reused) == 2 * 8
+        elif recipe == "delayed":  # step 1 scales currently (empty history), step 2 from the history
+            assert len(plain) - len(reused) == 1 and sum(b for _, b in plain) - sum(b for _, b in reused) == 8
+        else:
+            assert plain == reused == []

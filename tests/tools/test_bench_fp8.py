@@ -24,11 +24,13 @@ def test_bench_fp8_gemms_check_every_recipe(tmp_path):
 def test_bench_fp8_train_step_ratio(tmp_path, capsys):
     out = tmp_path / "fp8.json"
     assert bench_fp8.main(["--skip", "gemms", "--recipes", "delayed", "--steps", "1", "--warmup", "1",
-                           "--json", str(out)]) == 0
+                           "--micro-batch", "4", "--weight-cache-ab", "--json", str(out)]) == 0
     step = json.loads(out.read_text())["step"]
     assert step["preset"] == "cpu-tiny" and step["none"]["speedup_vs_none"] == 1.0
-    assert step["delayed"]["step_s"] > 0
-    assert "model.fp8=delayed" in capsys.readouterr().out
+    assert (step["batch"], step["micro_batch"]) == (8, 4)
+    assert step["delayed"]["step_s"] > 0 and step["delayed/nocache"]["step_s"] > 0
+    printed = capsys.readouterr().out
+    assert "model.fp8=delayed " in printed and "weight cache:" in printed
 
 
 def test_bench_fp8_profile_lists_each_sides_kernels(tmp_path):
@@ -45,7 +47,9 @@ def test_bench_fp8_profile_lists_each_sides_kernels(tmp_path):
 
 
 @pytest.mark.parametrize("argv, match", [(["--profile-top", "3"], "read with --profile only"),
-                                         (["--profile", "8b"], "give MODEL:LINEAR")])
+                                         (["--profile", "8b"], "give MODEL:LINEAR"),
+                                         (["--skip", "step", "--weight-cache-ab"], "applies to the train step"),
+                                         (["--micro-batch", "3"], "must divide the cpu-tiny preset's batch")])
 def test_bench_fp8_profile_flags_are_checked(argv, match, capsys):
     with pytest.raises(SystemExit):
         bench_fp8.main(argv)

@@ -51,6 +51,16 @@ orientations, per block the one cast. Transformer Engine's ``is_first_microbatch
 that knows when weights change rather than guessed from a tensor's version counter (which optimizer
 kernels and collectives writing through raw pointers do not bump). Bitwise the same results.
 
+FP8 all-gathers under sequence parallelism (a :class:`SequenceShards`; per-tensor recipes): a
+column-parallel linear's input arrives as this rank's sequence rows (``sequence_gather``), and a
+row-parallel linear's output gradient too (``sequence_scatter``: the forward reduce-scatters the
+output, so the backward gathers dy); the GEMMs need every rank's rows. Instead of gathering in high
+precision and casting the whole, the shard is cast with the scale of the whole tensor (its amax
+all-reduced (MAX) over the group; the input's in the weight's call) and the fp8 bytes are gathered:
+1 byte per element on the wire instead of 2 (bf16) or 4 (fp32). The gathered values are bit for bit
+the cast of the gathered tensor (the cast is elementwise and the scale the same). The input
+gradient of a gathered input is reduce-scattered, as the gather's backward.
+
 Tensor parallelism: a tensor sharded over a process group has per-tensor scales equal to those of
 the unsharded tensor when its amax is all-reduced (MAX) over that group: ``amax_reduce`` maps an
 operand ("input", "weight", "grad_output") to a function doing that (parallel/tensor_parallel/fp8.py
@@ -481,6 +491,39 @@ def weight_blocks(weight: Tensor, casts: Optional[WeightCasts]) -> Quantized:
     return _cast(casts, "block", weight, lambda: quantize_blocks(weight, E4M3))
 
 
+@dataclass
+class SequenceShards:
+    """The sequence-parallel collectives :func:`fp8_linear` runs itself (see the module docstring); the
+    tensor-parallel layer supplies them (parallel/tensor_parallel/fp8.py). ``size``: ranks in the group;
+    ``amax_max``: all-reduce (MAX) a stacked (n,) amax tensor; ``all_gather``: every rank's rows of a 2-D
+    uint8 tensor, concatenated in rank order; ``reduce_scatter``: the sum over ranks of a 2-D tensor,
+    this rank's rows."""
+
+    size: int
+    amax_max: AmaxReduce
+    all_gather: Callable[[Tensor], Tensor]
+    reduce_scatter: Callable[[Tensor], Tensor]
+
+
+def shard_cast(t: Tensor, role: str, scaler: "Scaler", amax_max: AmaxReduce, *, weight: Optional[Tensor] = None,
+               casts: Optional[WeightCasts] = None) -> tuple[Quantized, Tensor, Optional[Tensor]]:
+    """This rank's rows ``t`` of a sequence-sharded operand (``role`` "input": e4m3, "grad_output": e5m2)
+    cast with the scale of every rank's rows: the current amax all-reduced with ``amax_max``, in ONE call
+    with ``weight``'s (when given and its cast is not reused). Returns (fp8 rows, this rank's amax, the
+    weight's scale or None)."""
+    items = [(role, t)]
+    if weight is not None and not (casts is not None and casts.has("tensor")):
+        items.append(("weight", weight))
+    scales = scaler.scales(items, amax_max)
+    q, _, amax = quantize_tensorwise(t, _FORMAT[role], scales[0])
+    return q, amax, (scales[1] if len(scales) > 1 else None)
+
+
+def gather_rows(q: Quantized, all_gather: Callable[[Tensor], Tensor]) -> Quantized:
+    """Every rank's fp8 rows of a per-tensor-scaled operand (its bytes gathered as uint8)."""
+    return Quantized(all_gather(q.data.view(torch.uint8)).view(q.data.dtype), q.scale_inv, "tensor")
+
+
 # -- the op --------------------------------------------------------------------------------------
 def check_fp8_shapes(in_features: int, out_features: int, *, where: str = _OP) -> None:
     """K and N multiples of 16 (the forward contracts K, the input gradient N)."""
@@ -568,15 +611,21 @@ class Scaler:
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe, scaler, gemm, casts):
-        # x: (M, K) 2-D; weight: (N, K)
+    def forward(ctx, x, weight, bias, recipe, scaler, gemm, casts, gather, scatter):
+        # x: (M, K) 2-D (with gather: this rank's (M/size, K) rows); weight: (N, K)
         out_dtype = x.dtype
         ctx.recipe, ctx.gemm, ctx.out_dtype, ctx.w_dtype = recipe, gemm, out_dtype, weight.dtype
-        ctx.has_bias, ctx.casts = bias is not None, casts
+        ctx.has_bias, ctx.casts, ctx.gather, ctx.scatter = bias is not None, casts, gather, scatter
         if recipe in ("tensorwise", "delayed"):
             ctx.scaler = scaler
-            xq, xq_t, x_amax = quantize_tensorwise(x, E4M3, scaler.scale("input", x), transpose=True)
-            wq, wq_t = weight_tensorwise(weight, scaler, casts)
+            if gather is not None:  # cast the rows, gather the fp8 bytes; x^T for the backward from them
+                xq, x_amax, s_w = shard_cast(x, "input", scaler, gather.amax_max, weight=weight, casts=casts)
+                xq = gather_rows(xq, gather.all_gather)  # (M, K)
+                xq_t = Quantized(xq.data.t().contiguous(), xq.scale_inv, "tensor")  # (K, M)
+            else:
+                xq, xq_t, x_amax = quantize_tensorwise(x, E4M3, scaler.scale("input", x), transpose=True)
+                s_w = None
+            wq, wq_t = weight_tensorwise(weight, scaler, casts, scale=s_w)
             scaler.record("input", x_amax)
             y = gemm(xq, wq, out_dtype)
             ctx.save_for_backward(xq_t.data, xq_t.scale_inv, wq_t.data, wq_t.scale_inv)
@@ -589,22 +638,30 @@ class _Fp8Linear(torch.autograd.Function):
             ctx.save_for_backward(x, wq.data, wq.scale_inv)
         if bias is not None:
             y = y + bias.to(out_dtype)
+        if scatter is not None:  # sum over ranks, this rank's rows (M/size, N)
+            y = scatter.reduce_scatter(y)
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
-        g = grad_out.contiguous()  # (M, N)
+        g = grad_out.contiguous()  # (M, N) (with scatter: this rank's (M/size, N) rows)
         gemm, recipe = ctx.gemm, ctx.recipe
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_x = grad_w = grad_b = None
         if recipe in ("tensorwise", "delayed"):
             xt_data, xt_inv, wt_data, wt_inv = ctx.saved_tensors
             scaler = ctx.scaler
-            # (M, N) and, for the weight gradient, its (N, M) transpose, from one pass over g
-            gq, gq_t, g_amax = quantize_tensorwise(g, E5M2, scaler.scale("grad_output", g), transpose=need_w)
+            if ctx.scatter is not None:  # cast the rows, gather the fp8 bytes; dy^T from them
+                gq, g_amax, _ = shard_cast(g, "grad_output", scaler, ctx.scatter.amax_max)
+                gq = gather_rows(gq, ctx.scatter.all_gather)  # (M, N)
+                gq_t = Quantized(gq.data.t().contiguous(), gq.scale_inv, "tensor") if need_w else None
+            else:  # (M, N) and, for the weight gradient, its (N, M) transpose, from one pass over g
+                gq, gq_t, g_amax = quantize_tensorwise(g, E5M2, scaler.scale("grad_output", g), transpose=need_w)
             scaler.record("grad_output", g_amax)
             if need_x:
                 grad_x = gemm(gq, Quantized(wt_data, wt_inv, "tensor"), ctx.out_dtype)  # (M, K)
+                if ctx.gather is not None:  # the gather's backward: sum over ranks, this rank's rows
+                    grad_x = ctx.gather.reduce_scatter(grad_x)  # (M/size, K)
             if need_w:
                 grad_w = wgrad_from_transposes(gemm, gq_t, Quantized(xt_data, xt_inv, "tensor"), ctx.w_dtype)
         elif recipe == "rowwise":
@@ -623,7 +680,7 @@ class _Fp8Linear(torch.autograd.Function):
                 grad_w = weight_grad_requantized(recipe, gemm, g, x, ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.float().sum(0).to(ctx.w_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def wgrad_from_transposes(gemm, gq_t: Quantized, xq_t: Quantized, w_dtype: torch.dtype) -> Tensor:
@@ -638,7 +695,9 @@ def wgrad_from_transposes(gemm, gq_t: Quantized, xq_t: Quantized, w_dtype: torch
 
 def fp8_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, recipe: str = "tensorwise",
                state: Optional[DelayedScaling] = None, amax_reduce: Optional[Mapping[str, AmaxReduce]] = None,
-               reference: bool = False, weight_casts: Optional[WeightCasts] = None) -> Tensor:
+               reference: bool = False, weight_casts: Optional[WeightCasts] = None,
+               sequence_gather: Optional[SequenceShards] = None,
+               sequence_scatter: Optional[SequenceShards] = None) -> Tensor:
     """``input @ weight.T + bias`` with FP8 GEMMs forward and backward (see the module docstring).
 
     ``input``: (..., K); ``weight``: (N, K); returns (..., N) in ``input``'s dtype. ``state``: the
@@ -647,12 +706,33 @@ def fp8_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, 
     shards it (per-tensor recipes). ``reference=True`` runs every GEMM as the plain-PyTorch
     :func:`scaled_gemm_reference` (same quantisation; for tests). ``weight_casts``: this linear's
     :class:`WeightCasts` while its weight is constant (the casts are made once and reused).
+    ``sequence_gather``: ``input`` is this rank's (s/size, ..., K) sequence rows; it is cast to fp8 and
+    gathered (per-tensor recipes), and the result has every rank's rows: (s, ..., N).
+    ``sequence_scatter``: the result is reduce-scattered over the sequence, (s/size, ..., N), and the
+    backward gathers the output gradient as fp8 (per-tensor recipes; no bias: add it after).
     """
     _check(input, weight, bias, recipe, state)
+    for name, sp in (("sequence_gather", sequence_gather), ("sequence_scatter", sequence_scatter)):
+        if sp is not None and recipe not in ("tensorwise", "delayed"):
+            raise ValueError(f"{_OP}: {name} casts before gathering with one scale per tensor; recipe {recipe!r} "
+                             "scales rows or tiles and keeps its operands in high precision for its backward: run "
+                             f"the sequence-parallel collective outside and call without {name}")
+        if sp is not None and input.shape[0] % sp.size:
+            raise ValueError(f"{_OP}: {name} over {sp.size} ranks needs a sequence length divisible by it, got "
+                             f"{input.shape[0]}")
+    if sequence_gather is not None and sequence_scatter is not None:
+        raise ValueError(f"{_OP}: sequence_gather (a column-parallel input) and sequence_scatter (a row-parallel "
+                         "output) do not go together in one linear")
+    if sequence_scatter is not None and bias is not None:
+        raise ValueError(f"{_OP}: sequence_scatter with a bias: add the bias after the reduce-scatter")
     lead = input.shape[:-1]
+    if sequence_gather is not None:
+        lead = (input.shape[0] * sequence_gather.size, *lead[1:])  # every rank's sequence rows
+    if sequence_scatter is not None:
+        lead = (input.shape[0] // sequence_scatter.size, *lead[1:])  # this rank's sequence rows
     x2d = input.reshape(-1, input.shape[-1])  # (M, K)
     gemm = scaled_gemm_reference if reference else scaled_gemm
     # Per-tensor scales: built here, where grad mode is still the caller's (evaluation records no amax).
     scaler = Scaler(recipe, state, dict(amax_reduce or {})) if recipe in ("tensorwise", "delayed") else None
-    y = _Fp8Linear.apply(x2d, weight, bias, recipe, scaler, gemm, weight_casts)
+    y = _Fp8Linear.apply(x2d, weight, bias, recipe, scaler, gemm, weight_casts, sequence_gather, sequence_scatter)
     return y.reshape(*lead, weight.shape[0])  # (..., N)

@@ -272,7 +272,12 @@ def tp_layer_comm(config, *, t: int, tp: int, sp: bool, elem: int, tr: Training,
     the row linear's gather ring under both. MoE layers' expert MLPs are not decomposed (their sequence
     gather is plain in parallel/expert_parallel/layer.py): counted as plain collectives.
     ``"async_backward"`` (Megatron-LM's column-parallel backward): the input-gradient reduction under the
-    weight-gradient GEMM, the regather under the input-gradient GEMM; the rest exposed."""
+    weight-gradient GEMM, the regather under the input-gradient GEMM; the rest exposed.
+    ``tr.precision == "fp8"`` (Tessel's per-tensor FP8 linears, docs/fp8.md): with sequence parallelism the
+    column input and the row output gradient are gathered as fp8 (1 byte per element), and the column
+    backward regathers nothing (the forward saved fp8 x^T): forward and backward each 2 fp8 all-gathers and
+    2 reduce-scatters. FP8 keeps a ring a ring but replaces the asynchronous column backward (apply_fp8), so
+    "async_backward" costs what "none" does there."""
     if tp <= 1:
         return 0.0, 0.0, 0.0
     c, gpu = config, cluster.gpu
@@ -286,12 +291,17 @@ def tp_layer_comm(config, *, t: int, tp: int, sp: bool, elem: int, tr: Training,
         return 2 * ar, sum(max(0.0, ar - g) for g in col), 0.0
     ag = collective_time("all_gather", act_bytes / tp, tp, link)
     rs = collective_time("reduce_scatter", act_bytes, tp, link)
+    fp8 = tr.precision == "fp8"
+    ag8 = collective_time("all_gather", t * c.hidden_size / tp, tp, link)  # fp8: 1 byte per element
+    if fp8 and tr.tp_overlap != "ring":
+        return 2 * ag8 + 2 * rs, 2 * ag8 + 2 * rs, 0.0
     if tr.tp_overlap == "none":
         return 2 * ag + 2 * rs, 4 * ag + 2 * rs, 0.0
     if tr.tp_overlap == "async_backward":
         col = [gemm_time(t, nn, k, gpu=gpu, peak_tflops=peak) for nn, k in column_shapes(c, tp, attn_shapes)]
         return 2 * ag + 2 * rs, 2 * ag + sum(max(0.0, ag - g) + max(0.0, rs - g) for g in col), 0.0
     step = collective_time("send", act_bytes / tp, 2, link)  # one ring step: a chunk to r + 1, one from r - 1
+    step8 = collective_time("send", t * c.hidden_size / tp, 2, link)  # an fp8 chunk
     rows = max(1, t // tp)
     pairs = [(column_shapes(c, tp, attn_shapes)[0], attn_shapes[1])]  # (column (n, k), row (n, k)) per pair
     dense_mlp = not c.num_experts
@@ -301,8 +311,12 @@ def tp_layer_comm(config, *, t: int, tp: int, sp: bool, elem: int, tr: Training,
     for col, row in pairs:
         g_col = gemm_time(rows, *col, gpu=gpu, peak_tflops=peak)
         g_row = gemm_time(rows, *row, gpu=gpu, peak_tflops=peak)
-        fwd += (tp - 1) * (max(0.0, step - g_col) + max(0.0, step - g_row))
-        bwd += (tp - 1) * (2 * max(0.0, step - g_col) + max(0.0, step - 2 * g_row))
+        if fp8:  # fp8 gathers; the column backward's reduce-scatter ring only; the row's weight gradient after
+            fwd += (tp - 1) * (max(0.0, step8 - g_col) + max(0.0, step - g_row))
+            bwd += (tp - 1) * (max(0.0, step - g_col) + max(0.0, step8 - g_row))
+        else:
+            fwd += (tp - 1) * (max(0.0, step - g_col) + max(0.0, step - g_row))
+            bwd += (tp - 1) * (2 * max(0.0, step - g_col) + max(0.0, step - 2 * g_row))
         extra += tp * (g_col + g_row) - gemm_time(t, *col, gpu=gpu, peak_tflops=peak) - gemm_time(
             t, *row, gpu=gpu, peak_tflops=peak)
     if not dense_mlp:  # the MoE MLP's sequence collectives stay plain

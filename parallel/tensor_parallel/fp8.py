@@ -11,11 +11,14 @@ group reduces its amax over the group (one 4-byte all-reduce MAX, visible in the
 scale equals the unsharded tensor's:
 
     column-parallel   weight (out/tp, in) and grad_output (.., out/tp) are sharded: 1 reduce in
-                      forward, 1 in backward. The input is replicated, or with SP gathered in high
-                      precision before it is quantised (so no reduction; an FP8 all-gather, half
-                      the bytes of bf16, is not implemented).
+                      forward, 1 in backward. The input is replicated (no reduction), or with SP
+                      sequence-sharded: then its shard is cast with the whole input's scale (its
+                      amax rides in the weight's reduce: one call of 8 bytes) and the fp8 bytes are
+                      all-gathered, half the bytes of bf16 (engine.ops.fp8_linear.SequenceShards).
     row-parallel      input (.., in/tp) and weight (out, in/tp) are sharded: 2 reduces in forward;
-                      grad_output is replicated (SP: all-gathered by the reduce-scatter's backward).
+                      grad_output is replicated, or with SP sequence-sharded (the output is
+                      reduce-scattered): then its shard is cast with the whole gradient's scale (1
+                      reduce in backward) and the fp8 bytes are all-gathered.
 
 ``delayed`` reduces nothing per call: each call records its local amax, and the trainer's
 :func:`update_fp8` all-reduces (MAX) all of a stage's amaxes at once, once per step, over TP and
@@ -36,8 +39,8 @@ from typing import Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from engine.ops.fp8_linear import RECIPES, DelayedScaling, Scaler, WeightCasts, check_fp8_shapes, delayed_states, \
-    fp8_linear, update_delayed_states
+from engine.ops.fp8_linear import RECIPES, DelayedScaling, Scaler, SequenceShards, WeightCasts, check_fp8_shapes, \
+    delayed_states, fp8_linear, update_delayed_states
 from parallel import comm
 from parallel.comm import Group
 from parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp
@@ -80,15 +83,28 @@ class Fp8LinearImpl(LinearImpl):
             y = fp8_ring_column(x, weight, bias, recipe=self.recipe, group=group, weight_casts=self.weight_casts,
                                 scaler=self._scaler(group, ("weight", "grad_output")))  # (s, b, out/tp)
             return gather_from_tp(y, group) if gather_output else y
-        x = gather_from_sp(x, group) if sequence_parallel else copy_to_tp(x, group)  # (s, b, in)
+        gather = None
+        if sequence_parallel and group.size > 1 and self.recipe in ("tensorwise", "delayed"):
+            gather = sequence_shards(group)  # x stays (s/tp, b, in): cast, then gathered as fp8
+        elif sequence_parallel:
+            x = gather_from_sp(x, group)  # (s, b, in)
+        else:
+            x = copy_to_tp(x, group)
         y = fp8_linear(x, weight, bias, recipe=self.recipe, state=self.state, weight_casts=self.weight_casts,
-                       amax_reduce=self._reduce(group, ("weight", "grad_output")))  # (s, b, out/tp)
+                       amax_reduce=self._reduce(group, ("weight", "grad_output")),
+                       sequence_gather=gather)  # (s, b, out/tp)
         return gather_from_tp(y, group) if gather_output else y
 
     def row_forward(self, x, weight, bias, *, group, sequence_parallel):
         if self.ring and sequence_parallel and group.size > 1:
             y = fp8_ring_row(x, weight, recipe=self.recipe, group=group, weight_casts=self.weight_casts,
                              scaler=self._scaler(group, ("input", "weight")))  # (s/tp, b, out)
+            return y if bias is None else y + bias
+        if sequence_parallel and group.size > 1 and self.recipe in ("tensorwise", "delayed"):
+            # reduce-scattered inside: the backward gathers the output gradient as fp8
+            y = fp8_linear(x, weight, None, recipe=self.recipe, state=self.state, weight_casts=self.weight_casts,
+                           amax_reduce=self._reduce(group, ("input", "weight")),
+                           sequence_scatter=sequence_shards(group))  # (s/tp, b, out)
             return y if bias is None else y + bias
         y = fp8_linear(x, weight, None, recipe=self.recipe, state=self.state, weight_casts=self.weight_casts,
                        amax_reduce=self._reduce(group, ("input", "weight")))  # (s, b, out) partial
@@ -97,6 +113,14 @@ class Fp8LinearImpl(LinearImpl):
 
     def __repr__(self) -> str:
         return f"Fp8LinearImpl({self.recipe!r}{', ring=True' if self.ring else ''})"
+
+
+def sequence_shards(group: Group) -> SequenceShards:
+    """fp8_linear's sequence-parallel collectives over ``group`` (through parallel/comm): the FP8 all-gathers
+    (in the ledger, 1 byte per element), the amax reductions and the reduce-scatters."""
+    return SequenceShards(size=group.size, amax_max=max_over(group),
+                          all_gather=lambda t: comm.all_gather(t, group, dim=0),  # (M/tp, K) -> (M, K)
+                          reduce_scatter=lambda t: comm.reduce_scatter(t.contiguous(), group, dim=0))  # (M, K) -> (M/tp, K)
 
 
 def _excluded(name: str, exclude: Iterable[str]) -> bool:

@@ -4,11 +4,13 @@ The rings of parallel/tensor_parallel/overlap.py with every GEMM in FP8 through 
 quantisers and ``scaled_gemm``, computing what the non-ring FP8 path (:class:`Fp8LinearImpl` without the
 ring: gather in high precision, ``fp8_linear``, reduce-scatter) computes:
 
-    column forward    the gather ring moves the high-precision x shards (the all-gather's bytes); each
-                      chunk is quantised as it arrives with the scale of the WHOLE gathered x, and its rows
-                      of y are one FP8 GEMM. Saved for backward: what the non-ring path saves of the
-                      gathered x (fp8 x^T for the per-tensor recipes, x itself for row/block), assembled
-                      from the chunks, so the backward regathers nothing (as the non-ring FP8 path).
+    column forward    per-tensor recipes: each rank casts its x shard with the scale of the WHOLE
+                      gathered x and the gather ring moves the fp8 shards (the non-ring path's FP8
+                      all-gather bytes); row/block recipes: the ring moves the high-precision shards and
+                      each chunk is quantised as it arrives. Each chunk's rows of y are one FP8 GEMM.
+                      Saved for backward: what the non-ring path saves of the gathered x (fp8 x^T for
+                      the per-tensor recipes, x itself for row/block), assembled from the chunks, so the
+                      backward regathers nothing (as the non-ring FP8 path).
     column backward   dy (s, b, out/tp) is quantised whole as in the non-ring path; dx's reduce-scatter is
                       a ring of per-chunk FP8 GEMMs, and the weight-gradient GEMM (all its operands are
                       local) runs under the ring's first round.
@@ -39,8 +41,8 @@ import torch
 from torch import Tensor
 
 from engine.ops.fp8_linear import (E4M3, E5M2, Quantized, Scaler, WeightCasts, quantize_rowwise, quantize_tensorwise,
-                                   quantize_tiles, scaled_gemm, weight_blocks, weight_grad_requantized, weight_rowwise,
-                                   weight_tensorwise, wgrad_from_transposes)
+                                   quantize_tiles, scaled_gemm, shard_cast, weight_blocks, weight_grad_requantized,
+                                   weight_rowwise, weight_tensorwise, wgrad_from_transposes)
 from parallel import comm
 from parallel.comm import Group
 from parallel.tensor_parallel.overlap import ring_all_gather, ring_reduce_scatter
@@ -85,26 +87,21 @@ class _Fp8RingColumn(torch.autograd.Function):
         y = x_shard.new_empty((m, weight.shape[0]))  # (M, out/tp)
         bias_c = None if bias is None else bias.to(out_dtype)
         if recipe in PER_TENSOR:
-            # The whole gathered x's amax, beside the weight's in the weight's own all-reduce (only x's
-            # where the weight's cast is reused: casts).
-            if casts is not None and casts.has("tensor"):
-                s_x, s_w = scaler.scales([("input", x_shard)], max_over(group))[0], None
-            else:
-                s_x, s_w = scaler.scales([("input", x_shard), ("weight", weight)], max_over(group))
+            # The shard cast with the whole gathered x's scale (its amax in the weight's all-reduce, or
+            # alone where the weight's cast is reused), as the non-ring path's FP8 all-gather does.
+            xq, x_amax, s_w = shard_cast(x_shard.reshape(n, k), "input", scaler, max_over(group), weight=weight,
+                                         casts=casts)  # (n, K) this rank's rows
             wq, wq_t = weight_tensorwise(weight, scaler, casts, scale=s_w)
+            scaler.record("input", x_amax)
             xq_t = torch.empty((k, m), dtype=E4M3, device=x_shard.device)  # fp8 x^T of the gathered x
-            x_amax = []
 
-            def consume(chunk, c):
-                q, q_t, amax = quantize_tensorwise(chunk.reshape(n, k), E4M3, s_x, transpose=True)
+            def consume(chunk, c):  # chunk: (n, K) fp8 bytes of rank c's shard
+                q = Quantized(chunk.view(E4M3), xq.scale_inv, "tensor")
                 out = scaled_gemm(q, wq, out_dtype)  # (n, out/tp)
                 _rows(y, c, n).copy_(out if bias_c is None else out + bias_c)
-                xq_t[:, c * n:(c + 1) * n].copy_(q_t.data)
-                x_amax.append(amax)
-            ring_all_gather(x_shard, group, consume)
-            scaler.record("input", torch.stack(x_amax).amax().reshape(1))
-            x_inv = (1.0 / s_x.reshape(1).float()).reshape(())  # quantize_tensorwise's scale_inv
-            ctx.save_for_backward(xq_t, x_inv, wq_t.data, wq_t.scale_inv)
+                xq_t[:, c * n:(c + 1) * n].copy_(q.data.t())
+            ring_all_gather(xq.data.view(torch.uint8), group, consume)
+            ctx.save_for_backward(xq_t, xq.scale_inv, wq_t.data, wq_t.scale_inv)
         else:
             wq = weight_rowwise(weight, casts) if recipe == "rowwise" else weight_blocks(weight, casts)
             quantize = quantize_rowwise if recipe == "rowwise" else quantize_tiles
@@ -213,16 +210,15 @@ class _Fp8RingRow(torch.autograd.Function):
             wt = Quantized(wt_data, wt_inv, "tensor")  # (K, N)
             if need_x:
                 grad_x = dy_shard.new_empty((m, k), dtype=ctx.out_dtype)
-            # The scale of the whole gathered dy: its shard's amax all-reduced (MAX) over tp first
-            # (current scaling only; delayed scales from its history).
-            s_g = scaler.scales([("grad_output", dy_shard)], max_over(group))[0]
-            gq = torch.empty((m, n_out), dtype=E5M2, device=dy_shard.device)  # the gathered dy, fp8
-            g_amax = []
+            # This rank's dy rows cast with the whole gathered dy's scale (its amax all-reduced (MAX) over
+            # tp first: current scaling only; delayed scales from its history), then moved as fp8.
+            g_local, g_amax, _ = shard_cast(dy_shard.reshape(n, n_out), "grad_output", scaler, max_over(group))
+            scaler.record("grad_output", g_amax)
+            gq = torch.empty((m, n_out), dtype=g_local.data.dtype, device=dy_shard.device)  # the gathered dy, fp8
 
-            def consume(chunk, c):
-                q, _, amax = quantize_tensorwise(chunk.reshape(n, n_out), E5M2, s_g)
+            def consume(chunk, c):  # chunk: (n, N) fp8 bytes of rank c's dy rows
+                q = Quantized(chunk.view(gq.dtype), g_local.scale_inv, "tensor")
                 _rows(gq, c, n).copy_(q.data)
-                g_amax.append(amax)
                 if need_x:
                     _rows(grad_x, c, n).copy_(scaled_gemm(q, wt, ctx.out_dtype))  # (n, in/tp)
         else:
@@ -238,15 +234,13 @@ class _Fp8RingRow(torch.autograd.Function):
                 _rows(g_full, c, n).copy_(rows)
                 if need_x:
                     _rows(grad_x, c, n).copy_(scaled_gemm(quantize(rows, E5M2), wt, ctx.out_dtype))  # (n, in/tp)
-        ring_all_gather(dy_shard, group, consume)
+        ring_all_gather(g_local.data.view(torch.uint8) if recipe in PER_TENSOR else dy_shard, group, consume)
         grad_w = None
         if grad_x is not None:
             grad_x = grad_x.view(dy_shard.shape[0] * group.size, *dy_shard.shape[1:-1], k)  # (s, b, in/tp)
         if recipe in PER_TENSOR:
-            scaler.record("grad_output", torch.stack(g_amax).amax().reshape(1))
             if need_w:
-                g_inv = (1.0 / s_g.reshape(1).float()).reshape(())
-                gq_t = Quantized(gq.t().contiguous(), g_inv, "tensor")  # (N, M)
+                gq_t = Quantized(gq.t().contiguous(), g_local.scale_inv, "tensor")  # (N, M)
                 grad_w = wgrad_from_transposes(scaled_gemm, gq_t, Quantized(xt_data, xt_inv, "tensor"), ctx.w_dtype)
         elif need_w:
             grad_w = weight_grad_requantized(recipe, scaled_gemm, g_full, x2d, ctx.w_dtype)

@@ -204,6 +204,13 @@ def test_tp_collectives_per_layer_are_the_ledgers():
     assert (fwd, bwd) == (2 * ag + 2 * rs, 2 * ag + sum(max(0.0, ag - g) + max(0.0, rs - g) for g in cols))
     assert tp_layer_comm(c, tp=1, sp=False, tr=Training(seq_length=t, global_batch_size=1),
                          **{k: v for k, v in kw.items() if k != "tp"}) == (0.0, 0.0, 0.0)
+    # FP8 (per-tensor, docs/fp8.md): the SP gathers move fp8 bytes and the column backward regathers nothing;
+    # the asynchronous column backward is replaced by the FP8 linear
+    ag8 = collective_time("all_gather", t * c.hidden_size / tp, tp, link)
+    for overlap in ("none", "async_backward"):
+        tr8 = Training(seq_length=t, global_batch_size=1, precision="fp8", tp_overlap=overlap)
+        assert tp_layer_comm(c, sp=True, tr=tr8, **kw) == (2 * ag8 + 2 * rs, 2 * ag8 + 2 * rs, 0.0)
+    assert ag8 < ag
 
 
 def test_ring_overlap_hides_each_step_under_its_chunk_gemm():
@@ -237,6 +244,14 @@ def test_ring_overlap_hides_each_step_under_its_chunk_gemm():
         got = tp_layer_comm(c, t=t, tp=tp, sp=True, elem=2, tr=ring, cluster=cl, peak=989.0, attn_shapes=attn)
         assert got == pytest.approx((fwd, bwd, extra), rel=1e-12)
         assert (got[0] == 0.0) == hidden and extra > 0
+        # FP8 rings: the gathers move fp8 chunks, the column backward is its reduce-scatter ring alone, the
+        # row's weight gradient follows its gather ring (one chunk GEMM under each step)
+        step8 = collective_time("send", t * c.hidden_size / tp, 2, cl.link(tp))
+        fwd8 = sum((tp - 1) * (max(0.0, step8 - chunk(*col)) + max(0.0, step - chunk(*row))) for col, row in pairs)
+        bwd8 = sum((tp - 1) * (max(0.0, step - chunk(*col)) + max(0.0, step8 - chunk(*row))) for col, row in pairs)
+        got8 = tp_layer_comm(c, t=t, tp=tp, sp=True, elem=2, tr=replace(ring, precision="fp8"), cluster=cl,
+                             peak=989.0, attn_shapes=attn)
+        assert got8 == pytest.approx((fwd8, bwd8, extra), rel=1e-12)
     with pytest.raises(ValueError, match="needs sequence parallelism"):
         replace(ring, sequence_parallel=False)
 

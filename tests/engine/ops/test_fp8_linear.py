@@ -250,3 +250,39 @@ def test_bad_input_names_the_fix(bad, match):
     state = DelayedScaling() if bad.get("state") else None
     with pytest.raises(ValueError, match=match):
         fp8_linear(x, w, recipe=bad.get("recipe", "tensorwise"), state=state)
+
+
+def _shards(size: int):
+    """A SequenceShards over ``size`` simulated ranks that all hold the same rows (gather: repeat; reduce-scatter:
+    the first block times size), enough to check fp8_linear's shapes and refusals in one process."""
+    from engine.ops.fp8_linear import SequenceShards
+
+    return SequenceShards(size=size, amax_max=lambda a: a.clone(), all_gather=lambda t: t.repeat(size, 1),
+                          reduce_scatter=lambda t: t[: t.shape[0] // size] * size)
+
+
+def test_sequence_shards_with_one_rank_equal_the_plain_linear():
+    """size 1: the cast-then-gather input and the gather-then-cast output gradient are the plain path's, bitwise."""
+    torch.manual_seed(0)
+    x, w, dy = torch.randn(16, 2, 32), torch.randn(48, 32), torch.randn(16, 2, 48)
+    outs = []
+    for kw in ({}, {"sequence_gather": _shards(1)}, {"sequence_scatter": _shards(1)}):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fp8_linear(xi, wi, **kw)
+        y.backward(dy)
+        outs.append((y.detach(), xi.grad, wi.grad))
+    for got in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, outs[0]))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(recipe="rowwise", sequence_gather=2), "scales rows or tiles"),
+    (dict(sequence_scatter=3), "sequence length divisible"),
+    (dict(sequence_gather=2, sequence_scatter=2), "do not go together"),
+    (dict(sequence_scatter=2, bias=True), "add the bias after the reduce-scatter"),
+])
+def test_sequence_shards_bad_input(kw, match):
+    kw = {k: _shards(v) if k.startswith("sequence_") else v for k, v in kw.items()}
+    bias = torch.zeros(32) if kw.pop("bias", False) else None
+    with pytest.raises(ValueError, match=match):
+        fp8_linear(torch.randn(16, 32), torch.randn(32, 32), bias, **kw)

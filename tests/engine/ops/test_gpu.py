@@ -155,3 +155,28 @@ def test_fp8_linear_cuda_matches_the_cpu_path(recipe):
     for name, a, b in zip(("y", "dx", "dw"), *outs):
         rel = ((a - b).abs().max() / b.abs().max()).item()
         assert rel < 1e-2, f"{recipe} {name}: CUDA vs CPU {rel:.2e}"
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_fp8_weight_casts_reused_on_cuda_are_bitwise(recipe):
+    """model.fp8_weight_cache on CUDA: two micro-batches with the weight's casts made once give the same
+    outputs and gradients, bit for bit, as two calls that cast the weight each time (docs/fp8.md)."""
+    from engine.ops.fp8_linear import WeightCasts, fp8_linear
+
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(1024, 768, generator=g) * 0.05).cuda()
+    xs = [torch.randn(512, 768, generator=g).cuda().to(torch.bfloat16) for _ in range(2)]
+    dys = [torch.randn(512, 1024, generator=g).cuda().to(torch.bfloat16) * 1e-3 for _ in range(2)]
+    outs = []
+    for casts in (None, WeightCasts()):
+        ww = w.clone().requires_grad_()
+        got = []
+        for x, dy in zip(xs, dys):
+            xx = x.clone().requires_grad_()
+            y = fp8_linear(xx, ww, recipe=recipe, weight_casts=casts)
+            y.backward(dy)
+            got += [y.detach(), xx.grad]
+        outs.append(got + [ww.grad])
+        if casts is not None:
+            assert casts.made == (2 if recipe == "rowwise" else 1)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))

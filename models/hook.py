@@ -40,10 +40,11 @@ _HF_NAMES = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
              "norm_eps": "rms_norm_eps", "tie_word_embeddings": "tie_word_embeddings"}
 
 
-def hf_config_from_run(model_cfg, *, vocab_size: int | None) -> dict:
+def hf_config_from_run(model_cfg, *, vocab_size: int | None, extra: dict | None = None) -> dict:
     """The Hugging Face config.json dict of the run config's ``[model]`` section: ``model.hf_config``
     (a file) if given, overridden by every explicit field; ``vocab_size`` (the tokenizer's) fills a
-    vocabulary the section leaves unset."""
+    vocabulary the section leaves unset. ``extra``: config.json fields the section has no key for (the
+    planner's ``--num-experts``/``--top-k``), under the explicit fields."""
     m = model_cfg
     base: dict = {}
     if m.hf_config:
@@ -51,6 +52,7 @@ def hf_config_from_run(model_cfg, *, vocab_size: int | None) -> dict:
             raise ValueError(f"model.hf_config={m.hf_config!r} does not exist; give the path of a config.json")
         with open(m.hf_config) as f:
             base = json.load(f)
+    base.update(extra or {})
     family = base.get("model_type", m.family)
     if family == "gpt2":
         names = _GPT2_NAMES

@@ -163,9 +163,17 @@ def bench_step(args) -> dict:
     ns = SimpleNamespace(**preset, device=args.device, dtype=args.dtype)
     batch = _batch(ns, args.device)
 
-    class Loader:
+    mb = args.micro_batch or preset["batch"]
+    micro = [{k: v if k == "position_ids" else v[i:i + mb] for k, v in batch.items()}  # (mb, seq) rows each
+             for i in range(0, preset["batch"], mb)]
+
+    class Loader:  # the batch's micro-batches, in turn (the trainer takes one per micro-batch)
+        def __init__(self):
+            self.i = 0
+
         def __next__(self):
-            return batch
+            self.i += 1
+            return micro[(self.i - 1) % len(micro)]
 
     sides = {}
     names = ["none", *args.recipes] + ([f"{r}/nocache" for r in args.recipes] if args.weight_cache_ab else [])
@@ -173,6 +181,9 @@ def bench_step(args) -> dict:
         fp8, _, nocache = name.partition("/")
         trainer, _, _ = _tessel_trainer(ns, fp8=fp8, micro_batch=args.micro_batch,
                                         extra=("model.fp8_weight_cache=false",) if nocache else ())
+        if trainer.num_micro != len(micro):  # each step takes the whole batch, one micro-batch at a time
+            raise RuntimeError(f"the trainer runs {trainer.num_micro} micro-batches per step, the bench feeds "
+                               f"{len(micro)}")
         fp8 = name
         loader = Loader()
         for _ in range(args.warmup):

@@ -717,12 +717,12 @@ def fp8_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, 
             raise ValueError(f"{_OP}: {name} casts before gathering with one scale per tensor; recipe {recipe!r} "
                              "scales rows or tiles and keeps its operands in high precision for its backward: run "
                              f"the sequence-parallel collective outside and call without {name}")
-        if sp is not None and input.shape[0] % sp.size:
-            raise ValueError(f"{_OP}: {name} over {sp.size} ranks needs a sequence length divisible by it, got "
-                             f"{input.shape[0]}")
     if sequence_gather is not None and sequence_scatter is not None:
         raise ValueError(f"{_OP}: sequence_gather (a column-parallel input) and sequence_scatter (a row-parallel "
                          "output) do not go together in one linear")
+    if sequence_scatter is not None and input.shape[0] % sequence_scatter.size:
+        raise ValueError(f"{_OP}: sequence_scatter over {sequence_scatter.size} ranks needs a sequence length "
+                         f"divisible by it, got {input.shape[0]}")
     if sequence_scatter is not None and bias is not None:
         raise ValueError(f"{_OP}: sequence_scatter with a bias: add the bias after the reduce-scatter")
     lead = input.shape[:-1]

@@ -169,8 +169,7 @@ def from_dims(*, family: str, hidden_size: int, num_layers: int, num_heads: int,
     if family == "gpt2":
         model.pop("num_key_value_heads", None)
     cfg = TesselConfig.from_dict({"model": model})
-    hf = hf_config_from_run(cfg.model, vocab_size=None)
-    if num_experts:
-        hf.update(num_local_experts=num_experts, num_experts_per_tok=top_k)
+    hf = hf_config_from_run(cfg.model, vocab_size=None, extra=dict(num_local_experts=num_experts,
+                                                                  num_experts_per_tok=top_k) if num_experts else None)
     hook = PlanHook.from_hf(hf, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
     return PlanModel(base=cfg.to_dict(), hook=hook, name=f"{family}-h{hidden_size}-l{num_layers}")

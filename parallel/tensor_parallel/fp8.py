@@ -13,8 +13,9 @@ scale equals the unsharded tensor's:
     column-parallel   weight (out/tp, in) and grad_output (.., out/tp) are sharded: 1 reduce in
                       forward, 1 in backward. The input is replicated (no reduction), or with SP
                       sequence-sharded: then its shard is cast with the whole input's scale (its
-                      amax rides in the weight's reduce: one call of 8 bytes) and the fp8 bytes are
-                      all-gathered, half the bytes of bf16 (engine.ops.fp8_linear.SequenceShards).
+                      amax rides in the weight's reduce: one call of 8 bytes; 4 where the weight's
+                      cast is reused) and the fp8 bytes are all-gathered, half the bytes of bf16
+                      (engine.ops.fp8_linear.SequenceShards).
     row-parallel      input (.., in/tp) and weight (out, in/tp) are sharded: 2 reduces in forward;
                       grad_output is replicated, or with SP sequence-sharded (the output is
                       reduce-scattered): then its shard is cast with the whole gradient's scale (1

@@ -2,7 +2,8 @@
 
 The rings of parallel/tensor_parallel/overlap.py with every GEMM in FP8 through engine/ops/fp8_linear.py's
 quantisers and ``scaled_gemm``, computing what the non-ring FP8 path (:class:`Fp8LinearImpl` without the
-ring: gather in high precision, ``fp8_linear``, reduce-scatter) computes:
+ring: ``fp8_linear`` with its FP8 all-gathers (per-tensor recipes) or a high-precision gather (row/block),
+and the reduce-scatter) computes, moving the same bytes:
 
     column forward    per-tensor recipes: each rank casts its x shard with the scale of the WHOLE
                       gathered x and the gather ring moves the fp8 shards (the non-ring path's FP8
@@ -16,20 +17,21 @@ ring: gather in high precision, ``fp8_linear``, reduce-scatter) computes:
                       local) runs under the ring's first round.
     row forward       x (s, b, in/tp) is quantised whole (its amax reduced over tp, as the non-ring
                       path does); the reduce-scatter ring sums per-chunk FP8 GEMMs.
-    row backward      the gather ring moves high-precision dy chunks; each is quantised on arrival with
-                      the scale of the whole gathered dy and gives its rows of dx; the weight gradient
-                      is one GEMM over the assembled dy, as in the non-ring path.
+    row backward      per-tensor recipes: each rank casts its dy rows with the scale of the whole
+                      gathered dy and the gather ring moves fp8 chunks; row/block recipes: the ring moves
+                      high-precision dy chunks, each quantised on arrival. Each chunk gives its rows of
+                      dx; the weight gradient is one GEMM over the assembled dy, as in the non-ring path.
 
 Scales. Row- and block-wise recipes scale rows and 1 x 128 tiles of the token dimension, which a
 sequence chunk never splits: no communication, the same scales as the non-ring path. The per-tensor
 recipes (``tensorwise``, and ``delayed`` before its first update) need the amax of a tensor that the
 ring only ever holds in chunks -- the column input in forward and the row output-gradient in
-backward -- so its shard's amax is all-reduced (MAX) over tp: 4 bytes. In the column forward it rides
-in the weight's amax all-reduce (one stacked call of 8 bytes instead of 4: no extra call; 4 bytes, x's alone,
-where the weight's cast is reused from an earlier micro-batch); in the row
-backward it is one extra call of 4 bytes. ``delayed`` after its first update scales from its history
-(nothing reduced per call); each chunk's amax is recorded, so the state's pending amax is the whole
-tensor's, as in the non-ring path.
+backward -- so its shard's amax is all-reduced (MAX) over tp: 4 bytes, as the non-ring path's FP8
+all-gathers do. In the column forward it rides in the weight's amax all-reduce (one stacked call of 8
+bytes; 4 bytes, x's alone, where the weight's cast is reused from an earlier micro-batch); in the row
+backward it is one call of 4 bytes. ``delayed`` after its first update scales from its history (nothing
+reduced per call); each rank records its own rows' amax, which the step's update reduces (MAX over tp)
+before it enters the history, as in the non-ring path.
 
 Results: the same quantised values and the same scales as the non-ring FP8 path; the per-chunk GEMMs
 give the rows of the whole GEMM, and sums over ranks are added in the ring's order (at tp 2, two

@@ -211,6 +211,10 @@ def test_tp_collectives_per_layer_are_the_ledgers():
         tr8 = Training(seq_length=t, global_batch_size=1, precision="fp8", tp_overlap=overlap)
         assert tp_layer_comm(c, sp=True, tr=tr8, **kw) == (2 * ag8 + 2 * rs, 2 * ag8 + 2 * rs, 0.0)
     assert ag8 < ag
+    moe = from_dims(family="mixtral", hidden_size=4096, num_layers=2, num_heads=32, num_kv_heads=8,
+                    ffn_hidden_size=14336, vocab_size=32000, num_experts=8, top_k=2).config
+    tr8 = Training(seq_length=t, global_batch_size=1, precision="fp8")
+    assert tp_layer_comm(moe, sp=True, tr=tr8, **kw) == (ag8 + rs + ag + rs, ag8 + rs + 2 * ag + rs, 0.0)
 
 
 def test_ring_overlap_hides_each_step_under_its_chunk_gemm():

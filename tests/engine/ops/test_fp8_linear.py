@@ -286,3 +286,11 @@ def test_sequence_shards_bad_input(kw, match):
     bias = torch.zeros(32) if kw.pop("bias", False) else None
     with pytest.raises(ValueError, match=match):
         fp8_linear(torch.randn(16, 32), torch.randn(32, 32), bias, **kw)
+
+
+def test_sequence_gather_takes_any_shard_length():
+    """The gathered input is this rank's shard: any number of rows (here 5 per rank of 4: a sequence of 20),
+    and the result has every rank's rows."""
+    x = torch.randn(5, 2, 32)
+    y = fp8_linear(x, torch.randn(16, 32), sequence_gather=_shards(4))
+    assert y.shape == (20, 2, 16)

@@ -13,7 +13,8 @@
    ``model.fp8_weight_cache=false`` (each weight cast per micro-batch instead of once per step).
 
     python3 tools/bench_fp8.py --device cuda --json OUT/bench_fp8.json         (a lent GPU)
-    .venv/bin/python tools/bench_fp8.py --threads 1 --tokens 128 --steps 3     (CPU: correctness, CPU figures)
+    .venv/bin/python tools/bench_fp8.py --threads 1 --models 8b --tokens 128 --repeats 2 --steps 3
+        (CPU: correctness and CPU figures, docs/benchmarks/fp8.md; with --models tiny a check in seconds)
 
 On the CPU, FP8 ``_scaled_mm`` dequantises into an fp32 matmul: the CPU ratios say nothing about a
 GPU and are printed only to show the benchmark runs. Results: docs/benchmarks/fp8.md.

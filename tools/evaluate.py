@@ -262,8 +262,9 @@ def run_evaluate(argv: list[str] | None = None) -> dict:
         samples = windows(ids, seq_length=seq_length)
     too_long = [len(s) for s, _ in samples if len(s) > cfg.max_position_embeddings]
     if too_long:
+        fix = "split the --tokens lists" if args.tokens else "lower --seq-length"
         raise ValueError(f"a sequence of {max(too_long)} tokens exceeds max_position_embeddings="
-                         f"{cfg.max_position_embeddings}; lower --seq-length or split the --tokens lists")
+                         f"{cfg.max_position_embeddings}; {fix}")
     nll, count, logits = forward_all(stage, mesh, samples, opts, device=device, want_logits=bool(args.dump_logits))
     result = {"checkpoint": str(step_dir), "tp": tp, "pp": pp, "cp": cp, "ep": opts["ep"], "sequences": len(samples),
               "tokens": int(count),

@@ -7,9 +7,14 @@ time on a GPU (host gaps between kernels do not show), CPU op time on the CPU.
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
+
+if __name__ == "__main__":  # a library module: say which commands run it
+    sys.exit("tools/kernel_profile.py is the library behind `tools/bench_fp8.py --profile MODEL:LINEAR` and "
+             "`tools/bench_attention.py --profile-cp CP`; run one of those (--help)")
 
 
 def kernel_table(fn: Callable[[], object], *, device: str, repeats: int) -> dict:

@@ -27,6 +27,11 @@ import dataclasses
 import json
 import os
 import re
+import sys
+
+if __name__ == "__main__":  # a library module: say which command runs it (before imports that need the repo)
+    sys.exit("tools/lora_export.py is the library behind `tools/convert_checkpoint.py lora-to-peft`; run that "
+             "(python tools/convert_checkpoint.py lora-to-peft --help, docs/posttrain.md)")
 from pathlib import Path
 
 import torch

@@ -90,20 +90,34 @@ def build_model(a):
     if missing:
         raise ValueError(f"--family {a.family} needs --{missing[0].replace('_', '-')} (and --hidden-size, "
                          "--num-layers, --num-heads)")
-    return from_dims(family=a.family, hidden_size=a.hidden_size, num_layers=a.num_layers, num_heads=a.num_heads,
-                     num_kv_heads=a.num_kv_heads, ffn_hidden_size=a.ffn_hidden_size,
-                     vocab_size=a.vocab_size or 32000, num_experts=a.num_experts or 0, top_k=a.top_k or 0,
-                     max_positions=a.seq_length or 8192)
+    try:
+        return from_dims(family=a.family, hidden_size=a.hidden_size, num_layers=a.num_layers, num_heads=a.num_heads,
+                         num_kv_heads=a.num_kv_heads, ffn_hidden_size=a.ffn_hidden_size,
+                         vocab_size=a.vocab_size or 32000, num_experts=a.num_experts or 0, top_k=a.top_k or 0,
+                         max_positions=a.seq_length or 8192)
+    except ValueError as e:  # the run config names its [model] keys; here they are flags
+        flag = next((f for key, f in MODEL_FLAGS.items() if f"model.{key} is not set" in str(e)), None)
+        if flag is None:
+            raise
+        raise ValueError(f"--family {a.family} needs {flag}") from None
+
+
+MODEL_FLAGS = {"ffn_hidden_size": "--ffn-hidden-size (the MLP width)", "num_key_value_heads": "--num-kv-heads",
+               "vocab_size": "--vocab-size", "hidden_size": "--hidden-size", "num_layers": "--num-layers",
+               "num_attention_heads": "--num-heads"}
 
 
 def build_training(a, model) -> Training:
-    tr = model.base.get("train", {})
+    # Only a --config preset has training settings; a model from --hf-config or --family carries the engine's
+    # defaults in its base config, which are not the user's choice.
+    preset = model.base if a.config else {}
+    tr = preset.get("train", {})
     seq = a.seq_length or tr.get("seq_length")
     gbs = a.global_batch_size or tr.get("global_batch_size")
     if seq is None or gbs is None:
         raise ValueError("give --seq-length and --global-batch-size (no preset to take them from)")
     recompute = a.recompute or tr.get("activation_checkpointing") or "selective"
-    overlap = a.tp_overlap or model.base.get("parallel", {}).get("tp_overlap") or "none"
+    overlap = a.tp_overlap or preset.get("parallel", {}).get("tp_overlap") or "none"
     if overlap not in ("none", "ring"):
         raise ValueError(f"parallel.tp_overlap={overlap!r} (the preset's) is not planned: use --tp-overlap none or ring")
     return Training(seq_length=seq, global_batch_size=gbs, precision=a.precision, recompute=recompute, zero=a.zero,

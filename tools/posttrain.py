@@ -58,7 +58,11 @@ def base_hf_dir(load: str) -> Path | None:
     try:
         step_dir = resolve_checkpoint(load)
     except CheckpointError as e:
-        raise ValueError(f"checkpoint.load: {e}") from None
+        hint = ""
+        if not Path(load).exists():  # the SmolLM2 presets' base is written by tools/smollm2.py
+            hint = ("; convert a Hugging Face model with tools/convert_checkpoint.py hf-to-tessel, or, for the "
+                    "smollm2_* presets (runs/smollm2/tessel), run `python tools/smollm2.py` first (docs/posttrain.md)")
+        raise ValueError(f"checkpoint.load: {e}{hint}") from None
     for hf in (step_dir / HF_SUBDIR, step_dir.parent / HF_SUBDIR):
         if hf.is_dir():
             return hf

@@ -246,9 +246,16 @@ def table(results: dict[str, str] | None = None, rows=DEFAULT_ROWS) -> str:
 
 
 if __name__ == "__main__":  # python -m tests.composition.matrix [results.json] [--full]
+    import argparse
     import json
-    import sys
 
-    args = [a for a in sys.argv[1:] if a != "--full"]
-    results = json.load(open(args[0])) if args else None
-    print(table(results, full_rows() if "--full" in sys.argv else DEFAULT_ROWS))
+    ap = argparse.ArgumentParser(description="Print the composition matrix as docs/composition.md's table.")
+    ap.add_argument("results", nargs="?", help="a results JSON written by the matrix test "
+                    "(TESSEL_COMPOSITION_RESULTS=PATH pytest tests/composition/test_matrix.py)")
+    ap.add_argument("--full", action="store_true", help="the full cross product's rows, not the default rows")
+    a = ap.parse_args()
+    results = None
+    if a.results:
+        with open(a.results) as f:
+            results = json.load(f)
+    print(table(results, full_rows() if a.full else DEFAULT_ROWS))

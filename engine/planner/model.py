@@ -144,8 +144,12 @@ def from_hf_config(path: str) -> PlanModel:
     if not os.path.isfile(path):
         raise ValueError(f"--hf-config {path!r} does not exist; give the path of a config.json")
     with open(path) as f:
-        family = json.load(f).get("model_type", "llama")
+        hf = json.load(f)
+    family = hf.get("model_type", "llama")
     data = {"model": {"family": family, "hf_config": os.path.abspath(path)}}
+    positions = hf.get("max_position_embeddings", hf.get("n_positions"))
+    if isinstance(positions, int) and positions > 0:  # the base's sequence (the plan's replaces it) must fit
+        data["train"] = {"seq_length": min(positions, 1024)}
     cfg = TesselConfig.from_dict(data)
     return PlanModel(base=cfg.to_dict(), hook=_hook(cfg), name=os.path.basename(os.path.dirname(os.path.abspath(path)))
                      or "hf")
@@ -168,7 +172,8 @@ def from_dims(*, family: str, hidden_size: int, num_layers: int, num_heads: int,
     model = {k: v for k, v in model.items() if v is not None}
     if family == "gpt2":
         model.pop("num_key_value_heads", None)
-    cfg = TesselConfig.from_dict({"model": model})
+    # train.seq_length: the base's (each plan's replaces it) within the position table, whatever its size
+    cfg = TesselConfig.from_dict({"model": model, "train": {"seq_length": max_positions}})
     hf = hf_config_from_run(cfg.model, vocab_size=None, extra=dict(num_local_experts=num_experts,
                                                                   num_experts_per_tok=top_k) if num_experts else None)
     hook = PlanHook.from_hf(hf, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)

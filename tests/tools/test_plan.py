@@ -74,3 +74,24 @@ def test_tp_overlap_ring_flag(tmp_path, capsys):
             assert x["step_time_s"] == y["step_time_s"]
         else:
             assert x["time_s"]["tp_comm"] < y["time_s"]["tp_comm"]
+
+
+def test_explicit_dimensions_take_their_training_settings_from_the_flags(tmp_path, capsys):
+    """--family: no preset, so --seq-length and --global-batch-size are required and --recompute defaults to
+    selective (not the engine's defaults); a Mixtral from explicit dimensions plans; a missing width names
+    its flag."""
+    dims = ["--family", "llama", "--hidden-size", "1024", "--num-layers", "4", "--num-heads", "8",
+            "--ffn-hidden-size", "2816", "--gpus-per-node", "2"]
+    assert main(dims) == 2
+    assert "give --seq-length and --global-batch-size" in capsys.readouterr().err
+    out = tmp_path / "plan.json"
+    assert main(dims + ["--seq-length", "512", "--global-batch-size", "4", "--json", str(out)]) == 0
+    assert "selective recompute" in capsys.readouterr().out
+    moe = ["--family", "mixtral", "--hidden-size", "512", "--num-layers", "2", "--num-heads", "8",
+           "--ffn-hidden-size", "1024", "--num-experts", "4", "--top-k", "2", "--gpus-per-node", "2",
+           "--seq-length", "512", "--global-batch-size", "4"]
+    assert main(moe) == 0
+    capsys.readouterr()
+    assert main([a for a in dims if a not in ("--ffn-hidden-size", "2816")] + ["--seq-length", "512",
+                                                                                "--global-batch-size", "4"]) == 2
+    assert "needs --ffn-hidden-size" in capsys.readouterr().err

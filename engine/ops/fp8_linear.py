@@ -80,6 +80,7 @@ from engine.ops.fp8_cast_transpose import FP8_MAX, fp8_cast_transpose, fp8_cast_
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
+PER_TENSOR = ("tensorwise", "delayed")  # one scale per tensor
 BLOCK = 128   # blockwise tile edge
 ALIGN = 16    # FP8 GEMM row alignment (elements of 1 byte)
 ROLES = ("input", "weight", "grad_output")
@@ -616,7 +617,7 @@ class _Fp8Linear(torch.autograd.Function):
         out_dtype = x.dtype
         ctx.recipe, ctx.gemm, ctx.out_dtype, ctx.w_dtype = recipe, gemm, out_dtype, weight.dtype
         ctx.has_bias, ctx.casts, ctx.gather, ctx.scatter = bias is not None, casts, gather, scatter
-        if recipe in ("tensorwise", "delayed"):
+        if recipe in PER_TENSOR:
             ctx.scaler = scaler
             if gather is not None:  # cast the rows, gather the fp8 bytes; x^T for the backward from them
                 xq, x_amax, s_w = shard_cast(x, "input", scaler, gather.amax_max, weight=weight, casts=casts)
@@ -648,7 +649,7 @@ class _Fp8Linear(torch.autograd.Function):
         gemm, recipe = ctx.gemm, ctx.recipe
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_x = grad_w = grad_b = None
-        if recipe in ("tensorwise", "delayed"):
+        if recipe in PER_TENSOR:
             xt_data, xt_inv, wt_data, wt_inv = ctx.saved_tensors
             scaler = ctx.scaler
             if ctx.scatter is not None:  # cast the rows, gather the fp8 bytes; dy^T from them
@@ -713,7 +714,7 @@ def fp8_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, 
     """
     _check(input, weight, bias, recipe, state)
     for name, sp in (("sequence_gather", sequence_gather), ("sequence_scatter", sequence_scatter)):
-        if sp is not None and recipe not in ("tensorwise", "delayed"):
+        if sp is not None and recipe not in PER_TENSOR:
             raise ValueError(f"{_OP}: {name} casts before gathering with one scale per tensor; recipe {recipe!r} "
                              "scales rows or tiles and keeps its operands in high precision for its backward: run "
                              f"the sequence-parallel collective outside and call without {name}")
@@ -733,6 +734,6 @@ def fp8_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, 
     x2d = input.reshape(-1, input.shape[-1])  # (M, K)
     gemm = scaled_gemm_reference if reference else scaled_gemm
     # Per-tensor scales: built here, where grad mode is still the caller's (evaluation records no amax).
-    scaler = Scaler(recipe, state, dict(amax_reduce or {})) if recipe in ("tensorwise", "delayed") else None
+    scaler = Scaler(recipe, state, dict(amax_reduce or {})) if recipe in PER_TENSOR else None
     y = _Fp8Linear.apply(x2d, weight, bias, recipe, scaler, gemm, weight_casts, sequence_gather, sequence_scatter)
     return y.reshape(*lead, weight.shape[0])  # (..., N)

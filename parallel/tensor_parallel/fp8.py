@@ -40,8 +40,8 @@ from typing import Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from engine.ops.fp8_linear import RECIPES, DelayedScaling, Scaler, SequenceShards, WeightCasts, check_fp8_shapes, \
-    delayed_states, fp8_linear, update_delayed_states
+from engine.ops.fp8_linear import PER_TENSOR, RECIPES, DelayedScaling, Scaler, SequenceShards, WeightCasts, \
+    check_fp8_shapes, delayed_states, fp8_linear, update_delayed_states
 from parallel import comm
 from parallel.comm import Group
 from parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp
@@ -67,7 +67,7 @@ class Fp8LinearImpl(LinearImpl):
 
     def _scaler(self, group: Group, sharded: Sequence[str]) -> Scaler | None:
         """The per-tensor recipes' scales of one ring call (the ring reduces what it holds in chunks itself)."""
-        if self.recipe not in ("tensorwise", "delayed"):
+        if self.recipe not in PER_TENSOR:
             return None
         return Scaler(self.recipe, self.state, self._reduce(group, sharded))
 
@@ -85,7 +85,7 @@ class Fp8LinearImpl(LinearImpl):
                                 scaler=self._scaler(group, ("weight", "grad_output")))  # (s, b, out/tp)
             return gather_from_tp(y, group) if gather_output else y
         gather = None
-        if sequence_parallel and group.size > 1 and self.recipe in ("tensorwise", "delayed"):
+        if sequence_parallel and group.size > 1 and self.recipe in PER_TENSOR:
             gather = sequence_shards(group)  # x stays (s/tp, b, in): cast, then gathered as fp8
         elif sequence_parallel:
             x = gather_from_sp(x, group)  # (s, b, in)
@@ -101,7 +101,7 @@ class Fp8LinearImpl(LinearImpl):
             y = fp8_ring_row(x, weight, recipe=self.recipe, group=group, weight_casts=self.weight_casts,
                              scaler=self._scaler(group, ("input", "weight")))  # (s/tp, b, out)
             return y if bias is None else y + bias
-        if sequence_parallel and group.size > 1 and self.recipe in ("tensorwise", "delayed"):
+        if sequence_parallel and group.size > 1 and self.recipe in PER_TENSOR:
             # reduce-scattered inside: the backward gathers the output gradient as fp8
             y = fp8_linear(x, weight, None, recipe=self.recipe, state=self.state, weight_casts=self.weight_casts,
                            amax_reduce=self._reduce(group, ("input", "weight")),

@@ -42,14 +42,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.ops.fp8_linear import (E4M3, E5M2, Quantized, Scaler, WeightCasts, quantize_rowwise, quantize_tensorwise,
-                                   quantize_tiles, scaled_gemm, shard_cast, weight_blocks, weight_grad_requantized,
-                                   weight_rowwise, weight_tensorwise, wgrad_from_transposes)
+from engine.ops.fp8_linear import (E4M3, E5M2, PER_TENSOR, Quantized, Scaler, WeightCasts, quantize_rowwise,
+                                   quantize_tensorwise, quantize_tiles, scaled_gemm, shard_cast, weight_blocks,
+                                   weight_grad_requantized, weight_rowwise, weight_tensorwise, wgrad_from_transposes)
 from parallel import comm
 from parallel.comm import Group
 from parallel.tensor_parallel.overlap import ring_all_gather, ring_reduce_scatter
 
-PER_TENSOR = ("tensorwise", "delayed")
 
 
 def _rows(t: Tensor, c: int, n: int) -> Tensor:

@@ -84,13 +84,9 @@ class Fp8LinearImpl(LinearImpl):
             y = fp8_ring_column(x, weight, bias, recipe=self.recipe, group=group, weight_casts=self.weight_casts,
                                 scaler=self._scaler(group, ("weight", "grad_output")))  # (s, b, out/tp)
             return gather_from_tp(y, group) if gather_output else y
-        gather = None
-        if sequence_parallel and group.size > 1 and self.recipe in PER_TENSOR:
-            gather = sequence_shards(group)  # x stays (s/tp, b, in): cast, then gathered as fp8
-        elif sequence_parallel:
-            x = gather_from_sp(x, group)  # (s, b, in)
-        else:
-            x = copy_to_tp(x, group)
+        gather = self._fp8_sequence(group, sequence_parallel)  # x stays (s/tp, b, in): cast, gathered as fp8
+        if gather is None:
+            x = gather_from_sp(x, group) if sequence_parallel else copy_to_tp(x, group)  # (s, b, in)
         y = fp8_linear(x, weight, bias, recipe=self.recipe, state=self.state, weight_casts=self.weight_casts,
                        amax_reduce=self._reduce(group, ("weight", "grad_output")),
                        sequence_gather=gather)  # (s, b, out/tp)
@@ -101,16 +97,20 @@ class Fp8LinearImpl(LinearImpl):
             y = fp8_ring_row(x, weight, recipe=self.recipe, group=group, weight_casts=self.weight_casts,
                              scaler=self._scaler(group, ("input", "weight")))  # (s/tp, b, out)
             return y if bias is None else y + bias
-        if sequence_parallel and group.size > 1 and self.recipe in PER_TENSOR:
-            # reduce-scattered inside: the backward gathers the output gradient as fp8
-            y = fp8_linear(x, weight, None, recipe=self.recipe, state=self.state, weight_casts=self.weight_casts,
-                           amax_reduce=self._reduce(group, ("input", "weight")),
-                           sequence_scatter=sequence_shards(group))  # (s/tp, b, out)
-            return y if bias is None else y + bias
+        scatter = self._fp8_sequence(group, sequence_parallel)  # reduce-scattered inside; dy gathered as fp8
         y = fp8_linear(x, weight, None, recipe=self.recipe, state=self.state, weight_casts=self.weight_casts,
-                       amax_reduce=self._reduce(group, ("input", "weight")))  # (s, b, out) partial
-        y = reduce_scatter_to_sp(y, group) if sequence_parallel else reduce_from_tp(y, group)
+                       amax_reduce=self._reduce(group, ("input", "weight")),
+                       sequence_scatter=scatter)  # (s/tp, b, out) with scatter, else (s, b, out) partial
+        if scatter is None:
+            y = reduce_scatter_to_sp(y, group) if sequence_parallel else reduce_from_tp(y, group)
         return y if bias is None else y + bias
+
+    def _fp8_sequence(self, group: Group, sequence_parallel: bool) -> SequenceShards | None:
+        """The sequence-parallel collectives fp8_linear runs itself (FP8 all-gathers), for the per-tensor
+        recipes under SP; None where the layer runs the plain high-precision mappings."""
+        if sequence_parallel and group.size > 1 and self.recipe in PER_TENSOR:
+            return sequence_shards(group)
+        return None
 
     def __repr__(self) -> str:
         return f"Fp8LinearImpl({self.recipe!r}{', ring=True' if self.ring else ''})"

@@ -11,7 +11,8 @@ every directory ``csrc/<name>/`` becomes one extension module ``engine._<name>``
 * ``.cu`` files include no torch headers (raw pointers + cudaStream_t launchers), which keeps
   the compile-only nvcc check in tests/test_cuda_compile.py fast and independent of torch.
 
-``TESSEL_EXTENSIONS=fp8,adamw`` builds only the named components (the others keep their last build).
+``TESSEL_EXTENSIONS=fp8,adamw`` builds only the named components: with ``build_ext --inplace`` the others
+keep their last build; a package built that way holds only the named ones.
 
 Install (see README): torch==2.13.0 first, then ``pip install --no-build-isolation -e .[test]``.
 """

@@ -50,7 +50,7 @@ void cast_transpose_impl(const void* in, bool in_bf16, int64_t rows, int64_t col
                          int64_t block_rows, int64_t block_cols, uint8_t* out, uint8_t* out_t, float* amax) {
   const int64_t row_blocks = (rows + kBlock - 1) / kBlock;
   const int64_t scale_cols = (cols + block_cols - 1) / block_cols;
-  const float s0 = scale[0];
+  const float s0 = kGrid ? 0.f : scale[0];  // grid mode reads the grid per block (which may be empty)
   const uint32_t max_bits = at::parallel_reduce(
       0, row_blocks, 1, uint32_t{0},
       [&](int64_t lo, int64_t hi, uint32_t acc) {

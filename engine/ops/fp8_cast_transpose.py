@@ -70,13 +70,18 @@ def fp8_cast_transpose_grid_reference(x: Tensor, scale: Tensor, block: tuple[int
     """Plain-PyTorch version of :func:`fp8_cast_transpose_grid` (same promises, bit for bit)."""
     rows, cols = x.shape
     br, bc = block
-    full = scale.float().repeat_interleave(br, dim=0)[:rows].repeat_interleave(bc, dim=1)[:, :cols]  # (rows, cols)
+    s = scale.float()  # (grid rows, grid cols), expanded only along a dimension with more than one scale
+    if s.shape[0] > 1:
+        s = s.repeat_interleave(br, dim=0)[:rows]
+    if s.shape[1] > 1:
+        s = s.repeat_interleave(bc, dim=1)[:, :cols]  # broadcasts against (rows, cols)
     m = FP8_MAX[fmt]
+    xf = x.float()
     # The explicit clamp saturates on every device and format: torch's CPU e4m3 conversion saturates
     # by itself, its CUDA one (torch 2.11) turns overflow into NaN, e5m2 into inf. clamp keeps NaN.
-    q = (x.float() * full).clamp(-m, m).to(fmt)  # (rows, cols)
+    q = (xf * s).clamp(-m, m).to(fmt)  # (rows, cols)
     # NaN-propagating amax: torch.amax propagates NaN like the native bit-pattern maximum.
-    amax = x.float().abs().amax().reshape(1) if x.numel() else x.new_zeros(1, dtype=torch.float32)
+    amax = xf.abs().amax().reshape(1) if x.numel() else x.new_zeros(1, dtype=torch.float32)
     return (q if want_out else None), (q.t().contiguous() if want_out_t else None), amax
 
 

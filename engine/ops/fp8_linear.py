@@ -622,7 +622,7 @@ class _Fp8Linear(torch.autograd.Function):
             if gather is not None:  # cast the rows, gather the fp8 bytes; x^T for the backward from them
                 xq, x_amax, s_w = shard_cast(x, "input", scaler, gather.amax_max, weight=weight, casts=casts)
                 xq = gather_rows(xq, gather.all_gather)  # (M, K)
-                xq_t = Quantized(xq.data.t().contiguous(), xq.scale_inv, "tensor")  # (K, M)
+                xq_t = xq.t()  # (K, M)
             else:
                 xq, xq_t, x_amax = quantize_tensorwise(x, E4M3, scaler.scale("input", x), transpose=True)
                 s_w = None
@@ -655,7 +655,7 @@ class _Fp8Linear(torch.autograd.Function):
             if ctx.scatter is not None:  # cast the rows, gather the fp8 bytes; dy^T from them
                 gq, g_amax, _ = shard_cast(g, "grad_output", scaler, ctx.scatter.amax_max)
                 gq = gather_rows(gq, ctx.scatter.all_gather)  # (M, N)
-                gq_t = Quantized(gq.data.t().contiguous(), gq.scale_inv, "tensor") if need_w else None
+                gq_t = gq.t() if need_w else None  # (N, M)
             else:  # (M, N) and, for the weight gradient, its (N, M) transpose, from one pass over g
                 gq, gq_t, g_amax = quantize_tensorwise(g, E5M2, scaler.scale("grad_output", g), transpose=need_w)
             scaler.record("grad_output", g_amax)

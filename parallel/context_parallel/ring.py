@@ -217,11 +217,12 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros_like(q, dtype=cdt)  # (b, g, qpg, s_local, hd)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=cdt, device=q.device)  # (b, g, qpg, s_local)
         kv = torch.stack([k, v]).contiguous()  # (2, b, g, s_local, hd): one message per hop
+        # each hop's kernel calls (hop t holds rank (me - t) % n's chunks), planned once for forward and backward
+        plans = [_hop_plan(my_chunks, chunks_of((me - t) % n), masks, fdt is not None) for t in range(n)]
         for t in range(n):
-            src = (me - t) % n
             nxt, works = _rotate(kv, group) if t < n - 1 else (None, [])
             kvc = None  # this hop's K/V in the compute dtype, for the explicit kernel
-            for q0, q1, k0, k1, kind, mask in _hop_plan(my_chunks, chunks_of(src), masks, fdt is not None):
+            for q0, q1, k0, k1, kind, mask in plans[t]:
                 rows, cols = slice(q0 * L, q1 * L), slice(k0 * L, k1 * L)
                 if fdt is not None and kind != "masked":  # the fused kernel takes the inputs' own dtype on CUDA
                     o, l = _flash_block_forward(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
@@ -235,26 +236,24 @@ class _RingAttention(torch.autograd.Function):
                 comm.wait(works, group)
                 kv = nxt
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.chunks_of, ctx.masks, ctx.scale, ctx.fdt = group, chunks_of, masks, scale, fdt
+        ctx.group, ctx.masks, ctx.scale, ctx.fdt, ctx.plans = group, masks, scale, fdt, plans
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, chunks_of, masks, scale, fdt = ctx.group, ctx.chunks_of, ctx.masks, ctx.scale, ctx.fdt
-        n, me = group.size, group.rank
+        group, masks, scale, fdt = ctx.group, ctx.masks, ctx.scale, ctx.fdt
+        n = group.size
         L, cdt = masks.chunk_len, out.dtype
         explicit = None  # (q, dout, delta) in the compute dtype for the explicit kernel, made on first use
-        my_chunks = chunks_of(me)
         dq = torch.zeros_like(q, dtype=cdt)
         kv = torch.stack([k, v]).contiguous()  # (2, b, g, s_local, hd)
         dkv_in, dkv_works = None, []
-        for t in range(n):
-            src = (me - t) % n
+        for t in range(n):  # hop t: rank (me - t) % n's K/V chunks ("block src")
             nxt, works = _rotate(kv, group) if t < n - 1 else (None, [])
             kvc = None  # this hop's K/V in the compute dtype, for the explicit kernel
             dkv = torch.zeros(kv.shape, dtype=cdt, device=kv.device)  # this rank's share for block src
-            for q0, q1, k0, k1, kind, mask in _hop_plan(my_chunks, chunks_of(src), masks, fdt is not None):
+            for q0, q1, k0, k1, kind, mask in ctx.plans[t]:
                 rows, cols = slice(q0 * L, q1 * L), slice(k0 * L, k1 * L)
                 if fdt is not None and kind != "masked":
                     dqb, dkb, dvb = _flash_block_backward(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],

@@ -22,6 +22,7 @@ GPU and are printed only to show the benchmark runs. Results: docs/benchmarks/fp
 from __future__ import annotations
 
 import argparse
+import itertools
 import datetime
 import json
 import os
@@ -168,14 +169,6 @@ def bench_step(args) -> dict:
     micro = [{k: v if k == "position_ids" else v[i:i + mb] for k, v in batch.items()}  # (mb, seq) rows each
              for i in range(0, preset["batch"], mb)]
 
-    class Loader:  # the batch's micro-batches, in turn (the trainer takes one per micro-batch)
-        def __init__(self):
-            self.i = 0
-
-        def __next__(self):
-            self.i += 1
-            return micro[(self.i - 1) % len(micro)]
-
     sides = {}
     names = ["none", *args.recipes] + ([f"{r}/nocache" for r in args.recipes] if args.weight_cache_ab else [])
     for name in names:
@@ -185,16 +178,15 @@ def bench_step(args) -> dict:
         if trainer.num_micro != len(micro):  # each step takes the whole batch, one micro-batch at a time
             raise RuntimeError(f"the trainer runs {trainer.num_micro} micro-batches per step, the bench feeds "
                                f"{len(micro)}")
-        fp8 = name
-        loader = Loader()
+        loader = itertools.cycle(micro)  # the batch's micro-batches, in turn (one per trainer micro-batch)
         for _ in range(args.warmup):
             trainer.train_step(loader)
-        sides[fp8] = (trainer, loader)
+        sides[name] = (trainer, loader)
         if args.device == "cuda":  # one side on the GPU at a time (a 1B model's copies)
-            sides[fp8] = _time_side(args, trainer, loader)
+            sides[name] = _time_side(args, trainer, loader)
             # printed at once: a session's time box may stop the run before the table at the end
-            print(f"  (measured) model.fp8={fp8}: {sides[fp8]['step_s'] * 1e3:.1f} ms, "
-                  f"peak {sides[fp8]['peak_mem_gib']:.1f} GiB", flush=True)
+            print(f"  (measured) model.fp8={name}: {sides[name]['step_s'] * 1e3:.1f} ms, "
+                  f"peak {sides[name]['peak_mem_gib']:.1f} GiB", flush=True)
             del trainer
             torch.cuda.empty_cache()
     if args.device == "cuda":
@@ -211,8 +203,8 @@ def bench_step(args) -> dict:
     base = times["none"]["step_s"]
     for k, v in times.items():
         v["speedup_vs_none"] = base / v["step_s"]
-    return {"preset": args.preset, "dtype": args.dtype, "micro_batch": args.micro_batch or preset["batch"],
-            "batch": preset["batch"], **{k: v for k, v in times.items()}}
+    return {"preset": args.preset, "dtype": args.dtype, "micro_batch": mb, "batch": preset["batch"], "sides": names,
+            **times}
 
 
 def _time_side(args, trainer, loader) -> dict:
@@ -304,7 +296,7 @@ def main(argv=None) -> int:
         s = res["step"]
         print(f"train step, preset {s['preset']} ({s['dtype']}), batch {s['batch']} in micro-batches of "
               f"{s['micro_batch']}, median of {args.steps}:")
-        for k in [k for k in s if k == "none" or k.split("/")[0] in args.recipes]:
+        for k in s["sides"]:
             v = s[k]
             extra = f", peak {v['peak_mem_gib']:.1f} GiB, loss {v['last_loss']:.4f}" if "peak_mem_gib" in v else ""
             if k.endswith("/nocache"):  # the same recipe with its weight casts reused, over this side

@@ -84,8 +84,6 @@ def worker(out_prefix: str, argv: list[str]) -> int:
     first step, and the step boundaries, to ``<out_prefix>.<rank>.json``."""
     import time
 
-    if ROOT not in sys.path:  # run as torchrun's script: tools/ is on the path, the checkout is not
-        sys.path.insert(0, ROOT)
     from engine.config import add_config_args, config_from_args
     from tools import pretrain
 
@@ -150,8 +148,6 @@ def loss_times(iters: int) -> dict:
 
 def loss_worker(out: str, iters: int) -> int:
     """Under torchrun: :func:`loss_times`; rank 0 writes it to ``out``."""
-    if ROOT not in sys.path:
-        sys.path.insert(0, ROOT)
     import torch.distributed as dist
 
     dist.init_process_group("gloo")

@@ -107,13 +107,13 @@ def _read_prompts(args, *, step_dir: Path, vocab_size: int):
     if args.tokens is not None:
         return read_token_file(args.tokens, vocab_size=vocab_size)[0], None, None
     if args.records is not None:
-        from engine.posttrain.chat import check_messages, load_chat_template, prompt_ids, read_jsonl
+        from engine.posttrain.chat import NoChatTemplate, check_messages, load_chat_template, prompt_ids, read_jsonl
 
         tok = _tokenizer(args, step_dir)
         spec = _tokenizer_spec(args, step_dir)
         try:
             template = load_chat_template(spec if os.path.isdir(spec) else os.path.dirname(os.path.abspath(spec)))
-        except ValueError as e:  # the library names the config keys; here the fix is a flag
+        except NoChatTemplate as e:  # the library names the config keys; here the fix is a flag
             raise ValueError(f"--records needs a chat template: {str(e).split('. Point')[0]}; pass --tokenizer DIR "
                              "with a tokenizer_config.json that has one (or a chat_template.jinja), or give "
                              "--text / --tokens prompts instead") from None

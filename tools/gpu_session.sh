@@ -17,17 +17,18 @@
 #   session.log        this script's own output: machine, versions, each step's command, exit
 #                      status, duration and the tail of its log, and a final summary
 #   build.log          python3 setup.py build_ext --inplace (csrc/ extensions, CUDA parts with nvcc)
-#   pytest_gpu.log     python3 -m pytest -q -m gpu tests/
+#   pytest_gpu.log     python3 -m pytest -v -m gpu --tb=short -rfs --durations=10 tests/
 #   train_step.log     tools/bench_train_step.py --device cuda --preset gpu-1b --compare-kernels; its JSON
 #                      results at the end of the same file
 #   bench_fp8.log      tools/bench_fp8.py --device cuda: FP8 vs bf16 GEMMs (8B/70B layers) and the gpu-1b
 #                      train step per recipe; its JSON results at the end of the same file; then one linear's
 #                      kernel profile, and the gpu-1b step in 4 micro-batches with and without the weight cache
-#   bench_parallel.log three steps, one after another, each with its JSON at its end:
+#   bench_parallel.log four steps, one after another, each with its JSON at its end:
 #                      overlap: tools/bench_overlap.py --gemm-overhead --device cuda: the ring's chunk GEMMs vs
 #                      one GEMM at 8B shapes (one GPU: no multi-rank overlap; issue 17);
 #                      attention: tools/bench_attention.py --device cuda: the ring's blocks (flash, explicit)
-#                      vs SDPA over the whole sequence, 8B heads, bf16 (issue 18);
+#                      vs SDPA over the whole sequence, 8B heads, bf16 (issue 18); attention_profile: the same
+#                      blocks kernel by kernel (--profile-cp);
 #                      moe: tools/bench_moe.py --ep '': grouped GEMM vs the expert loop vs dense, bf16, against
 #                      the 8192^3 bf16 matmul (issue 19)
 #   bench_kernels.log  tools/bench_kernels.py (GPU defaults)

@@ -28,13 +28,13 @@ import json
 import os
 import re
 import sys
+from pathlib import Path
+
+import torch
 
 if __name__ == "__main__":  # a library module: say which command runs it (before imports that need the repo)
     sys.exit("tools/lora_export.py is the library behind `tools/convert_checkpoint.py lora-to-peft`; run that "
              "(python tools/convert_checkpoint.py lora-to-peft --help, docs/posttrain.md)")
-from pathlib import Path
-
-import torch
 
 from engine.checkpoint import read_metadata, resolve_checkpoint
 from engine.checkpoint.format import dtype_from_name

@@ -102,9 +102,8 @@ def build_model(a):
         raise ValueError(f"--family {a.family} needs {flag}") from None
 
 
-MODEL_FLAGS = {"ffn_hidden_size": "--ffn-hidden-size (the MLP width)", "num_key_value_heads": "--num-kv-heads",
-               "vocab_size": "--vocab-size", "hidden_size": "--hidden-size", "num_layers": "--num-layers",
-               "num_attention_heads": "--num-heads"}
+# [model] keys a --family plan can still miss after the checks above (the others are checked or defaulted)
+MODEL_FLAGS = {"ffn_hidden_size": "--ffn-hidden-size (the MLP width)"}
 
 
 def build_training(a, model) -> Training:

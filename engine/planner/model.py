@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from engine.config import load_config
 from engine.config.schema import TesselConfig
+from engine.config.sections import TrainConfig
 from models.hook import ModelHook, hf_config_from_run
 
 
@@ -149,7 +150,7 @@ def from_hf_config(path: str) -> PlanModel:
     data = {"model": {"family": family, "hf_config": os.path.abspath(path)}}
     positions = hf.get("max_position_embeddings", hf.get("n_positions"))
     if isinstance(positions, int) and positions > 0:  # the base's sequence (the plan's replaces it) must fit
-        data["train"] = {"seq_length": min(positions, 1024)}
+        data["train"] = {"seq_length": min(positions, _default(TrainConfig, "seq_length"))}
     cfg = TesselConfig.from_dict(data)
     return PlanModel(base=cfg.to_dict(), hook=_hook(cfg), name=os.path.basename(os.path.dirname(os.path.abspath(path)))
                      or "hf")

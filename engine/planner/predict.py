@@ -277,7 +277,8 @@ def tp_layer_comm(config, *, t: int, tp: int, sp: bool, elem: int, tr: Training,
     column input and the row output gradient are gathered as fp8 (1 byte per element), and the column
     backward regathers nothing (the forward saved fp8 x^T): forward and backward each 2 fp8 all-gathers and
     2 reduce-scatters. FP8 keeps a ring a ring but replaces the asynchronous column backward (apply_fp8), so
-    "async_backward" costs what "none" does there."""
+    with sequence parallelism "async_backward" costs what "none" does (without it, the all-reduce model above
+    is kept as it was, async overlap included)."""
     if tp <= 1:
         return 0.0, 0.0, 0.0
     c, gpu = config, cluster.gpu

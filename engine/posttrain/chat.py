@@ -71,6 +71,10 @@ def _token_text(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
+class NoChatTemplate(ValueError):
+    """Neither the template override nor the tokenizer has a chat template."""
+
+
 def load_chat_template(tokenizer_dir: str | None, *, override: str | None = None) -> ChatTemplate:
     """The chat template of the tokenizer in ``tokenizer_dir`` (its tokenizer_config.json, or
     chat_template.jinja beside it), or the Jinja file ``override``. Raises ValueError naming both
@@ -98,7 +102,7 @@ def load_chat_template(tokenizer_dir: str | None, *, override: str | None = None
     if not text:
         where = f"{cfg_path} has no 'chat_template' and there is no {jinja_path}" if tokenizer_dir \
             else "no tokenizer directory was given"
-        raise ValueError(f"no chat template: {where}. Point posttrain.chat_template at a Jinja template file, or "
+        raise NoChatTemplate(f"no chat template: {where}. Point posttrain.chat_template at a Jinja template file, or "
                          "use a tokenizer (data.tokenizer, or the checkpoint's hf/ directory) that has one")
     return ChatTemplate(text=text, source=source, variables=variables)
 

@@ -1,16 +1,18 @@
 """``tools/plan.py --calibrate``: this machine's rates, and the tiny preset predicted beside measured.
 
-Measured here (docs/planner.md): the matmul rate by size (fp32; one thread, as torchrun's ranks run, and
-all threads, as one process runs), fitted to the planner's GEMM model ``2mnk / rate + overhead``; the copy
-bandwidth (a large clone: read + write); causal SDPA's rate at the preset's shape (the attention
-efficiency); gloo's all-reduce by size on 2 ranks, fitted to ``alpha + bytes / bandwidth`` with
-parallel/comm.py's bytes; the per-call overhead of a TP layer's collectives beyond that alpha-beta figure
-(:func:`tp_collective_overhead`); the host's cost per framework op (:func:`host_op_us`: a narrow copy of the
-preset, whose arithmetic is negligible, timed over its aten op count). From these a CPU device for the
-planner: ranks share the cores and the memory bandwidth (``world`` ranks on ``cores`` cores each get
-``min(1, cores / world)`` of a core's rate), with ``world > 1`` every collective call costs the measured
-overhead, and every framework op of a micro-batch (:func:`count_host_ops`, counted on the model's code)
-the host cost.
+Measured here (docs/planner.md), each on one thread (as torchrun's ranks run) and on all threads (as one
+process runs), fp32: the GEMM rate of the preset's own micro-batch GEMMs, run as a step runs them
+(:func:`matmul_rate`; the planner's GEMM model ``2mnk / rate + overhead``); the bandwidth of an elementwise
+op at the size of a micro-batch's activations (:func:`activation_gbps`: on this CPU they stay in cache);
+causal SDPA's rate at the preset's shape over that GEMM rate (the attention efficiency); and once: the DRAM
+bandwidth (a large clone: the optimizer's state streams at it); gloo's all-reduce by size on 2 ranks,
+fitted to ``alpha + bytes / bandwidth`` with parallel/comm.py's bytes; the per-call overhead of a TP
+layer's collectives beyond that alpha-beta figure (:func:`tp_collective_overhead`); the host's cost per
+framework op (:func:`host_op_us`: a narrow copy of the preset, whose arithmetic is negligible, timed over
+its aten op count). From these a CPU device for the planner (:func:`cpu_device`): ranks share the cores
+(``world`` ranks on ``cores`` cores each get ``min(1, cores / world)`` of a core) and the DRAM bandwidth,
+with ``world > 1`` every collective call costs the measured overhead, and every framework op of a
+micro-batch (:func:`count_host_ops`, counted on the model's code) the host cost.
 
 Then the tiny preset (configs/tiny_llama_cpu.toml) at 1 process, TP2, PP2, DP2 (ZeRO-1) and TP2 x PP2:
 predicted step time and peak memory (engine/memory.py, as the run's start-up report), then ``repeats``
@@ -20,6 +22,7 @@ peak (the memory report's ``measured`` record).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -51,39 +54,85 @@ def _time(fn, repeats: int = 9) -> float:
     return best
 
 
-def matmul_samples(*, threads: int, sizes=(32, 64, 128, 256, 512, 768)) -> list[tuple[int, float]]:
-    """(n, seconds) of an n x n x n fp32 matmul, best of 5, on ``threads`` threads."""
+@contextlib.contextmanager
+def _threads(n: int):
+    """torch's intra-op threads set to ``n`` inside the block."""
     old = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(n)
     try:
-        out = []
-        for n in sizes:
-            a, b = torch.randn(n, n), torch.randn(n, n)
-            out.append((n, _time(lambda: torch.matmul(a, b))))
-        return out
+        yield
     finally:
         torch.set_num_threads(old)
 
 
-def fit_gemm(samples) -> tuple[float, float]:
-    """``t = flops / rate + overhead``: the rate from the largest size (almost all arithmetic; a lower bound
-    of the rate, never absurd), the overhead from the smallest (almost all overhead): robust where a
-    least-squares or two-point fit is thrown about by a shared machine's noise. (rate TFLOP/s, overhead us)."""
-    (n0, t0), (n1, t1) = samples[0], samples[-1]
-    rate = 2.0 * n1 ** 3 / t1
-    overhead = max(0.0, t0 - 2.0 * n0 ** 3 / rate)
-    return rate / 1e12, overhead * 1e6
+def gemm_shapes(model: PlanModel, *, recompute: str, mbs: int, seq: int) -> list[tuple[int, int, int]]:
+    """(m, n, k) of every matrix multiply (aten mm / addmm) of one micro-batch's forward and backward of the
+    model at tp = 1, recorded under a dispatch mode: the GEMMs whose rate :func:`matmul_rate` measures."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    _, forward, backward = _micro_batch(_preset_hf(model, layers=model.config.num_layers, narrow=False),
+                                        recompute=recompute, mbs=mbs, seq=seq)
+    shapes = []
+    mm = {torch.ops.aten.mm.default: (0, 1), torch.ops.aten.addmm.default: (1, 2)}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in mm:
+                a, b = (args[i] for i in mm[func])
+                shapes.append((a.shape[0], b.shape[1], a.shape[1]))  # (m x k) @ (k x n)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        backward(forward())
+    return shapes
+
+
+def matmul_rate(shapes: list[tuple[int, int, int]], *, threads: int, repeats: int = 9) -> dict:
+    """The planner's GEMM model ``2mnk / rate + overhead`` on ``threads`` threads: the overhead from a 32^3
+    fp32 matmul (almost all overhead), the rate from one pass over ``shapes`` (a micro-batch's GEMMs, each
+    on operands of its own, so that, as in a step, no GEMM finds the previous one's in cache), best of
+    ``repeats``. Measured this way and not on large square matrices: in a step this CPU's GEMMs run at
+    80-85% of an isolated GEMM's rate on one thread and ~60-75% on two (docs/planner.md)."""
+    a, b = torch.randn(32, 32), torch.randn(32, 32)
+    ops = [(torch.randn(m, k), torch.randn(k, n)) for m, n, k in shapes]
+    flops = sum(2.0 * m * n * k for m, n, k in shapes)
+
+    def one_pass():
+        for x, y in ops:
+            torch.matmul(x, y)
+
+    with _threads(threads):
+        t32 = _time(lambda: torch.matmul(a, b))
+        t = _time(one_pass, repeats)
+    # the 32^3 matmul's arithmetic at the pass's rate is under a microsecond: its time is the overhead
+    overhead = max(0.0, t32 - 2.0 * 32 ** 3 * t / flops)
+    rate = flops / max(t - len(shapes) * overhead, 1e-12)
+    return {"tflops": rate / 1e12, "overhead_us": overhead * 1e6}
 
 
 def copy_gbps(nbytes: int = 1 << 27) -> float:
+    """DRAM bandwidth (a clone far larger than the caches: read + write): what the optimizer step's state
+    streams at."""
     x = torch.empty(nbytes // 4)
     return 2 * nbytes / _time(lambda: x.clone()) / 1e9
 
 
-def attention_efficiency(rate_tflops: float, *, b: int = 2, heads: int = 4, s: int = 128, d: int = 32) -> float:
-    """Causal SDPA's achieved rate (half the s x s work) over the fitted matmul rate."""
+def activation_gbps(nbytes: int, *, threads: int) -> float:
+    """The memory-bound activation ops' bandwidth on ``threads`` threads: an elementwise add (two reads, one
+    write) of fp32 tensors of ``nbytes``, the size of a micro-batch's activations. On this CPU they fit in
+    the cache: ~75-85 GB/s per thread against ~5-7 GB/s from DRAM (docs/planner.md)."""
+    x, y, z = (torch.randn(nbytes // 4) for _ in range(3))
+    with _threads(threads):
+        return 3 * nbytes / _time(lambda: torch.add(x, y, out=z), 31) / 1e9
+
+
+def attention_efficiency(rate_tflops: float, *, threads: int, b: int = 2, heads: int = 4, s: int = 128,
+                         d: int = 32) -> float:
+    """Causal SDPA's achieved rate (half the s x s work) on ``threads`` threads over the GEMM rate
+    ``rate_tflops`` measured on as many."""
     q, k, v = (torch.randn(b, heads, s, d) for _ in range(3))
-    t = _time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    with _threads(threads):
+        t = _time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
     return min(1.0, 4 * b * heads * s * s * d * 0.5 / t / (rate_tflops * 1e12))
 
 
@@ -276,49 +325,56 @@ def host_op_us(model: PlanModel, *, threads: tuple[int, ...], recompute: str = "
     hf = _preset_hf(model, layers=4, narrow=True)
     ops = sum(count_phases(hf, recompute=recompute, mbs=mbs, seq=seq).values())
     _, forward, backward = _micro_batch(hf, recompute=recompute, mbs=mbs, seq=seq)
-    old = torch.get_num_threads()
-    try:
-        out = []
-        for n in threads:
-            torch.set_num_threads(n)
+    out = []
+    for n in threads:
+        with _threads(n):
             out.append(_time(lambda: backward(forward()), repeats) / ops * 1e6)
-        return out
-    finally:
-        torch.set_num_threads(old)
+    return out
 
 
 def measure(cores: int | None = None) -> dict:
+    """This machine's figures for the tiny preset (one thread: a torchrun rank; all threads: one process)."""
     cores = cores or os.cpu_count() or 1
-    one = fit_gemm(matmul_samples(threads=1))
-    allt = fit_gemm(matmul_samples(threads=cores))
-    alpha, gbps = gloo_alpha_beta()
     tiny = from_preset("tiny_llama_cpu")
-    return {"cores": cores, "matmul_1_thread": {"tflops": one[0], "overhead_us": one[1]},
-            "matmul_all_threads": {"tflops": allt[0], "overhead_us": allt[1]}, "copy_gbps": copy_gbps(),
-            "attention_efficiency": attention_efficiency(one[0]), "gloo": {"alpha_us": alpha, "gbps": gbps},
-            "tp_collective": tp_collective_overhead(alpha, gbps),
-            "host_op": dict(zip(("us_1_thread", "us_all_threads"), host_op_us(tiny, threads=(1, cores))))}
+    tr = tiny.base["train"]
+    mbs, seq = tr["micro_batch_size"], tr["seq_length"]
+    shapes = gemm_shapes(tiny, recompute=tr["activation_checkpointing"], mbs=mbs, seq=seq)
+    c = tiny.config
+    act_bytes = 4 * mbs * seq * (2 if c.gated else 1) * c.ffn_hidden_size  # fp32: the MLP's widest activation
+    out = {"cores": cores}
+    for key, n in (("1_thread", 1), ("all_threads", cores)):
+        out[f"matmul_{key}"] = matmul_rate(shapes, threads=n)
+    out["copy_gbps"] = copy_gbps()
+    out["activation_gbps"] = {key: activation_gbps(act_bytes, threads=n) for key, n in (("1_thread", 1),
+                                                                                     ("all_threads", cores))}
+    out["attention_efficiency"] = {key: attention_efficiency(out[f"matmul_{key}"]["tflops"], threads=n, b=mbs,
+                                                             heads=c.num_heads, s=seq, d=c.head_dim)
+                                   for key, n in (("1_thread", 1), ("all_threads", cores))}
+    alpha, gbps = gloo_alpha_beta()
+    out["gloo"] = {"alpha_us": alpha, "gbps": gbps}
+    out["tp_collective"] = tp_collective_overhead(alpha, gbps)
+    out["host_op"] = dict(zip(("us_1_thread", "us_all_threads"), host_op_us(tiny, threads=(1, cores))))
+    return out
 
 
 def cpu_device(cal: dict, *, world: int) -> GPU:
-    """The planner's device for ``world`` ranks of one machine, from :func:`measure`'s figures."""
+    """The planner's device for ``world`` ranks of one machine, from :func:`measure`'s figures: one process
+    runs on every thread; ``world`` ranks on one thread each share the cores (each gets
+    ``min(1, cores / world)`` of a core: its GEMM rate, its cache's bandwidth and its host time) and the
+    DRAM bandwidth (``copy_gbps / world``: the optimizer's state)."""
     cores = cal["cores"]
-    host = cal.get("host_op", {})  # a calibration from before the host term: none
-    if world == 1:
-        mm = cal["matmul_all_threads"]
-        share = 1.0
-        op_us = host.get("us_all_threads", 0.0)
-    else:
-        mm = cal["matmul_1_thread"]
-        share = min(1.0, cores / world)
-        op_us = host.get("us_1_thread", 0.0) / share
+    host = cal.get("host_op", {})  # a calibration without the host term: none
+    key = "all_threads" if world == 1 else "1_thread"
+    share = 1.0 if world == 1 else min(1.0, cores / world)
+    mm = cal[f"matmul_{key}"]
     return GPU(name=f"cpu x{world}", bf16_tflops=mm["tflops"] * share, fp8_tflops=None,
                tf32_tflops=mm["tflops"] * share, hbm_gbps=cal["copy_gbps"] / world, hbm_gb=1e9,
+               activation_gbps=cal["activation_gbps"][key] * share,
                intra_gbps=cal["gloo"]["gbps"], inter_gbps=cal["gloo"]["gbps"], intra_alpha_us=cal["gloo"]["alpha_us"],
                inter_alpha_us=cal["gloo"]["alpha_us"], gemm_efficiency=1.0, gemm_overhead_us=mm["overhead_us"] / share,
-               attention_efficiency=cal["attention_efficiency"], link_efficiency=1.0,
+               attention_efficiency=cal["attention_efficiency"][key], link_efficiency=1.0,
                collective_overhead_us=cal["tp_collective"]["overhead_us"] if world > 1 else 0.0,
-               host_op_us=op_us,
+               host_op_us=host.get(f"us_{key}", 0.0) / share,
                sources=("measured",))
 
 

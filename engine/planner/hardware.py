@@ -46,9 +46,16 @@ class GPU:
     # per framework op (aten dispatch, autograd node, allocation) on the host: synchronous on CPU, where every op
     # waits for it (measured by --calibrate); 0 for the GPUs, whose launches run ahead of the kernels
     host_op_us: float = 0.0
+    # the memory-bound activation ops' bandwidth (norms, adds, RoPE, the activation function, the loss);
+    # None: hbm_gbps. A CPU's activations of the calibrated sizes stay in its caches (--calibrate measures it)
+    activation_gbps: float | None = None
     sms: int | None = None  # streaming multiprocessors: a GEMM's output tiles run in whole waves over them
     gemm_tile: tuple[int, int] = (256, 128)  # cuBLAS's large bf16/fp16 GEMM tile (its kernels' names), either way round
     sources: tuple[str, ...] = ()
+
+    @property
+    def act_gbps(self) -> float:
+        return self.hbm_gbps if self.activation_gbps is None else self.activation_gbps
 
     def peak_tflops(self, precision: str) -> float:
         if precision == "bf16":

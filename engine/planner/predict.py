@@ -8,7 +8,7 @@ and the tests that assert it against the allocator use the same call). Step time
   slower than its FLOPs), plus a fixed per-GEMM overhead;
 * core attention (causal, flash) at ``attention_efficiency`` of the dense peak, backward 2.5x forward;
 * memory-bound work (norms, residual adds, RoPE, the activation function, cross-entropy, the optimizer)
-  at HBM bandwidth;
+  at HBM bandwidth (the activations' at ``activation_gbps`` where the device has one: a CPU's caches);
 * each collective by an alpha-beta model over the link its group spans (NVLink inside a node,
   the NIC across nodes), plus the device's per-call ``collective_overhead_us`` (0 on the GPUs; on CPU
   measured by ``--calibrate``: gloo's host/sync cost per call, docs/planner.md), with the bytes of
@@ -381,11 +381,11 @@ def layer_costs(config, lay: Layout, tr: Training, cluster: Cluster) -> _Costs:
         # write, dropout read, write and its mask, read by the second GEMM (13 bytes in bf16); backward twice
         scores = lay.mbs * (s // cp) * s * (c.num_heads // tp)
         bmm = 4 * scores * c.head_dim / (gpu.gemm_efficiency * peak16 * 1e12)
-        soft = scores * (6 * elem + 1) / (gpu.hbm_gbps * 1e9)
+        soft = scores * (6 * elem + 1) / (gpu.act_gbps * 1e9)
         attn = bmm + soft
         out.add("attention", attn, 2 * attn)
     act = (3 if c.gated else 2) * f
-    mem = elem * t * (10 * h / r + (2 * (n + kvd) + act) / tp) / (gpu.hbm_gbps * 1e9)
+    mem = elem * t * (10 * h / r + (2 * (n + kvd) + act) / tp) / (gpu.act_gbps * 1e9)
     out.add("memory_bound", mem, 2 * mem)
     shapes = ((n + 2 * kvd) // tp, h), (h, n // tp)
     tpc, tpc_bwd, ring_gemm = tp_layer_comm(c, t=t, tp=tp, sp=sp, elem=elem, tr=tr, cluster=cluster, peak=peak,
@@ -440,7 +440,7 @@ def stage_costs(model, lay: Layout, tr: Training, cluster: Cluster) -> list[_Cos
             costs.add("host_ops", n_fwd * host, n_bwd * host)
         if st == 0:
             extra = _Costs()
-            extra.add("memory_bound", 2 * act_bytes / (gpu.hbm_gbps * 1e9), 2 * act_bytes / (gpu.hbm_gbps * 1e9))
+            extra.add("memory_bound", 2 * act_bytes / (gpu.act_gbps * 1e9), 2 * act_bytes / (gpu.act_gbps * 1e9))
             comm = collective_time("reduce_scatter" if lay.tp > 1 else "all_reduce", act_bytes, lay.tp, link)
             extra.add("tp_comm", comm, collective_time("all_gather", act_bytes / lay.tp, lay.tp, link))
             costs = costs.merged(extra)
@@ -448,7 +448,7 @@ def stage_costs(model, lay: Layout, tr: Training, cluster: Cluster) -> list[_Cos
             extra = _Costs()
             logits = gemm_time(t, vocab_local, h, gpu=gpu, peak_tflops=peak)
             extra.add("gemm", logits, 2 * logits)
-            ce = t * vocab_local * (elem + 12) / (gpu.hbm_gbps * 1e9)  # logits, fp32 softmax, its gradient
+            ce = t * vocab_local * (elem + 12) / (gpu.act_gbps * 1e9)  # logits, fp32 softmax, its gradient
             extra.add("memory_bound", ce, ce)
             comm = collective_time("all_gather", act_bytes / lay.tp, lay.tp, link)
             extra.add("tp_comm", comm, collective_time("reduce_scatter", act_bytes, lay.tp, link))
@@ -558,7 +558,9 @@ def predict(model, lay: Layout, tr: Training, cluster: Cluster, *, steady_state:
                     + collective_time("reduce_scatter", gb * experts, edp, link))
             gather = (collective_time("all_gather", elem * dense // dpr, dpr, link)
                       + collective_time("all_gather", elem * experts // edp, edp, link))
-            gather_room = rank_fwd
+            # optim.overlap_param_gather: each bucket's gather waited for by the first forward that needs it
+            # (under that forward's earlier layers); without it, right after the update (Tessel's default)
+            gather_room = rank_fwd if cfg.optim.overlap_param_gather else 0.0
             if tr.zero == 3:  # parameters gathered in every forward and backward, under the layers' compute
                 gather *= 2 * m
                 gather_room = m * (rank_fwd + rank_bwd)

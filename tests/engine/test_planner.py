@@ -297,6 +297,25 @@ def test_blocking_pipeline_transfers_and_unoverlapped_dp():
     assert dp["dp_comm_overlapped"] == 0.0 and dp["dp_comm_exposed"] > 0
 
 
+
+def test_zero_parameter_gather_hides_only_with_overlap_param_gather(tiny):
+    """ZeRO 1/2's post-step parameter all-gather: with optim.overlap_param_gather (the large presets) it
+    hides under the next forward; without it (Tessel's default, the tiny preset) the trainer waits for it
+    right after the update, so the planner counts it exposed."""
+    from engine.planner.predict import collective_time
+
+    assert tiny.base_config.optim.overlap_param_gather is False
+    base = dict(tiny.base)
+    on = dataclasses.replace(tiny, base={**base, "optim": {**base["optim"], "overlap_param_gather": True}})
+    cl = Cluster(gpu=gpu("h100-sxm"), nodes=1, gpus_per_node=2)
+    lay = Layout(tp=1, pp=1, vp=1, dp=2, cp=1, mbs=2)
+    tr = Training(seq_length=128, global_batch_size=16, precision="bf16", recompute="none", zero=1)
+    hidden, waited = predict(on, lay, tr, cl), predict(tiny, lay, tr, cl)
+    gather = collective_time("all_gather", 2 * (waited.memory.largest.grads // 4) // 2, 2, cl.link(2))
+    assert gather > 0 and hidden.breakdown["dp_comm_exposed"] == 0.0
+    assert waited.breakdown["dp_comm_exposed"] == pytest.approx(gather, rel=1e-12)
+    assert waited.step_time_s == pytest.approx(hidden.step_time_s + gather, rel=1e-12)
+
 def replace_dp(tr):
     from dataclasses import replace
 
@@ -389,6 +408,39 @@ def test_ep_all_to_all_and_enumeration(tiny_moe):
         plan(tiny_moe, cluster, tr, {"ep": 3})
 
 
+
+def _calibration() -> dict:
+    """A --calibrate result (engine/planner/calibrate.py measure) with round figures."""
+    return {"cores": 2, "matmul_1_thread": {"tflops": 0.1, "overhead_us": 1.0},
+            "matmul_all_threads": {"tflops": 0.2, "overhead_us": 2.0}, "copy_gbps": 8.0,
+            "activation_gbps": {"1_thread": 80.0, "all_threads": 150.0},
+            "attention_efficiency": {"1_thread": 0.5, "all_threads": 0.4}, "gloo": {"alpha_us": 60.0, "gbps": 1.0},
+            "tp_collective": {"overhead_us": 0.0}}
+
+
+def test_calibrated_cpu_device_takes_each_figure_at_the_ranks_thread_count(tiny):
+    """cpu_device: one process gets the all-threads figures, ranks the one-thread figures at their share of
+    the cores (4 ranks on 2 cores: half), the DRAM bandwidth (the optimizer's) split over every rank. The
+    GEMMs --calibrate times are the tiny preset's own: every matmul of a micro-batch's forward and backward
+    (4 linears per layer and the output layer, 3 GEMMs each), whose FLOPs are 6 x tokens x the linears'
+    weights."""
+    from engine.planner.calibrate import cpu_device, gemm_shapes
+
+    cal = _calibration()
+    one, two, four = (cpu_device(cal, world=w) for w in (1, 2, 4))
+    assert (one.tf32_tflops, one.act_gbps, one.attention_efficiency, one.hbm_gbps) == (0.2, 150.0, 0.4, 8.0)
+    assert (two.tf32_tflops, two.act_gbps, two.attention_efficiency, two.hbm_gbps) == (0.1, 80.0, 0.5, 4.0)
+    assert (four.tf32_tflops, four.act_gbps, four.gemm_overhead_us, four.hbm_gbps) == (0.05, 40.0, 2.0, 2.0)
+    c, tr = tiny.config, tiny.base["train"]
+    shapes = gemm_shapes(tiny, recompute="none", mbs=tr["micro_batch_size"], seq=tr["seq_length"])
+    assert len(shapes) == 3 * (4 * c.num_layers + 1)
+    t = tr["micro_batch_size"] * tr["seq_length"]
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    weights = c.num_layers * (c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.ffn_hidden_size)
+    weights += c.hidden_size * c.vocab_size
+    assert sum(2 * m * n * k for m, n, k in shapes) == 6 * t * weights
+
+
 def test_cpu_collective_overhead_enters_every_tp_collective(tiny):
     """The calibrated per-call collective overhead (engine/planner/calibrate.py's TP micro-benchmark) adds
     exactly one term per collective call: at TP2 (dp 1, pp 1) 8 micro-batches x (4 layers x (4 forward + 6
@@ -397,9 +449,7 @@ def test_cpu_collective_overhead_enters_every_tp_collective(tiny):
     from engine.planner.calibrate import cpu_device, predict_tiny
     from engine.planner.predict import collective_time
 
-    cal = {"cores": 2, "matmul_1_thread": {"tflops": 0.1, "overhead_us": 1.0},
-           "matmul_all_threads": {"tflops": 0.2, "overhead_us": 2.0}, "copy_gbps": 8.0,
-           "attention_efficiency": 0.5, "gloo": {"alpha_us": 60.0, "gbps": 1.0}, "tp_collective": {"overhead_us": 0.0}}
+    cal = _calibration()
     base = predict_tiny(cal, 2, 1, 1)
     cal["tp_collective"]["overhead_us"] = 1000.0
     assert cpu_device(cal, world=2).collective_overhead_us == 1000.0
@@ -432,10 +482,7 @@ def test_host_ops_counted_on_the_models_code_and_charged_per_op(tiny):
     outside = ops.first_fwd + ops.first_bwd + ops.last_fwd + ops.last_bwd
     assert outside + 2 * (ops.layer_fwd + ops.layer_bwd) == two and ops.layer_fwd > 0 and ops.layer_bwd > ops.layer_fwd
     per_mb = outside + 4 * (ops.layer_fwd + ops.layer_bwd)
-    cal = {"cores": 2, "matmul_1_thread": {"tflops": 0.1, "overhead_us": 1.0},
-           "matmul_all_threads": {"tflops": 0.2, "overhead_us": 2.0}, "copy_gbps": 8.0,
-           "attention_efficiency": 0.5, "gloo": {"alpha_us": 60.0, "gbps": 1.0}, "tp_collective": {"overhead_us": 0.0},
-           "host_op": {"us_1_thread": 10.0, "us_all_threads": 7.0}}
+    cal = {**_calibration(), "host_op": {"us_1_thread": 10.0, "us_all_threads": 7.0}}
     without = {k: v for k, v in cal.items() if k != "host_op"}
     one = predict_tiny(cal, 1, 1, 1, host_ops=ops)
     assert one.breakdown["host_ops"] == pytest.approx(8 * per_mb * 7e-6, rel=1e-12)

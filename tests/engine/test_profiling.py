@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from parallel.testing import run_distributed
 
 
@@ -48,3 +50,32 @@ def test_traces_hold_each_ranks_layer_ranges(tmp_path):
     assert main([run_dir, "--out", png]) == 0
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.gpu
+def test_profile_steps_on_cuda_record_kernels_ranges_and_allocator_history(tmp_path):
+    """On CUDA (tools/gpu_session.sh's test step), one process profiling step 2 of 2: the trace holds the
+    per-layer ranges beside the CUDA kernels, and the memory file torch.cuda.memory_stats() and the
+    allocator's history (torch.cuda.memory._snapshot(): segments and per-device trace entries)."""
+    from engine.assembly import build_run
+    from models.hook import ModelHook
+    from tests.engine.test_memory_report import _cfg, _Tokens
+
+    cfg = _cfg("parallel.tp=1", "parallel.pp=1", "parallel.dp=1", "parallel.sequence_parallel=false",
+               "train.steps=2", "train.global_batch_size=4", "logging.memory_report=false",
+               "logging.profile_steps=[2, 2]")
+    run_dir = str(tmp_path / "run")
+    with open(os.devnull, "w") as log:
+        run = build_run(cfg, model=ModelHook.from_run_config(cfg, tokenizer_vocab=None), train_data=_Tokens(32),
+                        checkpoints=False, world=1, run_dir=run_dir, log_stream=log, device="cuda")
+        run.trainer.train(run.train_loader)
+    with open(os.path.join(run_dir, "profile", "trace_rank0.json")) as f:
+        events = json.load(f)["traceEvents"]
+    names = {e["name"] for e in events if e.get("ph") == "X"}
+    assert {"step2", "chunk0.F0", "chunk0.F1", "chunk0.B0", "chunk0.B1"} <= names
+    assert all({f"layer{i}.forward", f"layer{i}.backward", f"layer{i}.mlp"} <= names for i in range(4))
+    assert any(e.get("cat") == "kernel" for e in events)  # the GPU's own kernels, not only the host's ops
+    with open(os.path.join(run_dir, "profile", "memory_rank0.json")) as f:
+        mem = json.load(f)
+    assert mem["steps"] == [2, 2] and mem["memory_stats"]["allocated_bytes.all.peak"] > 0
+    assert mem["history"]["segments"] and any(trace for trace in mem["history"]["device_traces"])

@@ -197,6 +197,17 @@ class Section:
         raise NotImplementedError
 
     @classmethod
+    def field_default(cls, name: str) -> Any:
+        """The default of field ``name`` (a fresh one for a default factory)."""
+        f = cls.__dataclass_fields__[name]
+        return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+    def changed(self, *names: str) -> list[str]:
+        """Those of ``names`` (all fields when none are given) whose values differ from their defaults: the
+        keys a config set, for refusing a key that the chosen mode does not read."""
+        return [n for n in (names or self.__dataclass_fields__) if getattr(self, n) != self.field_default(n)]
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any]):
         """Build the section from a plain dict; unknown keys are an error listing the valid ones."""
         if not isinstance(data, dict):

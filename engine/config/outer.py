@@ -4,7 +4,6 @@ parallelism and every other key of the section must keep its default: a key eith
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from engine.config._fields import Section
@@ -43,8 +42,7 @@ class OuterConfig(Section):
         check_choice(self, "compression", OUTER_COMPRESSIONS)
         check_choice(self, "fragment_layout", FRAGMENT_LAYOUTS)
         if self.method == "none":
-            changed = [f.name for f in dataclasses.fields(self)
-                       if f.name != "method" and getattr(self, f.name) != f.default]
+            changed = [k for k in self.changed() if k != "method"]
             if changed:
                 raise ValueError(f"outer.{changed[0]} is set but outer.method='none' (plain data parallelism) does "
                                  "not read it; set outer.method='diloco' or 'streaming_diloco', or remove "
@@ -71,8 +69,7 @@ class OuterConfig(Section):
         if self.fragments > self.inner_steps:
             raise ValueError(f"outer.fragments={self.fragments} exceeds outer.inner_steps={self.inner_steps}: each "
                              "fragment syncs at its own step of the H-step cycle; raise inner_steps or lower fragments")
-        default_layout = next(f.default for f in dataclasses.fields(self) if f.name == "fragment_layout")
-        if self.fragment_layout != default_layout and self.fragments == 1:
+        if self.changed("fragment_layout") and self.fragments == 1:
             raise ValueError(f"outer.fragment_layout={self.fragment_layout!r} is read only with several fragments "
                              "(outer.method='streaming_diloco', outer.fragments > 1); remove it or raise "
                              "outer.fragments")

@@ -6,7 +6,6 @@ tools/posttrain.py refuses one where it is: a key either works or is rejected.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from engine.config._fields import Section
@@ -143,15 +142,14 @@ class PosttrainConfig(Section):
 
     def _check_unused(self) -> None:
         """A key another method reads is refused, not ignored."""
-        default = PosttrainConfig.__dataclass_fields__
         if self.method == "none":
-            used = [k for k in default if k != "method" and getattr(self, k) != _default(default[k])]
+            used = [k for k in self.changed() if k != "method"]
             if used:
                 raise ValueError(f"posttrain.{used[0]} is set but posttrain.method is 'none' (pretraining): set "
                                  "posttrain.method and run tools/posttrain.py, or remove the [posttrain] keys")
             return
         for table, method in (("dpo", "dpo"), ("grpo", "grpo")):
-            if self.method != method and getattr(self, table) != _default(default[table]):
+            if self.method != method and self.changed(table):
                 raise ValueError(f"[posttrain.{table}] is set but posttrain.method={self.method!r}: it applies to "
                                  f"posttrain.method='{method}' only; remove it")
         if self.method == "grpo" and self.truncate:
@@ -162,7 +160,4 @@ class PosttrainConfig(Section):
     def packed(self) -> bool:
         return self.method == "sft" and self.pack is not False
 
-
-def _default(f):
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 

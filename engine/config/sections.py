@@ -171,15 +171,13 @@ class ModelConfig(Section):
             raise ValueError(f"model.fp8_margin={self.fp8_margin} divides the scales by 2**{self.fp8_margin}, which "
                              "pushes every value into the format's subnormals; use 0-2 (16 at most)")
         if self.fp8 == "none":
-            used = [k for k, default in (("fp8_exclude", []), ("fp8_backend", "tessel"), ("fp8_amax_history", 16),
-                                         ("fp8_margin", 0), ("fp8_weight_cache", None)) if getattr(self, k) != default]
+            used = self.changed("fp8_exclude", "fp8_backend", "fp8_amax_history", "fp8_margin", "fp8_weight_cache")
             if used:
                 raise ValueError(f"model.{used[0]} is set but model.fp8 = 'none' (no FP8); set model.fp8 to one of "
                                  f"{FP8[1:]} or remove model.{used[0]}")
         elif self.fp8 != "delayed":
-            for k, default in (("fp8_amax_history", 16), ("fp8_margin", 0)):
-                if getattr(self, k) != default:
-                    raise ValueError(f"model.{k} only applies to model.fp8 = 'delayed', not '{self.fp8}'; remove it")
+            for k in self.changed("fp8_amax_history", "fp8_margin"):
+                raise ValueError(f"model.{k} only applies to model.fp8 = 'delayed', not '{self.fp8}'; remove it")
         if self.fp8_backend == "te" and self.fp8_weight_cache is not None:
             raise ValueError("model.fp8_weight_cache applies to model.fp8_backend = 'tessel' (Transformer Engine "
                              "keeps its own weight casts); remove it")

@@ -91,7 +91,7 @@ class PlanModel:
                "sequence_parallel": sequence_parallel and tp > 1, "tp_overlap": tp_overlap,
                "schedule": "interleaved" if vp > 1 else "1f1b", "pipeline_layout": None, "p2p_early_recv": False}
         if cp > 1:
-            par.update(cp_comm="ring", cp_a2a_size=_default(base.parallel, "cp_a2a_size"))
+            par.update(cp_comm="ring", cp_a2a_size=base.parallel.field_default("cp_a2a_size"))
         train = {"micro_batch_size": mbs, "global_batch_size": gbs, "seq_length": seq,
                  "activation_checkpointing": recompute, "recompute_num_layers": None}
         optim = {"distributed": zero > 0, "zero_stage": max(zero, 1)}
@@ -120,11 +120,6 @@ class PlanModel:
         return TesselConfig.from_dict(data)
 
 
-def _default(section, name: str):
-    field_ = next(f for f in dataclasses.fields(section) if f.name == name)
-    return field_.default_factory() if field_.default is dataclasses.MISSING else field_.default
-
-
 def _hook(cfg: TesselConfig) -> ModelHook:
     hf = hf_config_from_run(cfg.model, vocab_size=None)
     return PlanHook.from_hf(hf, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
@@ -150,7 +145,7 @@ def from_hf_config(path: str) -> PlanModel:
     data = {"model": {"family": family, "hf_config": os.path.abspath(path)}}
     positions = hf.get("max_position_embeddings", hf.get("n_positions"))
     if isinstance(positions, int) and positions > 0:  # the base's sequence (the plan's replaces it) must fit
-        data["train"] = {"seq_length": min(positions, _default(TrainConfig, "seq_length"))}
+        data["train"] = {"seq_length": min(positions, TrainConfig.field_default("seq_length"))}
     cfg = TesselConfig.from_dict(data)
     return PlanModel(base=cfg.to_dict(), hook=_hook(cfg), name=os.path.basename(os.path.dirname(os.path.abspath(path)))
                      or "hf")

@@ -1,6 +1,8 @@
 """Every row of tests/composition/matrix.py, through tools/pretrain.py's own path (``train_from_config``):
 
-1. train STEPS steps uninterrupted (a checkpoint at the end);
+1. train STEPS steps uninterrupted (a checkpoint at the end), with the memory report (its profiled first
+   step; the other runs of a row go without it: a profiler window and a gc.collect per build were 40% of
+   this test's time);
 2. the same run stopped after STOP steps by ``train.max_tokens`` (a checkpoint) and resumed in a new
    build from its run directory: the losses equal the uninterrupted run's **bitwise**;
 3. the step-STOP checkpoint resumed into the row's second layout (and optimizer mode): the next loss
@@ -131,7 +133,8 @@ def _model_overrides(row: Row) -> list[str]:
             f"train.activation_checkpointing={row.recompute}", *MODEL[row.family]]
 
 
-def _overrides(row: Row, layout, optimizer: str, prefix: str, run_dir: str, *, max_steps: int | None = None):
+def _overrides(row: Row, layout, optimizer: str, prefix: str, run_dir: str, *, max_steps: int | None = None,
+               memory_report: bool = False):
     seq = SEQ if row.method == "pretrain" else POSTTRAIN_SEQ
     if row.method == "pretrain":
         data = [f"data.paths={prefix}", f"data.tokenizer={prefix}.tokenizer.json", f"data.cache_dir={run_dir}/cache"]
@@ -149,14 +152,15 @@ def _overrides(row: Row, layout, optimizer: str, prefix: str, run_dir: str, *, m
            "train.micro_batch_size=1", f"train.steps={STEPS}", "train.eval_interval=0", "train.log_interval=100",
            "optim.warmup_steps=1", "optim.lr=0.01", "checkpoint.interval=0", "logging.tensorboard=false",
            "logging.jsonl=false", "logging.progress_bar=off", "logging.peak_tflops=1.0", f"train.run_dir={run_dir}",
-           *row.extra]
+           f"logging.memory_report={str(memory_report).lower()}", *row.extra]
     if max_steps is not None:
         rows = 2 if row.method == "dpo" else 1  # a preference pair is two rows
         out.append(f"train.max_tokens={max_steps * GBS * rows * seq}")
     return out
 
 
-def _train(row: Row, layout, optimizer: str, prefix: str, run_dir: str, *, max_steps: int | None = None):
+def _train(row: Row, layout, optimizer: str, prefix: str, run_dir: str, *, max_steps: int | None = None,
+           memory_report: bool = False):
     import torch.distributed as dist
 
     from engine.config import load_config
@@ -164,7 +168,8 @@ def _train(row: Row, layout, optimizer: str, prefix: str, run_dir: str, *, max_s
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    overrides = _overrides(row, layout, optimizer, prefix, run_dir, max_steps=max_steps)
+    overrides = _overrides(row, layout, optimizer, prefix, run_dir, max_steps=max_steps,
+                           memory_report=memory_report)
     if row.method != "pretrain":
         from tools.posttrain import base_defaults, posttrain_from_config
 
@@ -180,7 +185,8 @@ def _rows_of_world(rows: list[Row], prefix: str, root: str) -> dict:
     out = {}
     for row in rows:
         d = Path(root) / row.name
-        straight = _train(row, row.layout, row.optimizer, prefix, str(d / "straight"))
+        # the memory report (a profiled first step) once per row: in the straight run, every layout of the matrix
+        straight = _train(row, row.layout, row.optimizer, prefix, str(d / "straight"), memory_report=True)
         first = _train(row, row.layout, row.optimizer, prefix, str(d / "resumed"), max_steps=STOP)
         reshard = None
         if row.reshard is not None:

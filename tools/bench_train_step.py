@@ -261,23 +261,14 @@ def _gemm_flops(args) -> float:
 
 
 def _profile(step, *, steps: int, top: int, device: str = "cpu") -> list[dict]:
-    """torch.profiler's top operators by self time: CPU time on CPU, GPU (kernel) time on CUDA."""
-    from torch.profiler import ProfilerActivity, profile
+    """torch.profiler's top operators by self time (tools/kernel_profile.py): CPU op time on CPU, kernel
+    time on CUDA (the kernels alone: an op's self device time would count its kernels twice)."""
+    from tools.kernel_profile import kernel_table
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=acts) as prof:
-        for _ in range(steps):
-            step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
-    events = prof.key_averages()
-    total = sum(getattr(e, key) for e in events) or 1.0
-    rows = []
-    for e in sorted(events, key=lambda e: -getattr(e, key))[:top]:
-        rows.append({"op": e.key, "calls_per_step": e.count / steps,
-                     "self_ms_per_step": getattr(e, key) / 1e3 / steps, "share": getattr(e, key) / total})
-    return rows
+    table = kernel_table(step, device=device, repeats=steps, warmup=0)
+    total = table["total_us"] or 1.0
+    return [{"op": k["name"], "calls_per_step": k["calls"], "self_ms_per_step": k["us"] / 1e3, "share": k["us"] / total}
+            for k in table["kernels"][:top]]
 
 
 def _parse(argv):

@@ -1,5 +1,5 @@
 """Where a callable spends its time, kernel by kernel: the shared helper of the benchmarks' ``--profile``
-options (tools/bench_fp8.py, tools/bench_attention.py).
+options (tools/bench_fp8.py, tools/bench_attention.py, tools/bench_train_step.py).
 
 ``kernel_table(fn, device=..., repeats=...)`` runs ``fn`` twice (kernel selection, allocator), then
 ``repeats`` times under torch.profiler, and sums each kernel's self time by name per call: CUDA kernel
@@ -17,14 +17,15 @@ if __name__ == "__main__":  # a library module: say which commands run it
              "`tools/bench_attention.py --profile-cp CP`; run one of those (--help)")
 
 
-def kernel_table(fn: Callable[[], object], *, device: str, repeats: int) -> dict:
-    """``{"total_us": per-call sum, "kernels": [{"name", "us"}, ...] largest first}``."""
+def kernel_table(fn: Callable[[], object], *, device: str, repeats: int, warmup: int = 2) -> dict:
+    """``{"total_us": per-call sum, "kernels": [{"name", "us", "calls"}, ...] largest first}`` (``us`` and
+    ``calls`` per call of ``fn``), after ``warmup`` unprofiled calls."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    fn()
-    fn()
+    for _ in range(warmup):
+        fn()
     if cuda:
         torch.cuda.synchronize()
     with profile(activities=acts) as prof:
@@ -33,12 +34,14 @@ def kernel_table(fn: Callable[[], object], *, device: str, repeats: int) -> dict
         if cuda:
             torch.cuda.synchronize()
     per: dict[str, float] = {}
+    calls: dict[str, float] = {}
     for e in prof.key_averages():
         t = e.self_device_time_total if cuda else e.self_cpu_time_total  # microseconds, all calls
         if t > 0 and (not cuda or e.device_type.name == "CUDA"):
             per[e.key] = per.get(e.key, 0.0) + t / repeats
+            calls[e.key] = calls.get(e.key, 0.0) + e.count / repeats
     rows = sorted(per.items(), key=lambda kv: -kv[1])
-    return {"total_us": sum(per.values()), "kernels": [{"name": k, "us": v} for k, v in rows]}
+    return {"total_us": sum(per.values()), "kernels": [{"name": k, "us": v, "calls": calls[k]} for k, v in rows]}
 
 
 def print_kernel_table(title: str, table: dict, *, top: int) -> None:

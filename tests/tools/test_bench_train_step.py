@@ -25,7 +25,7 @@ def _run(*args):
 
 def test_compare_kernels_tiny(tmp_path):
     out = tmp_path / "bts.json"
-    res = _run(*TINY, "--compare-kernels", "--fused-cross-entropy", "on", "--json", str(out))
+    res = _run(*TINY, "--compare-kernels", "--fused-cross-entropy", "on", "--profile", "--json", str(out))
     assert res.returncode == 0, res.stderr
     report = json.loads(out.read_text())
     losses = report["first_step_loss"]
@@ -40,6 +40,12 @@ def test_compare_kernels_tiny(tmp_path):
     for ratios in (report["ratio_tessel_over_hf"], report["ratio_tessel_over_tessel_ref"]):
         assert all(v > 0 for v in ratios.values())
     assert "tessel / tessel_ref throughput" in res.stdout
+    profiles = report["profile"]  # --profile: each side's top ops by self time per step, largest first
+    assert set(profiles) == {"tessel", "tessel_ref", "hf"}
+    for rows in profiles.values():
+        assert rows and {"op", "calls_per_step", "self_ms_per_step", "share"} <= set(rows[0])
+        assert [r["self_ms_per_step"] for r in rows] == sorted((r["self_ms_per_step"] for r in rows), reverse=True)
+        assert any(r["op"] == "aten::mm" and r["calls_per_step"] > 0 for r in rows) and sum(r["share"] for r in rows) <= 1
 
 
 def test_bad_arguments_name_the_fix():

@@ -641,26 +641,37 @@ class PeakMemory:
         from torch.profiler import ProfilerActivity, profile
         self._flag = _c10_report_flag()
         self.exact = self._flag is not None
-        if self._flag is not None:
-            self._flag_was = bool(self._flag.value)
-            self._flag.value = True
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False,
-                             with_stack=False)
-        # no garbage collection inside the window (it would free memory allocated before it); disabling the
-        # collector for the window does that without a full collection up front (0.3 s and more in a big process)
         self._gc_was = gc.isenabled()
-        gc.disable()
+        entered = False
         try:
+            if self._flag is not None:
+                self._flag_was = bool(self._flag.value)
+                self._flag.value = True
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False,
+                                 with_stack=False)
+            # no garbage collection inside the window (it would free memory allocated before it); disabling the
+            # collector for the window does that without a full collection up front (0.3 s and more in a big
+            # process). A tensor held only by a reference cycle made in the window then lives to its end: the
+            # measured peak is at most that much above the run's
+            gc.disable()
             with _quiet_stderr():
                 self._prof.__enter__()
+            entered = True
+            torch.empty(1)  # an event whose total is the baseline (allocated and freed at once)
         except BaseException:
-            if self._gc_was:
-                gc.enable()
-            if self._flag is not None:
-                self._flag.value = self._flag_was
+            if entered:
+                with _quiet_stderr():
+                    self._prof.__exit__(None, None, None)
+            self._restore()
             raise
-        torch.empty(1)  # an event whose total is the baseline (allocated and freed at once)
         return self
+
+    def _restore(self) -> None:
+        """The garbage collector and c10's memory-report flag as they were before the window."""
+        if self._gc_was:
+            gc.enable()
+        if self._flag is not None:
+            self._flag.value = self._flag_was
 
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
@@ -668,15 +679,12 @@ class PeakMemory:
             self.peak = torch.cuda.max_memory_allocated(self.device) - self._start
             self.end = torch.cuda.memory_allocated(self.device) - self._start
             return
-        torch.empty(1)  # an event after the last free on another thread: the total at exit
         try:
+            torch.empty(1)  # an event after the last free on another thread: the total at exit
             with _quiet_stderr():
                 self._prof.__exit__(*exc)
         finally:
-            if self._gc_was:
-                gc.enable()
-            if self._flag is not None:
-                self._flag.value = self._flag_was
+            self._restore()
         if exc[0] is not None:
             return
         self.peak, self.end = cpu_allocation_peak(self._prof, totals=self.exact)

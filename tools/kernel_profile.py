@@ -1,7 +1,7 @@
 """Where a callable spends its time, kernel by kernel: the shared helper of the benchmarks' ``--profile``
 options (tools/bench_fp8.py, tools/bench_attention.py, tools/bench_train_step.py).
 
-``kernel_table(fn, device=..., repeats=...)`` runs ``fn`` twice (kernel selection, allocator), then
+``kernel_table(fn, device=..., repeats=...)`` runs ``fn`` ``warmup`` times (2: kernel selection, allocator), then
 ``repeats`` times under torch.profiler, and sums each kernel's self time by name per call: CUDA kernel
 time on a GPU (host gaps between kernels do not show), CPU op time on the CPU.
 """

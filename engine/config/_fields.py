@@ -200,7 +200,11 @@ class Section:
     def field_default(cls, name: str) -> Any:
         """The default of field ``name`` (a fresh one for a default factory)."""
         f = cls.__dataclass_fields__[name]
-        return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if f.default_factory is not dataclasses.MISSING:
+            return f.default_factory()
+        if f.default is dataclasses.MISSING:
+            raise TypeError(f"{cls.__name__}.{name} has no default")
+        return f.default
 
     def changed(self, *names: str) -> list[str]:
         """Those of ``names`` (all fields when none are given) whose values differ from their defaults: the

@@ -1,8 +1,8 @@
 """Every row of tests/composition/matrix.py, through tools/pretrain.py's own path (``train_from_config``):
 
 1. train STEPS steps uninterrupted (a checkpoint at the end), with the memory report (its profiled first
-   step; the other runs of a row go without it: a profiler window and a gc.collect per build were 40% of
-   this test's time);
+   step; the other runs of a row go without it: a profiler window per build, with the gc.collect it then
+   made, was 40% of this test's time);
 2. the same run stopped after STOP steps by ``train.max_tokens`` (a checkpoint) and resumed in a new
    build from its run directory: the losses equal the uninterrupted run's **bitwise**;
 3. the step-STOP checkpoint resumed into the row's second layout (and optimizer mode): the next loss
@@ -185,7 +185,7 @@ def _rows_of_world(rows: list[Row], prefix: str, root: str) -> dict:
     out = {}
     for row in rows:
         d = Path(root) / row.name
-        # the memory report (a profiled first step) once per row: in the straight run, every layout of the matrix
+        # the memory report (a profiled first step) once per row, in its straight run: each row's first layout
         straight = _train(row, row.layout, row.optimizer, prefix, str(d / "straight"), memory_report=True)
         first = _train(row, row.layout, row.optimizer, prefix, str(d / "resumed"), max_steps=STOP)
         reshard = None

@@ -52,13 +52,13 @@ def _cfg(*sets):
                                           "optim.warmup_steps=0", *sets])
 
 
-def _build(cfg, *, world: int, run_dir=None):
+def _build(cfg, *, world: int, run_dir=None, device: str | None = None):
     from engine.assembly import build_run
     from models.hook import ModelHook
 
     model = ModelHook.from_run_config(cfg, tokenizer_vocab=None)
     return build_run(cfg, model=model, train_data=_Tokens(32), checkpoints=False, world=world, run_dir=run_dir,
-                     log_stream=open("/dev/null", "w"))
+                     log_stream=open("/dev/null", "w"), device=device)
 
 
 def _state(run):
@@ -341,3 +341,26 @@ def test_peak_memory_sees_frees_on_gloo_threads(two_ranks):
         peak, end, exact = out["reduce_scatter"]
         assert exact
         assert peak < 8 * 4 * (1 << 16) and end == 0, (peak, end)  # 20 loops of 256 KiB would sum to 5 MiB
+
+
+def test_peak_memory_window_runs_without_the_garbage_collector():
+    """PeakMemory (CPU) turns the garbage collector off for its window, so no collection frees memory
+    allocated before it, and gives it back as it was (on or off), also when the block raises."""
+    import gc
+
+    from engine.memory import PeakMemory
+
+    for was_on in (True, False):
+        (gc.enable if was_on else gc.disable)()
+        try:
+            with PeakMemory("cpu") as m:
+                assert not gc.isenabled()
+                x = torch.ones(1 << 16)  # 256 KiB
+                del x
+            assert gc.isenabled() == was_on and m.peak >= 1 << 18
+            with pytest.raises(RuntimeError, match="inside"):
+                with PeakMemory("cpu"):
+                    raise RuntimeError("inside the window")
+            assert gc.isenabled() == was_on
+        finally:
+            gc.enable()

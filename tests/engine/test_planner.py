@@ -297,7 +297,6 @@ def test_blocking_pipeline_transfers_and_unoverlapped_dp():
     assert dp["dp_comm_overlapped"] == 0.0 and dp["dp_comm_exposed"] > 0
 
 
-
 def test_zero_parameter_gather_hides_only_with_overlap_param_gather(tiny):
     """ZeRO 1/2's post-step parameter all-gather: with optim.overlap_param_gather (the large presets) it
     hides under the next forward; without it (Tessel's default, the tiny preset) the trainer waits for it
@@ -315,6 +314,7 @@ def test_zero_parameter_gather_hides_only_with_overlap_param_gather(tiny):
     assert gather > 0 and hidden.breakdown["dp_comm_exposed"] == 0.0
     assert waited.breakdown["dp_comm_exposed"] == pytest.approx(gather, rel=1e-12)
     assert waited.step_time_s == pytest.approx(hidden.step_time_s + gather, rel=1e-12)
+
 
 def replace_dp(tr):
     from dataclasses import replace
@@ -406,7 +406,6 @@ def test_ep_all_to_all_and_enumeration(tiny_moe):
         plan(tiny_moe, cluster, Training(seq_length=16, global_batch_size=8, zero=1), {"ep": 2, "dp": 1})
     with pytest.raises(ValueError, match="--ep 3: .*"):
         plan(tiny_moe, cluster, tr, {"ep": 3})
-
 
 
 def _calibration() -> dict:

@@ -57,18 +57,14 @@ def test_profile_steps_on_cuda_record_kernels_ranges_and_allocator_history(tmp_p
     """On CUDA (tools/gpu_session.sh's test step), one process profiling step 2 of 2: the trace holds the
     per-layer ranges beside the CUDA kernels, and the memory file torch.cuda.memory_stats() and the
     allocator's history (torch.cuda.memory._snapshot(): segments and per-device trace entries)."""
-    from engine.assembly import build_run
-    from models.hook import ModelHook
-    from tests.engine.test_memory_report import _cfg, _Tokens
+    from tests.engine.test_memory_report import _build, _cfg
 
     cfg = _cfg("parallel.tp=1", "parallel.pp=1", "parallel.dp=1", "parallel.sequence_parallel=false",
                "train.steps=2", "train.global_batch_size=4", "logging.memory_report=false",
                "logging.profile_steps=[2, 2]")
     run_dir = str(tmp_path / "run")
-    with open(os.devnull, "w") as log:
-        run = build_run(cfg, model=ModelHook.from_run_config(cfg, tokenizer_vocab=None), train_data=_Tokens(32),
-                        checkpoints=False, world=1, run_dir=run_dir, log_stream=log, device="cuda")
-        run.trainer.train(run.train_loader)
+    run = _build(cfg, world=1, run_dir=run_dir, device="cuda")
+    run.trainer.train(run.train_loader)
     with open(os.path.join(run_dir, "profile", "trace_rank0.json")) as f:
         events = json.load(f)["traceEvents"]
     names = {e["name"] for e in events if e.get("ph") == "X"}

@@ -45,7 +45,7 @@ def test_compare_kernels_tiny(tmp_path):
     for rows in profiles.values():
         assert rows and {"op", "calls_per_step", "self_ms_per_step", "share"} <= set(rows[0])
         assert [r["self_ms_per_step"] for r in rows] == sorted((r["self_ms_per_step"] for r in rows), reverse=True)
-        assert any(r["op"] == "aten::mm" and r["calls_per_step"] > 0 for r in rows) and sum(r["share"] for r in rows) <= 1
+        assert any(r["op"] == "aten::mm" and r["calls_per_step"] > 0 for r in rows) and sum(r["share"] for r in rows) <= 1 + 1e-9
 
 
 def test_bad_arguments_name_the_fix():

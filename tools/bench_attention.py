@@ -283,19 +283,22 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--cuda-cps", type=int, nargs="+", default=None,
                    help="--device cuda: the cp sizes whose 2 cp blocks are timed (default 2 4 8)")
-    p.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384])
+    p.add_argument("--seqs", type=int, nargs="+", default=None,
+                   help="sequence lengths (default 4096 8192 16384 on CPU, 8192 32768 on CUDA)")
     p.add_argument("--cp", type=int, default=2, help="context-parallel ranks (spawned, gloo)")
     p.add_argument("--heads", type=int, default=None, help="query heads (default 4 CPU, 32 CUDA)")
     p.add_argument("--kv-heads", type=int, default=None, help="kv heads (default 2 CPU, 8 CUDA)")
     p.add_argument("--head-dim", type=int, default=None, help="head dim (default 32 CPU, 128 CUDA)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--explicit-max-seq", type=int, default=8192,
-                   help="--device cuda: the explicit block kernel only up to this length (at 32K it runs ~2 s a step)")
+    p.add_argument("--repeats", type=int, default=None, help="timed repetitions (default 3 on CPU, 10 on CUDA)")
+    p.add_argument("--explicit-max-seq", type=int, default=None,
+                   help="--device cuda: the explicit block kernel only up to this length (default 8192; at 32K it "
+                        "runs ~2 s a step)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile-cp", type=int, default=None, metavar="CP",
                    help="only profile, kernel by kernel, SDPA against the ring's flash blocks at this cp (one process, "
                         "the first --seqs length)")
-    p.add_argument("--profile-top", type=int, default=15, help="kernels listed per side with --profile-cp")
+    p.add_argument("--profile-top", type=int, default=None, help="kernels listed per side with --profile-cp "
+                   "(default 15)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--md", default=None, help="write a markdown page (table, machine, command, date) here")
     args = p.parse_args(argv)
@@ -305,18 +308,19 @@ def parse_args(argv=None):
     args.head_dim = args.head_dim or (128 if cuda else 32)
     if args.cuda_cps is not None and not cuda:
         p.error("--cuda-cps is read with --device cuda only (the CPU run times --cp ranks)")
-    given = argv if argv is not None else sys.argv[1:]
-    if not cuda and any(a.startswith("--explicit-max-seq") for a in given):
+    # options whose default depends on another one are None unless given, so "given" is exact (abbreviations
+    # and --flag=value included)
+    if not cuda and args.explicit_max_seq is not None:
         p.error("--explicit-max-seq is read with --device cuda only (the CPU run times both kernels at every length)")
     if args.profile_cp is not None and args.profile_cp < 1:
         p.error(f"--profile-cp={args.profile_cp} must be a cp degree >= 1")
-    if args.profile_cp is None and any(a.startswith("--profile-top") for a in given):
+    if args.profile_cp is None and args.profile_top is not None:
         p.error("--profile-top is read with --profile-cp only")
     args.cuda_cps = args.cuda_cps or [2, 4, 8]
-    if cuda and "--seqs" not in given:
-        args.seqs = [8192, 32768]
-    if cuda and "--repeats" not in given:
-        args.repeats = 10
+    args.seqs = args.seqs or ([8192, 32768] if cuda else [4096, 8192, 16384])
+    args.repeats = args.repeats if args.repeats is not None else (10 if cuda else 3)
+    args.explicit_max_seq = args.explicit_max_seq if args.explicit_max_seq is not None else 8192
+    args.profile_top = args.profile_top if args.profile_top is not None else 15
     return args
 
 

@@ -237,7 +237,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--profile", default=None, metavar="MODEL:LINEAR",
                    help="only profile one linear's forward + backward per recipe, kernel by kernel (e.g. 8b:qkv)")
-    p.add_argument("--profile-top", type=int, default=15, help="kernels listed per side with --profile")
+    p.add_argument("--profile-top", type=int, default=None, help="kernels listed per side with --profile (default 15)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
@@ -266,8 +266,9 @@ def main(argv=None) -> int:
            "machine": torch.cuda.get_device_name(0) if cuda else f"CPU, {torch.get_num_threads()} threads",
            "command": "python3 tools/bench_fp8.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     run = _timer(args.device)
-    if args.profile is None and any(a.startswith("--profile-top") for a in (argv if argv is not None else sys.argv[1:])):
+    if args.profile is None and args.profile_top is not None:
         p.error("--profile-top is read with --profile only")
+    args.profile_top = args.profile_top if args.profile_top is not None else 15
     if args.profile:
         model, _, lin = args.profile.partition(":")
         if model not in MODELS or lin not in ("qkv", "out", "fc1", "fc2"):

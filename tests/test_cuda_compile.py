@@ -4,6 +4,9 @@ CPU machines build Tessel without its .cu files (torch has no CUDA there), so wi
 CUDA syntax or type error would only surface on a GPU machine. The .cu files include no torch
 headers (kernels + launchers on raw pointers), so nvcc alone compiles them. CPU torch hard-codes
 CUDA_HOME=None, hence nvcc is called directly rather than through torch.utils.cpp_extension.
+
+The C++ bindings' CUDA branches (``#ifdef TESSEL_WITH_CUDA``: device guard, stream, launch check), which
+include torch, are checked with g++ -fsyntax-only against CPU torch's headers (below).
 """
 import os
 import shutil
@@ -37,3 +40,53 @@ def test_nvcc_compiles_for_sm90a(source, tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
     assert obj.stat().st_size > 0
+
+
+def _cuda_branch_bindings():
+    """The C++ binding files whose CUDA branch (``#ifdef TESSEL_WITH_CUDA``) a CPU build never compiles."""
+    found = []
+    for dirpath, _, files in os.walk(CSRC):
+        for f in files:
+            path = os.path.join(dirpath, f)
+            if f.endswith(".cpp") and "TESSEL_WITH_CUDA" in open(path).read():
+                found.append(os.path.relpath(path, ROOT))
+    return sorted(found)
+
+
+def _cuda_include():
+    """CUDA's include directory (cuda_runtime_api.h, which c10/cuda's headers need), or None."""
+    import glob
+
+    roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"))]
+    for root in roots:
+        if root and os.path.exists(os.path.join(root, "include", "cuda_runtime_api.h")):
+            return os.path.join(root, "include")
+    return None
+
+
+CXX = shutil.which("g++")
+CUDA_INCLUDE = _cuda_include()
+
+
+def test_csrc_has_cuda_branch_bindings():
+    assert _cuda_branch_bindings(), "no binding under csrc/ has a TESSEL_WITH_CUDA branch: the check below tests nothing"
+
+
+@pytest.mark.skipif(CXX is None or CUDA_INCLUDE is None, reason="needs g++ and CUDA's headers")
+@pytest.mark.parametrize("source", _cuda_branch_bindings())
+def test_bindings_cuda_branch_compiles(source, tmp_path):
+    """Each binding's CUDA branch (the torch-side launch: device guard, stream, error check) through g++
+    -fsyntax-only with TESSEL_WITH_CUDA defined, against CPU torch's headers (they ship c10/cuda's; the one
+    header its CMake generates, c10/cuda/impl/cuda_cmake_macros.h, is stubbed here), so a mistake there shows
+    on CPU and not first on a lent GPU."""
+    from torch.utils.cpp_extension import include_paths
+    import sysconfig
+
+    stub = tmp_path / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True)
+    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
+    cmd = [CXX, "-std=c++17", "-fsyntax-only", "-DTESSEL_WITH_CUDA", "-DTORCH_EXTENSION_NAME=check", "-Icsrc",
+           *(f"-I{p}" for p in include_paths()), f"-I{tmp_path}", f"-I{sysconfig.get_paths()['include']}",
+           f"-I{CUDA_INCLUDE}", "-Wall", "-Wno-c++20-extensions", "-Werror", source]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}"

@@ -21,13 +21,36 @@ namespace {
 
 [[noreturn]] void fail(const std::string& msg) { throw py::value_error("fp8 cast_transpose: " + msg); }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& input, const at::Tensor& scale,
-                                                             bool e5m2) {
+// What both entry points ask of the input: 2-D, fp32 or bf16, contiguous, on the CPU or (built with CUDA) a GPU
+// with at most 65535 * 32 rows (the kernels' grid).
+void check_input(const at::Tensor& input) {
   if (input.dim() != 2) fail("input must be 2-D (rows, cols); reshape it to (-1, hidden) first");
   if (input.scalar_type() != at::kFloat && input.scalar_type() != at::kBFloat16) {
     fail(std::string("input dtype ") + c10::toString(input.scalar_type()) + " is not float32 or bfloat16");
   }
   if (!input.is_contiguous()) fail("input must be contiguous; call .contiguous()");
+  if (input.is_cuda()) {
+#ifdef TESSEL_WITH_CUDA
+    if ((input.size(0) + 31) / 32 > 65535) fail("more than 65535 * 32 rows; split the input");
+#else
+    fail("input is on " + input.device().str() + " but engine._fp8 was built without CUDA; rebuild "
+         "with nvcc and a CUDA torch, or use backend='reference'");
+#endif
+  } else if (!input.is_cpu()) {
+    fail("unsupported device " + input.device().str());
+  }
+}
+
+#ifdef TESSEL_WITH_CUDA
+void check_launch(int err, const char* what) {
+  if (err != 0) throw std::runtime_error(std::string("fp8 ") + what + ": CUDA launch failed: " +
+                                         tessel::fp8::cuda_error_string(err));
+}
+#endif
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& input, const at::Tensor& scale,
+                                                             bool e5m2) {
+  check_input(input);
   if (scale.scalar_type() != at::kFloat || scale.numel() != 1 || scale.device() != input.device()) {
     fail("scale must be a one-element float32 tensor on the input's device, got " +
          std::string(c10::toString(scale.scalar_type())) + " with " + std::to_string(scale.numel()) +
@@ -41,23 +64,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& 
   const bool bf16 = input.scalar_type() == at::kBFloat16;
   auto* out_ptr = reinterpret_cast<uint8_t*>(out.data_ptr());
   auto* out_t_ptr = reinterpret_cast<uint8_t*>(out_t.data_ptr());
-  if (input.is_cuda()) {
 #ifdef TESSEL_WITH_CUDA
-    if ((rows + 31) / 32 > 65535) fail("more than 65535 * 32 rows; split the input");
+  if (input.is_cuda()) {
     const c10::cuda::CUDAGuard guard(input.device());
     const at::Tensor scale_c = scale.contiguous();
-    const int err = tessel::fp8::cast_transpose_cuda(
-        input.data_ptr(), bf16, rows, cols, scale_c.data_ptr<float>(), out_ptr, out_t_ptr,
-        amax.data_ptr<float>(), e5m2, c10::cuda::getCurrentCUDAStream(input.device().index()).stream());
-    if (err != 0) throw std::runtime_error(std::string("fp8 cast_transpose: CUDA launch failed: ") +
-                                           tessel::fp8::cuda_error_string(err));
+    check_launch(tessel::fp8::cast_transpose_cuda(
+                     input.data_ptr(), bf16, rows, cols, scale_c.data_ptr<float>(), out_ptr, out_t_ptr,
+                     amax.data_ptr<float>(), e5m2, c10::cuda::getCurrentCUDAStream(input.device().index()).stream()),
+                 "cast_transpose");
     return {out, out_t, amax};
-#else
-    fail("input is on " + input.device().str() + " but engine._fp8 was built without CUDA; rebuild "
-         "with nvcc and a CUDA torch, or use backend='reference'");
-#endif
   }
-  if (!input.is_cpu()) fail("unsupported device " + input.device().str());
+#endif
   const float s = scale.item<float>();
   {
     py::gil_scoped_release release;
@@ -73,11 +90,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& 
 std::tuple<py::object, py::object, at::Tensor> cast_transpose_grid(const at::Tensor& input, const at::Tensor& scale,
                                                                     int64_t block_rows, int64_t block_cols,
                                                                     bool e5m2, bool want_out, bool want_out_t) {
-  if (input.dim() != 2) fail("input must be 2-D (rows, cols); reshape it to (-1, hidden) first");
-  if (input.scalar_type() != at::kFloat && input.scalar_type() != at::kBFloat16) {
-    fail(std::string("input dtype ") + c10::toString(input.scalar_type()) + " is not float32 or bfloat16");
-  }
-  if (!input.is_contiguous()) fail("input must be contiguous; call .contiguous()");
+  check_input(input);
   if (block_rows < 1 || block_cols < 1) fail("block_rows and block_cols must be >= 1");
   if (!want_out && !want_out_t) fail("nothing to write: want_out and want_out_t are both False");
   const int64_t rows = input.size(0), cols = input.size(1);
@@ -99,22 +112,17 @@ std::tuple<py::object, py::object, at::Tensor> cast_transpose_grid(const at::Ten
   auto wrap = [&]() -> std::tuple<py::object, py::object, at::Tensor> {
     return {want_out ? py::cast(out) : py::none(), want_out_t ? py::cast(out_t) : py::none(), amax};
   };
-  if (input.is_cuda()) {
 #ifdef TESSEL_WITH_CUDA
-    if ((rows + 31) / 32 > 65535) fail("more than 65535 * 32 rows; split the input");
+  if (input.is_cuda()) {
     const c10::cuda::CUDAGuard guard(input.device());
-    const int err = tessel::fp8::cast_transpose_grid_cuda(
-        input.data_ptr(), bf16, rows, cols, scale.data_ptr<float>(), block_rows, block_cols, out_ptr, out_t_ptr,
-        amax.data_ptr<float>(), e5m2, c10::cuda::getCurrentCUDAStream(input.device().index()).stream());
-    if (err != 0) throw std::runtime_error(std::string("fp8 cast_transpose_grid: CUDA launch failed: ") +
-                                           tessel::fp8::cuda_error_string(err));
+    check_launch(tessel::fp8::cast_transpose_grid_cuda(
+                     input.data_ptr(), bf16, rows, cols, scale.data_ptr<float>(), block_rows, block_cols, out_ptr,
+                     out_t_ptr, amax.data_ptr<float>(), e5m2,
+                     c10::cuda::getCurrentCUDAStream(input.device().index()).stream()),
+                 "cast_transpose_grid");
     return wrap();
-#else
-    fail("input is on " + input.device().str() + " but engine._fp8 was built without CUDA; rebuild "
-         "with nvcc and a CUDA torch, or use backend='reference'");
-#endif
   }
-  if (!input.is_cpu()) fail("unsupported device " + input.device().str());
+#endif
   {
     py::gil_scoped_release release;
     tessel::fp8::cast_transpose_grid_cpu(input.data_ptr(), bf16, rows, cols, scale.data_ptr<float>(), block_rows,

@@ -62,6 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--tp-overlap", choices=["none", "ring"],
                    help="parallel.tp_overlap: 'ring' runs each sequence-parallel all-gather / reduce-scatter as tp - 1 "
                         "p2p steps under the linear's GEMM chunks (docs/overlap.md); default: the preset's, else none")
+    t.add_argument("--overlap-param-gather", choices=["on", "off"],
+                   help="optim.overlap_param_gather (ZeRO 1/2): the post-step parameter all-gather hidden under the "
+                        "next forward (on) or waited for after the update (off); default: the preset's, else off "
+                        "(Tessel's default)")
     p = ap.add_argument_group("pins (keep one value of a degree)")
     for k in PINS:
         p.add_argument(f"--{k}", type=int)
@@ -119,8 +123,13 @@ def build_training(a, model) -> Training:
     overlap = a.tp_overlap or preset.get("parallel", {}).get("tp_overlap") or "none"
     if overlap not in ("none", "ring"):
         raise ValueError(f"parallel.tp_overlap={overlap!r} (the preset's) is not planned: use --tp-overlap none or ring")
+    if a.overlap_param_gather and a.zero not in (1, 2):
+        raise ValueError(f"--overlap-param-gather is read at --zero 1 or 2 (the post-step parameter all-gather), "
+                         f"not --zero {a.zero}; drop it")
+    gather = (a.overlap_param_gather == "on" if a.overlap_param_gather
+              else bool(preset.get("optim", {}).get("overlap_param_gather", False)))
     return Training(seq_length=seq, global_batch_size=gbs, precision=a.precision, recompute=recompute, zero=a.zero,
-                    attention=a.attention, tp_overlap=overlap)
+                    attention=a.attention, tp_overlap=overlap, overlap_param_gather=gather)
 
 
 def _fmt_row(p) -> str:
@@ -134,6 +143,8 @@ def report(preds, model, cluster, tr, *, top: int, out=sys.stdout) -> None:
     print(f"{model.name} on {cluster.world} x {cluster.gpu.name} ({cluster.nodes} nodes x {cluster.gpus_per_node}), "
           f"seq {tr.seq_length}, global batch {tr.global_batch_size}, {tr.precision}, {tr.recompute} recompute, "
           f"ZeRO {tr.zero}" + (", TP ring overlap" if tr.tp_overlap == "ring" else "")
+          + ({True: ", parameter gather overlapped", False: ", parameter gather after the update"}
+             .get(tr.overlap_param_gather, "") if tr.zero in (1, 2) else "")
           + f"; fits = at most {cluster.capacity_bytes / GIB:.1f} GiB "
           f"({100 * cluster.memory_fraction:.0f}% of {cluster.gpu.hbm_gb:g} GB)", file=out)
     print(f"{'tp':>3} {'pp':>3} {'vp':>3} {'dp':>4} {'cp':>3} {'ep':>3} {'mbs':>4} {'mem GiB':>9} {'step s':>10} "
@@ -172,6 +183,7 @@ def main(argv=None) -> int:
     doc = {"model": model.name, "gpu": cluster.gpu.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node,
            "seq_length": tr.seq_length, "global_batch_size": tr.global_batch_size, "precision": tr.precision,
            "recompute": tr.recompute, "zero": tr.zero, "tp_overlap": tr.tp_overlap,
+           "overlap_param_gather": tr.overlap_param_gather,
            "layouts": [p.as_dict() for p in preds]}
     out = sys.stderr if a.json == "-" else sys.stdout
     report(preds, model, cluster, tr, top=a.top, out=out)

@@ -82,10 +82,12 @@ class PlanModel:
 
     def run_config(self, *, tp: int, pp: int, vp: int, dp: int, cp: int, mbs: int, gbs: int, seq: int,
                    recompute: str, zero: int, dtype: str | None = None, fp8: bool = False, ep: int = 1,
-                   sequence_parallel: bool = True, tp_overlap: str = "none") -> TesselConfig:
+                   sequence_parallel: bool = True, tp_overlap: str = "none",
+                   overlap_param_gather: bool | None = None) -> TesselConfig:
         """The validated run config of one layout (ValueError: the layout is illegal, and why). ``ep`` > 1:
         expert parallelism inside dp (the config refuses it with ZeRO, cp or a dense model); sequence
-        parallelism whenever tp > 1 unless ``sequence_parallel`` is false; ``tp_overlap``: parallel.tp_overlap."""
+        parallelism whenever tp > 1 unless ``sequence_parallel`` is false; ``tp_overlap``: parallel.tp_overlap;
+        ``overlap_param_gather``: optim.overlap_param_gather at ZeRO 1 and 2 (None: the base config's)."""
         base = self.base_config
         par = {"tp": tp, "pp": pp, "vp": vp, "dp": dp, "cp": cp, "ep": ep,
                "sequence_parallel": sequence_parallel and tp > 1, "tp_overlap": tp_overlap,
@@ -97,6 +99,8 @@ class PlanModel:
         optim = {"distributed": zero > 0, "zero_stage": max(zero, 1)}
         if zero in (0, 3):  # the post-step parameter gather exists at ZeRO 1 and 2 only
             optim["overlap_param_gather"] = False
+        elif overlap_param_gather is not None:
+            optim["overlap_param_gather"] = overlap_param_gather
         model = {"fp8": "tensorwise" if fp8 else "none"}
         if dtype is not None:
             model["dtype"] = dtype

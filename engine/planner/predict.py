@@ -99,6 +99,9 @@ class Training:
     # "async_backward" (Megatron-LM since 2022: the column-parallel backward's input-gradient reduction runs
     # under the weight-gradient GEMM and its input regather under the input-gradient GEMM; validation rows only)
     tp_overlap: str = "none"
+    # optim.overlap_param_gather (ZeRO 1/2: the post-step parameter all-gather waited for by the next forward, under
+    # its first layers, instead of right after the update); None: the model's base config's (Tessel's default: off)
+    overlap_param_gather: bool | None = None
     # The rest describe published runs' software (engine/planner/validate.py); Tessel's own runs are the defaults.
     sequence_parallel: bool = True  # with tp > 1 (Tessel always; Megatron-LM before 2022 never)
     dp_overlap: bool = True  # gradient reduction under the last backward (Megatron-LM before 2023: after it)
@@ -499,7 +502,8 @@ def predict(model, lay: Layout, tr: Training, cluster: Cluster, *, steady_state:
     cfg = model.run_config(tp=lay.tp, pp=lay.pp, vp=lay.vp, dp=lay.dp, cp=lay.cp, mbs=lay.mbs,
                            gbs=tr.global_batch_size, seq=tr.seq_length, recompute=tr.recompute, zero=tr.zero,
                            dtype=dtype, fp8=tr.precision == "fp8", ep=lay.ep, sequence_parallel=tr.sequence_parallel,
-                           tp_overlap="ring" if tr.tp_overlap == "ring" and lay.tp > 1 else "none")
+                           tp_overlap="ring" if tr.tp_overlap == "ring" and lay.tp > 1 else "none",
+                           overlap_param_gather=tr.overlap_param_gather)
     model.config.check_tensor_parallel(lay.tp)
     m = cfg.num_microbatches(lay.dp)
     # Past the warm-up, each further micro-batch repeats the steady state: the peak memory and the in-flight

@@ -76,6 +76,32 @@ def test_tp_overlap_ring_flag(tmp_path, capsys):
             assert x["time_s"]["tp_comm"] < y["time_s"]["tp_comm"]
 
 
+
+def test_overlap_param_gather_flag(tmp_path, capsys):
+    """--overlap-param-gather: the tiny preset leaves it off (Tessel's default), so ZeRO 1's post-step parameter
+    gather is exposed in every layout with dp x cp > 1 (ZeRO's group); 'on' hides it under the next forward
+    (the same layouts are faster by it, dp x cp = 1 unchanged), recorded in the JSON and the header; read at ZeRO 1 and 2 only."""
+    off, on = tmp_path / "off.json", tmp_path / "on.json"
+    base = ["--config", "tiny_llama_cpu", "--gpu", "h100-sxm", "--gpus-per-node", "4", "--mbs", "2"]
+    assert main(base + ["--json", str(off)]) == 0
+    assert "parameter gather after the update" in capsys.readouterr().out
+    assert main(base + ["--overlap-param-gather", "on", "--json", str(on)]) == 0
+    assert "parameter gather overlapped" in capsys.readouterr().out
+    a, b = json.loads(off.read_text()), json.loads(on.read_text())
+    assert (a["overlap_param_gather"], b["overlap_param_gather"]) == (False, True)
+    key = ("tp", "pp", "vp", "dp", "cp")
+    by = {tuple(x[k] for k in key): x for x in a["layouts"]}
+    assert any(x["dp"] * x["cp"] > 1 for x in b["layouts"])
+    for x in b["layouts"]:
+        y = by[tuple(x[k] for k in key)]
+        if x["dp"] * x["cp"] == 1:
+            assert x["step_time_s"] == y["step_time_s"]
+        else:
+            assert x["time_s"]["dp_comm_exposed"] < y["time_s"]["dp_comm_exposed"]
+            assert x["step_time_s"] < y["step_time_s"]
+    assert main(base + ["--zero", "0", "--overlap-param-gather", "on"]) == 2
+    assert "read at --zero 1 or 2" in capsys.readouterr().err
+
 def test_explicit_dimensions_take_their_training_settings_from_the_flags(tmp_path, capsys):
     """--family: no preset, so --seq-length and --global-batch-size are required and --recompute defaults to
     selective (not the engine's defaults); a Mixtral from explicit dimensions plans; a missing width names

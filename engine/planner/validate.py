@@ -247,7 +247,10 @@ def predict_row(run: PublishedRun) -> RowResult:
                       zero=s.zero, attention=s.attention, tp_overlap=s.tp_overlap if run.tp > 1 else "none",
                       sequence_parallel=s.sequence_parallel, dp_overlap=s.dp_overlap,
                       grad_reduce_bytes=s.grad_reduce_bytes, p2p_scatter_gather=s.p2p_scatter_gather,
-                      p2p_blocking=s.p2p_blocking)
+                      p2p_blocking=s.p2p_blocking,
+                      # a distributed optimizer's parameter gather overlaps as its reduction does (Megatron-Core's
+                      # --overlap-grad-reduce --overlap-param-gather)
+                      overlap_param_gather=s.dp_overlap if s.zero in (1, 2) else None)
         try:
             p = predict(model, Layout(tp=run.tp, pp=run.pp, vp=vp, dp=run.dp, cp=1, mbs=mbs), tr, cluster)
         except ValueError:

@@ -72,21 +72,36 @@ def test_csrc_has_cuda_branch_bindings():
     assert _cuda_branch_bindings(), "no binding under csrc/ has a TESSEL_WITH_CUDA branch: the check below tests nothing"
 
 
+@pytest.fixture(scope="module")
+def cuda_branch_compiles(tmp_path_factory):
+    """{source: (return code, command, stderr)} of every binding's CUDA-branch syntax check, run concurrently
+    (each parses torch's headers: ~10-16 s apiece)."""
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    stub_root = tmp_path_factory.mktemp("cuda_stub")
+    stub = stub_root / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True)
+    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
+    flags = [CXX, "-std=c++17", "-fsyntax-only", "-DTESSEL_WITH_CUDA", "-DTORCH_EXTENSION_NAME=check", "-Icsrc",
+             *(f"-I{p}" for p in include_paths()), f"-I{stub_root}", f"-I{sysconfig.get_paths()['include']}",
+             f"-I{CUDA_INCLUDE}", "-Wall", "-Wno-c++20-extensions", "-Werror"]
+    procs = {src: subprocess.Popen([*flags, src], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for src in _cuda_branch_bindings()}
+    out = {}
+    for src, proc in procs.items():
+        _, err = proc.communicate(timeout=300)
+        out[src] = (proc.returncode, " ".join([*flags, src]), err)
+    return out
+
+
 @pytest.mark.skipif(CXX is None or CUDA_INCLUDE is None, reason="needs g++ and CUDA's headers")
 @pytest.mark.parametrize("source", _cuda_branch_bindings())
-def test_bindings_cuda_branch_compiles(source, tmp_path):
+def test_bindings_cuda_branch_compiles(source, cuda_branch_compiles):
     """Each binding's CUDA branch (the torch-side launch: device guard, stream, error check) through g++
     -fsyntax-only with TESSEL_WITH_CUDA defined, against CPU torch's headers (they ship c10/cuda's; the one
     header its CMake generates, c10/cuda/impl/cuda_cmake_macros.h, is stubbed here), so a mistake there shows
     on CPU and not first on a lent GPU."""
-    from torch.utils.cpp_extension import include_paths
-    import sysconfig
-
-    stub = tmp_path / "c10" / "cuda" / "impl"
-    stub.mkdir(parents=True)
-    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
-    cmd = [CXX, "-std=c++17", "-fsyntax-only", "-DTESSEL_WITH_CUDA", "-DTORCH_EXTENSION_NAME=check", "-Icsrc",
-           *(f"-I{p}" for p in include_paths()), f"-I{tmp_path}", f"-I{sysconfig.get_paths()['include']}",
-           f"-I{CUDA_INCLUDE}", "-Wall", "-Wno-c++20-extensions", "-Werror", source]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}"
+    rc, cmd, err = cuda_branch_compiles[source]
+    assert rc == 0, f"{cmd} failed:\n{err[-4000:]}"

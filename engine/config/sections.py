@@ -176,8 +176,9 @@ class ModelConfig(Section):
                 raise ValueError(f"model.{used[0]} is set but model.fp8 = 'none' (no FP8); set model.fp8 to one of "
                                  f"{FP8[1:]} or remove model.{used[0]}")
         elif self.fp8 != "delayed":
-            for k in self.changed("fp8_amax_history", "fp8_margin"):
-                raise ValueError(f"model.{k} only applies to model.fp8 = 'delayed', not '{self.fp8}'; remove it")
+            used = self.changed("fp8_amax_history", "fp8_margin")
+            if used:
+                raise ValueError(f"model.{used[0]} only applies to model.fp8 = 'delayed', not '{self.fp8}'; remove it")
         if self.fp8_backend == "te" and self.fp8_weight_cache is not None:
             raise ValueError("model.fp8_weight_cache applies to model.fp8_backend = 'tessel' (Transformer Engine "
                              "keeps its own weight casts); remove it")

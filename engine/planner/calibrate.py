@@ -343,15 +343,13 @@ def measure(cores: int | None = None) -> dict:
     shapes = gemm_shapes(tiny, recompute=tr["activation_checkpointing"], mbs=mbs, seq=seq)
     c = tiny.config
     act_bytes = 4 * mbs * seq * (2 if c.gated else 1) * c.ffn_hidden_size  # fp32: the MLP's widest activation
-    out = {"cores": cores}
+    out = {"cores": cores, "activation_gbps": {}, "attention_efficiency": {}}
     for key, n in (("1_thread", 1), ("all_threads", cores)):
-        out[f"matmul_{key}"] = matmul_rate(shapes, threads=n)
+        out[f"matmul_{key}"] = mm = matmul_rate(shapes, threads=n)
+        out["activation_gbps"][key] = activation_gbps(act_bytes, threads=n)
+        out["attention_efficiency"][key] = attention_efficiency(mm["tflops"], threads=n, b=mbs, heads=c.num_heads,
+                                                                s=seq, d=c.head_dim)
     out["copy_gbps"] = copy_gbps()
-    out["activation_gbps"] = {key: activation_gbps(act_bytes, threads=n) for key, n in (("1_thread", 1),
-                                                                                     ("all_threads", cores))}
-    out["attention_efficiency"] = {key: attention_efficiency(out[f"matmul_{key}"]["tflops"], threads=n, b=mbs,
-                                                             heads=c.num_heads, s=seq, d=c.head_dim)
-                                   for key, n in (("1_thread", 1), ("all_threads", cores))}
     alpha, gbps = gloo_alpha_beta()
     out["gloo"] = {"alpha_us": alpha, "gbps": gbps}
     out["tp_collective"] = tp_collective_overhead(alpha, gbps)

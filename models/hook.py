@@ -40,6 +40,14 @@ _HF_NAMES = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
              "norm_eps": "rms_norm_eps", "tie_word_embeddings": "tie_word_embeddings"}
 
 
+class MissingModelKey(ValueError):
+    """A [model] key the family needs is not set; ``key`` names it (model.<key>)."""
+
+    def __init__(self, message: str, *, key: str):
+        super().__init__(message)
+        self.key = key
+
+
 def hf_config_from_run(model_cfg, *, vocab_size: int | None, extra: dict | None = None) -> dict:
     """The Hugging Face config.json dict of the run config's ``[model]`` section: ``model.hf_config``
     (a file) if given, overridden by every explicit field; ``vocab_size`` (the tokenizer's) fills a
@@ -76,9 +84,9 @@ def hf_config_from_run(model_cfg, *, vocab_size: int | None, extra: dict | None 
     except ValueError as e:  # a field the [model] section left out: name the TOML key, not config.json's
         missing = [ours for ours, theirs in names.items() if f"'{theirs}'" in str(e) and theirs not in base]
         if missing:
-            raise ValueError(f"model.{missing[0]} is not set and the {family} family needs it; set "
-                             f"model.{missing[0]}" + ("" if m.hf_config else " (or model.hf_config, a config.json)")
-                             ) from None
+            raise MissingModelKey(f"model.{missing[0]} is not set and the {family} family needs it; set "
+                                  f"model.{missing[0]}" + ("" if m.hf_config else " (or model.hf_config, a config.json)"),
+                                  key=missing[0]) from None
         raise
     return _complete(out, cfg)
 

@@ -22,8 +22,8 @@ GPU and are printed only to show the benchmark runs. Results: docs/benchmarks/fp
 from __future__ import annotations
 
 import argparse
-import itertools
 import datetime
+import itertools
 import json
 import os
 import statistics
@@ -38,7 +38,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from engine.ops.fp8_linear import (E4M3, RECIPES, DelayedScaling, fp8_linear, quantize_blocks,  # noqa: E402
+from engine.ops.fp8_linear import (E4M3, PER_TENSOR, RECIPES, DelayedScaling, fp8_linear, quantize_blocks,  # noqa: E402
                                    quantize_rowwise, quantize_tensorwise, quantize_tiles, scaled_gemm,
                                    scaled_gemm_reference, amax_to_scale)
 
@@ -71,7 +71,7 @@ def _timer(device: str):
 
 
 def _quantised(recipe: str, x, w):
-    if recipe in ("tensorwise", "delayed"):
+    if recipe in PER_TENSOR:
         sx = amax_to_scale(x.float().abs().amax().reshape(1), E4M3)
         sw = amax_to_scale(w.float().abs().amax().reshape(1), E4M3)
         return quantize_tensorwise(x, E4M3, sx)[0], quantize_tensorwise(w, E4M3, sw)[0]
@@ -175,9 +175,6 @@ def bench_step(args) -> dict:
         fp8, _, nocache = name.partition("/")
         trainer, _, _ = _tessel_trainer(ns, fp8=fp8, micro_batch=args.micro_batch,
                                         extra=("model.fp8_weight_cache=false",) if nocache else ())
-        if trainer.num_micro != len(micro):  # each step takes the whole batch, one micro-batch at a time
-            raise RuntimeError(f"the trainer runs {trainer.num_micro} micro-batches per step, the bench feeds "
-                               f"{len(micro)}")
         loader = itertools.cycle(micro)  # the batch's micro-batches, in turn (one per trainer micro-batch)
         for _ in range(args.warmup):
             trainer.train_step(loader)

@@ -114,7 +114,7 @@ def _read_prompts(args, *, step_dir: Path, vocab_size: int):
         try:
             template = load_chat_template(spec if os.path.isdir(spec) else os.path.dirname(os.path.abspath(spec)))
         except NoChatTemplate as e:  # the library names the config keys; here the fix is a flag
-            raise ValueError(f"--records needs a chat template: {str(e).split('. Point')[0]}; pass --tokenizer DIR "
+            raise ValueError(f"--records needs a chat template ({e.where}); pass --tokenizer DIR "
                              "with a tokenizer_config.json that has one (or a chat_template.jinja), or give "
                              "--text / --tokens prompts instead") from None
         records = read_jsonl(args.records)

@@ -17,7 +17,7 @@
 #   session.log        this script's own output: machine, versions, each step's command, exit
 #                      status, duration and the tail of its log, and a final summary
 #   build.log          python3 setup.py build_ext --inplace (csrc/ extensions, CUDA parts with nvcc)
-#   pytest_gpu.log     python3 -m pytest -v -m gpu --tb=short -rfs --durations=10 tests/
+#   pytest_gpu.log     python3 -m pytest -v -m gpu -p no:cacheprovider --tb=short -rfs --durations=10 --continue-on-collection-errors tests/
 #   train_step.log     tools/bench_train_step.py --device cuda --preset gpu-1b --compare-kernels; its JSON
 #                      results at the end of the same file
 #   bench_fp8.log      tools/bench_fp8.py --device cuda: FP8 vs bf16 GEMMs (8B/70B layers) and the gpu-1b

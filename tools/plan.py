@@ -27,6 +27,7 @@ if ROOT not in sys.path:
 
 from engine.planner import (GPUS, Cluster, Training, from_dims, from_hf_config, from_preset, gpu,  # noqa: E402
                             plan, smallest_fit)
+from models.hook import MissingModelKey  # noqa: E402
 
 GIB = 2 ** 30
 PINS = ("tp", "pp", "vp", "dp", "cp", "ep", "mbs")
@@ -99,11 +100,10 @@ def build_model(a):
                          num_kv_heads=a.num_kv_heads, ffn_hidden_size=a.ffn_hidden_size,
                          vocab_size=a.vocab_size or 32000, num_experts=a.num_experts or 0, top_k=a.top_k or 0,
                          max_positions=a.seq_length or 8192)
-    except ValueError as e:  # the run config names its [model] keys; here they are flags
-        flag = next((f for key, f in MODEL_FLAGS.items() if f"model.{key} is not set" in str(e)), None)
-        if flag is None:
+    except MissingModelKey as e:  # the run config names its [model] keys; here they are flags
+        if e.key not in MODEL_FLAGS:
             raise
-        raise ValueError(f"--family {a.family} needs {flag}") from None
+        raise ValueError(f"--family {a.family} needs {MODEL_FLAGS[e.key]}") from None
 
 
 # [model] keys a --family plan can still miss after the checks above (the others are checked or defaulted)

@@ -72,7 +72,11 @@ def _token_text(value) -> str | None:
 
 
 class NoChatTemplate(ValueError):
-    """Neither the template override nor the tokenizer has a chat template."""
+    """Neither the template override nor the tokenizer has a chat template; ``where`` says what was looked at."""
+
+    def __init__(self, message: str, *, where: str):
+        super().__init__(message)
+        self.where = where
 
 
 def load_chat_template(tokenizer_dir: str | None, *, override: str | None = None) -> ChatTemplate:
@@ -103,7 +107,8 @@ def load_chat_template(tokenizer_dir: str | None, *, override: str | None = None
         where = f"{cfg_path} has no 'chat_template' and there is no {jinja_path}" if tokenizer_dir \
             else "no tokenizer directory was given"
         raise NoChatTemplate(f"no chat template: {where}. Point posttrain.chat_template at a Jinja template file, or "
-                         "use a tokenizer (data.tokenizer, or the checkpoint's hf/ directory) that has one")
+                             "use a tokenizer (data.tokenizer, or the checkpoint's hf/ directory) that has one",
+                             where=where)
     return ChatTemplate(text=text, source=source, variables=variables)
 
 

@@ -297,10 +297,11 @@ def tp_layer_comm(config, *, t: int, tp: int, sp: bool, elem: int, tr: Training,
     rs = collective_time("reduce_scatter", act_bytes, tp, link)
     fp8 = tr.precision == "fp8"
     ag8 = collective_time("all_gather", t * c.hidden_size / tp, tp, link)  # fp8: 1 byte per element
-    if fp8 and tr.tp_overlap != "ring":
-        if c.num_experts:  # the attention pair in FP8; the MoE MLP's sequence collectives stay plain
-            return ag8 + rs + ag + rs, ag8 + rs + 2 * ag + rs, 0.0
-        return 2 * ag8 + 2 * rs, 2 * ag8 + 2 * rs, 0.0
+    # a MoE layer's MLP keeps its sequence collectives plain (not FP8, no ring): (forward, backward)
+    moe = (ag + rs, 2 * ag + rs) if c.num_experts else (0.0, 0.0)
+    if fp8 and tr.tp_overlap != "ring":  # each FP8 column + row pair (attention's; a dense MLP's): ag8 + rs each way
+        pairs = 1 if c.num_experts else 2
+        return pairs * (ag8 + rs) + moe[0], pairs * (ag8 + rs) + moe[1], 0.0
     if tr.tp_overlap == "none":
         return 2 * ag + 2 * rs, 4 * ag + 2 * rs, 0.0
     if tr.tp_overlap == "async_backward":
@@ -325,9 +326,7 @@ def tp_layer_comm(config, *, t: int, tp: int, sp: bool, elem: int, tr: Training,
             bwd += (tp - 1) * (2 * max(0.0, step - g_col) + max(0.0, step - 2 * g_row))
         extra += tp * (g_col + g_row) - gemm_time(t, *col, gpu=gpu, peak_tflops=peak) - gemm_time(
             t, *row, gpu=gpu, peak_tflops=peak)
-    if not dense_mlp:  # the MoE MLP's sequence collectives stay plain
-        fwd, bwd = fwd + ag + rs, bwd + 2 * ag + rs
-    return fwd, bwd, extra
+    return fwd + moe[0], bwd + moe[1], extra
 
 
 def column_shapes(config, tp: int, attn_shapes) -> list[tuple[int, int]]:

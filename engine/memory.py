@@ -488,9 +488,11 @@ def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_samp
     notes = []
     if cfg.model.fp8 != "none":
         from parallel.tensor_parallel.fp8 import weight_casts_enabled
-        held = weight_casts_enabled(cfg.model.fp8_weight_cache, zero_stage=zero)
-        notes.append("FP8 scales and casts" + (" (model.fp8_weight_cache: each FP8 weight's casts held for the step, "
-                                               "up to 2 bytes per element)" if held else ""))
+        te = cfg.model.fp8_backend == "te"  # Transformer Engine keeps its own casts and workspaces
+        held = not te and weight_casts_enabled(cfg.model.fp8_weight_cache, zero_stage=zero)
+        what = "Transformer Engine's FP8 casts and workspaces" if te else "FP8 scales and casts"
+        notes.append(what + (" (model.fp8_weight_cache: each FP8 weight's casts held for the step, "
+                             "up to 2 bytes per element)" if held else ""))
     # The ring's block kernel (parallel/context_parallel/ring.py): flash unless a sliding window cuts blocks or
     # no flash kernel runs the dtype (CUDA: bf16/fp16, head dim a multiple of 8 up to 256). Documents packed
     # in a sequence also cut blocks: data, not config, so not modeled (named below when cp > 1).

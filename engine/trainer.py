@@ -133,7 +133,8 @@ class Trainer:
             self.straggler = StragglerMonitor(ratio=cfg.fault.straggler_ratio, group=mesh.world, pp_rank=self.pp_rank,
                                               device=self.device)
         fp8 = cfg.model.fp8
-        self.precision = cfg.model.dtype if fp8 == "none" else f"fp8-{fp8}/{cfg.model.dtype}"
+        backend = "-te" if cfg.model.fp8_backend == "te" else ""  # Transformer Engine's GEMMs (docs/fp8.md)
+        self.precision = cfg.model.dtype if fp8 == "none" else f"fp8-{fp8}{backend}/{cfg.model.dtype}"
         # model.fp8_weight_cache: each FP8 weight cast once per step (and per evaluation), not per micro-batch
         zero = cfg.optim.zero_stage if cfg.optim.distributed else 0
         self.fp8_weight_cache = fp8 != "none" and weight_casts_enabled(cfg.model.fp8_weight_cache, zero_stage=zero)

@@ -147,6 +147,7 @@ class ModelHook:
     fp8_exclude: tuple[str, ...] = ()
     fp8_amax_history: int = 16
     fp8_margin: int = 0
+    fp8_backend: str = "tessel"  # model.fp8_backend: "tessel" (engine/ops) or "te" (parallel/tensor_parallel/fp8_te.py)
     tp_overlap: str = "none"
     cp_comm: str = "ring"  # parallel.cp_comm: how attention spans the cp group (docs/context_parallel.md)
     recompute: str = "none"  # activation recompute: none | selective | full (models/transformer.py)
@@ -173,7 +174,8 @@ class ModelHook:
                            sequence_parallel=cfg.parallel.sequence_parallel, seed=cfg.train.seed,
                            fp8=cfg.model.fp8, fp8_exclude=tuple(cfg.model.fp8_exclude),
                            fp8_amax_history=cfg.model.fp8_amax_history, fp8_margin=cfg.model.fp8_margin,
-                           tp_overlap=cfg.parallel.tp_overlap, cp_comm=cfg.parallel.cp_comm,
+                           fp8_backend=cfg.model.fp8_backend, tp_overlap=cfg.parallel.tp_overlap,
+                           cp_comm=cfg.parallel.cp_comm,
                            recompute=cfg.train.activation_checkpointing,
                            recompute_num_layers=cfg.train.recompute_num_layers,
                            moe_dispatcher=cfg.parallel.moe_dispatcher,
@@ -190,8 +192,10 @@ class ModelHook:
                              "most the layers of one pipeline stage (a stage with fewer recomputes all of its own)")
         if cfg.model.fp8 != "none":
             if cfg.model.fp8_backend == "te":
-                from parallel.tensor_parallel.fp8_te import te_backend
-                te_backend(cfg.model.fp8)  # raises: TE missing, or this build has no TE-backed linears
+                from parallel.tensor_parallel.fp8_te import check_te_backend
+                check_te_backend(recipe=cfg.model.fp8, tp_overlap=cfg.parallel.tp_overlap,
+                                 recompute=cfg.train.activation_checkpointing,
+                                 tokens=cfg.train.seq_length // cfg.parallel.cp * cfg.train.micro_batch_size)
             hook.check_fp8(tp=cfg.parallel.tp)
         positions = hook.config.max_position_embeddings
         if cfg.train.seq_length > positions:
@@ -270,8 +274,14 @@ class ModelHook:
                 if isinstance(m, MoELayer):
                     m.router.enable_bias_balancing(self.moe_bias_update_rate)
         if self.fp8 != "none":
-            apply_fp8(stage, self.fp8, exclude=self.fp8_exclude, history_len=self.fp8_amax_history,
-                      margin=self.fp8_margin)
+            if self.fp8_backend == "te":
+                from parallel.tensor_parallel.fp8_te import apply_te_fp8
+
+                apply_te_fp8(stage, self.fp8, exclude=self.fp8_exclude, history_len=self.fp8_amax_history,
+                             margin=self.fp8_margin)
+            else:
+                apply_fp8(stage, self.fp8, exclude=self.fp8_exclude, history_len=self.fp8_amax_history,
+                          margin=self.fp8_margin)
         return stage
 
     @staticmethod

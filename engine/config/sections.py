@@ -89,7 +89,8 @@ class ModelConfig(Section):
     2**``fp8_margin``; TE's default margin 0 saturates activations of small, fast-changing models: use
     1 there, docs/fp8.md), "rowwise" or "blockwise". ``fp8_exclude`` lists linears kept in high
     precision ("mlp.fc2", "layers.0.attention.qkv", ...). ``fp8_backend``: "tessel" (engine/ops on
-    torch._scaled_mm) or "te" (Transformer Engine; not available in this build, see docs/fp8.md).
+    torch._scaled_mm) or "te" (Transformer Engine's GEMMs inside Tessel's TP linears; never run with a real
+    TE here, docs/fp8.md).
     ``fp8_weight_cache``: cast each weight to FP8 once per step and reuse the casts across the step's
     micro-batches and recompute (TE's is_first_microbatch); unset = on, except under ZeRO-3, where it
     would hold every layer's FP8 weight for the whole step. Costs up to 2 bytes per FP8 weight element

@@ -1,19 +1,64 @@
-"""``model.fp8_backend = "te"``: Transformer Engine, behind one guarded import.
+"""``model.fp8_backend = "te"``: Transformer Engine's FP8 GEMMs inside Tessel's TP linears.
 
-Status: only the import guard and the recipe mapping exist. Transformer Engine cannot be installed
-on Tessel's build machines (its wheels need a CUDA torch and cuDNN; the core wheel is larger than a
-lent GPU accepts), so TE-backed parallel linears have never been built or run here, and this
-backend is rejected with a message saying so rather than shipped untested. docs/fp8.md says what
-it would map to. Tessel's own FP8 (``fp8_backend = "tessel"``) needs no TE.
+**Status: written against Transformer Engine's API but never run with a real TE.** TE cannot be
+installed where Tessel is built and tested (its wheels need a CUDA torch and cuDNN; the core wheel
+is larger than a lent GPU accepts). The API used here was read from TE's source (2.x: ``Linear``,
+``autocast`` / the older ``fp8_autocast``, ``common.recipe``; checked against v2.20.0.dev0). The CPU
+tests run this file against ``tests/fake_te`` -- a stand-in with TE's module surface that computes
+in high precision -- so they prove Tessel's side (which layers, shared weights, communication,
+recipes and groups handed to TE) and nothing about TE's numerics. The ``gpu`` tests that need a
+real TE skip without it. docs/fp8.md says the same.
+
+Design. Each FP8 linear's :class:`TeLinearImpl` holds a ``transformer_engine.pytorch.Linear`` built
+with ``parallel_mode=None`` and no bias: TE casts and runs the TP-local GEMM (forward, input and
+weight gradients), nothing else. Its ``weight`` *is* the Tessel layer's Parameter (the same object,
+no copy), so checkpoints, converters, the DP buffers and ZeRO, which swap ``param.data``, see one
+tensor. Tessel keeps the TP/SP communication (parallel.mappings: visible, in the ledger) and adds
+the bias after the reduction, exactly as the high-precision path does; the TE module is not a
+registered submodule, so the state dict is the non-FP8 model's.
+
+Each call runs under TE's autocast with the mapped recipe and the TP group as the amax reduction
+group (Megatron's ``tp_only_amax_red``), one region per call, so no module runs twice in a region
+(TE's rule for ``reduce_amax``):
+
+    tensorwise  -> Float8CurrentScaling(HYBRID)   e4m3 activations/weights, e5m2 gradients; scales of
+                   the tensors as TE holds them: a sequence-parallel input is all-gathered before
+                   the cast (so its scale is the whole input's, as TE's own SP gather with amax
+                   reduction gives), a TP-sharded weight is scaled per shard (as in TE's own
+                   column/row modes). Gathers move bf16, not FP8 (Tessel's backend moves FP8).
+    delayed     -> DelayedScaling(HYBRID, amax_history_len=model.fp8_amax_history,
+                   margin=model.fp8_margin, amax_compute_algo="max"): amaxes reduced over TP at the
+                   end of each region (forward) and in each module's backward.
+    blockwise   -> Float8BlockScaling(HYBRID): 1x128 activation/gradient and 128x128 weight tiles
+                   (TE's defaults; power-of-2 scales unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1).
+    rowwise     -> refused: TE has no per-row recipe.
+
+Not mapped: ``MXFP8BlockScaling`` (Tessel has no MXFP8 recipe to map from; TE runs it on Blackwell
+only). Refused with the TE backend, each before any process group: ``parallel.tp_overlap = "ring"``
+(TE's linears run Tessel's plain collectives; TE's own userbuffers overlap is not wired),
+``delayed`` with activation recompute (TE keeps delayed scales consistent between a forward and its
+recompute only under its own ``te.distributed.checkpoint``), and token counts per micro-batch that
+are not multiples of 16 (TE's FP8 GEMM shape rule; Tessel's own backend pads instead).
+TE's delayed-scaling histories live in TE's modules and are not in Tessel's checkpoints: a resumed
+run starts them afresh (Tessel's own ``delayed`` checkpoints them and resumes bitwise).
 """
 from __future__ import annotations
+
+import warnings
+from typing import Sequence
+
+from torch import nn
+
+from parallel.comm import Group
+from parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp
+from parallel.tensor_parallel.layers import ColumnParallelLinear, LinearImpl, RowParallelLinear
 
 INSTALL_HINT = ("pip install --no-build-isolation 'transformer_engine[pytorch]' on a CUDA machine, or set "
                 "model.fp8_backend = 'tessel' (Tessel's own FP8 linears, no TE needed)")
 
 # Tessel recipe -> the Transformer Engine recipe class it maps to (transformer_engine.common.recipe).
-TE_RECIPES = {"delayed": "DelayedScaling", "tensorwise": "Float8CurrentScaling",
-              "blockwise": "Float8BlockScaling", "mxfp8": "MXFP8BlockScaling"}
+TE_RECIPES = {"tensorwise": "Float8CurrentScaling", "delayed": "DelayedScaling", "blockwise": "Float8BlockScaling"}
+TOKEN_MULTIPLE = 16  # TE's FP8 GEMMs need both dimensions of each operand divisible by 16
 
 
 def import_te():
@@ -26,12 +71,101 @@ def import_te():
     return te
 
 
-def te_backend(recipe: str) -> None:
-    """Check ``model.fp8_backend = 'te'`` before any process group: raises with the fix."""
+def check_te_backend(*, recipe: str, tp_overlap: str, recompute: str, tokens: int) -> None:
+    """Check ``model.fp8_backend = 'te'`` before any process group: every refusal names the fix.
+    ``tokens``: one micro-batch's rows per FP8 GEMM after the SP gather (sequence / cp x micro-batch size)."""
     if recipe not in TE_RECIPES:
         raise ValueError(f"model.fp8 = {recipe!r} has no Transformer Engine recipe (TE maps "
-                         f"{', '.join(k for k in TE_RECIPES if k != 'mxfp8')}); use model.fp8_backend = 'tessel'")
+                         f"{', '.join(TE_RECIPES)}); choose one of those, or model.fp8_backend = 'tessel'")
+    if tp_overlap != "none":
+        raise ValueError(f"parallel.tp_overlap = {tp_overlap!r} with model.fp8_backend = 'te': TE's linears run "
+                         "Tessel's plain TP collectives (TE's own overlap is not wired); set parallel.tp_overlap = "
+                         "'none', or model.fp8_backend = 'tessel' (FP8 ring collective matmuls)")
+    if recipe == "delayed" and recompute != "none":
+        raise ValueError(f"model.fp8 = 'delayed' with model.fp8_backend = 'te' and train.activation_checkpointing = "
+                         f"{recompute!r}: TE keeps delayed scales consistent between a forward and its recompute "
+                         "only under its own checkpoint wrapper, which Tessel's recompute is not; use "
+                         "model.fp8 = 'tensorwise' or 'blockwise', activation_checkpointing = 'none', or "
+                         "model.fp8_backend = 'tessel'")
+    if tokens % TOKEN_MULTIPLE:
+        raise ValueError(f"model.fp8_backend = 'te' needs train.seq_length / parallel.cp x train.micro_batch_size "
+                         f"(= {tokens} rows per FP8 GEMM) to be a multiple of {TOKEN_MULTIPLE} (TE's FP8 GEMM shape "
+                         "rule); change one of them, or use model.fp8_backend = 'tessel' (it pads)")
     import_te()
-    raise ValueError("model.fp8_backend = 'te': Transformer Engine imports, but this Tessel build has no TE-backed "
-                     "parallel linears (never built: TE cannot be installed where Tessel is tested; see "
-                     "docs/fp8.md); set model.fp8_backend = 'tessel'")
+
+
+def te_recipe(recipe: str, *, history_len: int = 16, margin: int = 0):
+    """The ``transformer_engine.common.recipe`` object of a Tessel recipe name."""
+    from transformer_engine.common import recipe as r
+
+    if recipe == "tensorwise":
+        return r.Float8CurrentScaling(fp8_format=r.Format.HYBRID)
+    if recipe == "delayed":
+        return r.DelayedScaling(fp8_format=r.Format.HYBRID, amax_history_len=history_len, margin=margin,
+                                amax_compute_algo="max")
+    if recipe == "blockwise":
+        return r.Float8BlockScaling(fp8_format=r.Format.HYBRID)
+    raise ValueError(f"model.fp8 = {recipe!r} has no Transformer Engine recipe ({', '.join(TE_RECIPES)})")
+
+
+def _autocast(te, recipe, group: Group):
+    """TE's FP8 region: ``autocast(recipe=, amax_reduction_group=)`` (TE >= 2.9), else the older
+    ``fp8_autocast(fp8_recipe=, fp8_group=)``."""
+    pg = group.pg if group.size > 1 else None
+    if hasattr(te, "autocast"):
+        return te.autocast(enabled=True, recipe=recipe, amax_reduction_group=pg)
+    return te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=pg)
+
+
+class TeLinearImpl(LinearImpl):
+    """One layer's TE-backed FP8 GEMM around Tessel's TP collectives (the module docstring)."""
+
+    def __init__(self, te, module: nn.Module, recipe_name: str, recipe):
+        self.te, self.module, self.recipe_name, self.recipe = te, module, recipe_name, recipe
+
+    def _gemm(self, x, weight, group: Group):
+        if self.module.weight is not weight:
+            raise RuntimeError("TeLinearImpl: the weight passed is not the Transformer Engine module's (it shares "
+                               "the layer's Parameter); was the layer's weight replaced after apply_te_fp8?")
+        with _autocast(self.te, self.recipe, group):
+            return self.module(x)
+
+    def column_forward(self, x, weight, bias, *, group, sequence_parallel, gather_output):
+        x = gather_from_sp(x, group) if sequence_parallel else copy_to_tp(x, group)  # (s, b, in)
+        y = self._gemm(x, weight, group)  # (s, b, out/tp)
+        if bias is not None:
+            y = y + bias
+        return gather_from_tp(y, group) if gather_output else y
+
+    def row_forward(self, x, weight, bias, *, group, sequence_parallel):
+        y = self._gemm(x, weight, group)  # (s, b, out) partial sums over TP
+        y = reduce_scatter_to_sp(y, group) if sequence_parallel else reduce_from_tp(y, group)  # (s/tp | s, b, out)
+        return y if bias is None else y + bias
+
+    def __repr__(self) -> str:
+        return f"TeLinearImpl({self.recipe_name!r} -> {type(self.recipe).__name__})"
+
+
+def apply_te_fp8(stage: nn.Module, recipe: str, *, exclude: Sequence[str] = (), history_len: int = 16,
+                 margin: int = 0) -> list[str]:
+    """Switch ``stage``'s TP linears (all but the output layer and ``exclude``) to TE-backed FP8 in place;
+    returns their names. Shapes were checked by the model hook (K, N multiples of 16)."""
+    from parallel.tensor_parallel.fp8 import ALWAYS_EXCLUDED, _excluded
+
+    te = import_te()
+    converted = []
+    for name, mod in list(stage.named_modules()):
+        if not isinstance(mod, (ColumnParallelLinear, RowParallelLinear)) or _excluded(name, (*ALWAYS_EXCLUDED,
+                                                                                                *exclude)):
+            continue
+        out_local, in_local = mod.weight.shape
+        # Built on the meta device (no second weight), then given the layer's own Parameter.
+        linear = te.Linear(in_local, out_local, bias=False, params_dtype=mod.weight.dtype, device="meta",
+                           parallel_mode=None)
+        linear.weight = mod.weight
+        mod.impl = TeLinearImpl(te, linear, recipe, te_recipe(recipe, history_len=history_len, margin=margin))
+        converted.append(name)
+    if recipe == "delayed" and converted:
+        warnings.warn("model.fp8 = 'delayed' with model.fp8_backend = 'te': TE's amax histories are not in Tessel's "
+                      "checkpoints, so a resumed run starts them afresh (docs/fp8.md)", stacklevel=2)
+    return converted

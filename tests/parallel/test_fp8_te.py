@@ -26,10 +26,10 @@ import math
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
+from engine.data.synthetic import RandomTokens
 from parallel.testing import run_distributed
 
 FAKE = str(Path(__file__).resolve().parents[1] / "fake_te")
@@ -184,19 +184,6 @@ ARCH = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads
         "model.ffn_hidden_size=96", f"model.vocab_size={VOCAB}", "model.max_position_embeddings=64"]
 
 
-class _Tokens:
-    def __init__(self, n: int):
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        ids = np.random.default_rng(70 + i).integers(0, VOCAB, SEQ + 1)
-        return {"tokens": ids[:-1], "labels": ids[1:], "position_ids": np.arange(SEQ),
-                "loss_mask": np.ones(SEQ, dtype=np.float32)}
-
-
 def _cfg(extra=()):
     from engine.config import load_config
 
@@ -212,7 +199,7 @@ def _train(cfg):
     from models.hook import ModelHook
 
     model = ModelHook.from_run_config(cfg, tokenizer_vocab=None)
-    run = build_run(cfg, model=model, train_data=_Tokens(6), checkpoints=False)
+    run = build_run(cfg, model=model, train_data=RandomTokens(6, vocab=VOCAB, seq=SEQ, seed=70), checkpoints=False)
     losses = [run.trainer.train_step(run.train_loader).loss for _ in range(2)]
     return run, losses + [run.trainer.evaluate(run.train_loader, 1)]
 

@@ -17,9 +17,11 @@ tensor. Tessel keeps the TP/SP communication (parallel.mappings: visible, in the
 the bias after the reduction, exactly as the high-precision path does; the TE module is not a
 registered submodule, so the state dict is the non-FP8 model's.
 
-Each call runs under TE's autocast with the mapped recipe and the TP group as the amax reduction
-group (Megatron's ``tp_only_amax_red``), one region per call, so no module runs twice in a region
-(TE's rule for ``reduce_amax``):
+Each forward of the stage (one micro-batch) runs inside one TE autocast region (:class:`TeRegion`,
+forward hooks on the stage, as Megatron wraps its blocks) with the mapped recipe and the TP group as
+the amax reduction group (Megatron's ``tp_only_amax_red``); a linear called outside it (activation
+recompute, inside the backward) opens a region of its own. No module runs twice in a region (TE's
+rule for ``reduce_amax``):
 
     tensorwise  -> Float8CurrentScaling(HYBRID)   e4m3 activations/weights, e5m2 gradients; scales of
                    the tensors as TE holds them: a sequence-parallel input is all-gathered before
@@ -27,12 +29,18 @@ group (Megatron's ``tp_only_amax_red``), one region per call, so no module runs 
                    reduction gives), a TP-sharded weight is scaled per shard (as in TE's own
                    column/row modes). Gathers move bf16, not FP8 (Tessel's backend moves FP8).
     delayed     -> DelayedScaling(HYBRID, amax_history_len=model.fp8_amax_history,
-                   margin=model.fp8_margin, amax_compute_algo="max"): amaxes reduced over TP at the
-                   end of each region (forward) and in each module's backward.
+                   margin=model.fp8_margin, amax_compute_algo="max", reduce_amax=tp > 1): TE
+                   reduces the amaxes over TP and rolls every history once per micro-batch forward
+                   (the region's exit) and once per micro-batch backward, so the history counts
+                   micro-batch passes, not optimizer steps (TE's semantics; Tessel's own backend
+                   updates once per step). At tp = 1 nothing is reduced (TE's default group would be
+                   the whole world, across pipeline stages).
     blockwise   -> Float8BlockScaling(HYBRID): 1x128 activation/gradient and 128x128 weight tiles
                    (TE's defaults; power-of-2 scales unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1).
     rowwise     -> refused: TE has no per-row recipe.
 
+TE versions: ``Float8CurrentScaling`` needs TE >= 2.2, ``Float8BlockScaling`` >= 2.3 (refused with
+that message otherwise); TE itself refuses block scaling without CUDA >= 12.9 on sm90 or newer.
 Not mapped: ``MXFP8BlockScaling`` (Tessel has no MXFP8 recipe to map from; TE runs it on Blackwell
 only). Refused with the TE backend, each before any process group: ``parallel.tp_overlap = "ring"``
 (TE's linears run Tessel's plain collectives; TE's own userbuffers overlap is not wired),
@@ -94,15 +102,21 @@ def check_te_backend(*, recipe: str, tp_overlap: str, recompute: str, tokens: in
     import_te()
 
 
-def te_recipe(recipe: str, *, history_len: int = 16, margin: int = 0):
-    """The ``transformer_engine.common.recipe`` object of a Tessel recipe name."""
+def te_recipe(recipe: str, *, history_len: int = 16, margin: int = 0, reduce_amax: bool = True):
+    """The ``transformer_engine.common.recipe`` object of a Tessel recipe name. ``reduce_amax``
+    (delayed): False where the TP group has one rank -- TE would otherwise reduce over the whole world."""
     from transformer_engine.common import recipe as r
 
+    if not hasattr(r, TE_RECIPES.get(recipe, "DelayedScaling")):
+        raise ImportError(f"model.fp8 = {recipe!r} with model.fp8_backend = 'te' needs transformer_engine."
+                          f"common.recipe.{TE_RECIPES[recipe]}, which this Transformer Engine lacks (current "
+                          "scaling came in TE 2.2, block scaling in 2.3); upgrade TE, or set model.fp8_backend = "
+                          "'tessel'")
     if recipe == "tensorwise":
         return r.Float8CurrentScaling(fp8_format=r.Format.HYBRID)
     if recipe == "delayed":
         return r.DelayedScaling(fp8_format=r.Format.HYBRID, amax_history_len=history_len, margin=margin,
-                                amax_compute_algo="max")
+                                amax_compute_algo="max", reduce_amax=reduce_amax)
     if recipe == "blockwise":
         return r.Float8BlockScaling(fp8_format=r.Format.HYBRID)
     raise ValueError(f"model.fp8 = {recipe!r} has no Transformer Engine recipe ({', '.join(TE_RECIPES)})")
@@ -117,55 +131,94 @@ def _autocast(te, recipe, group: Group):
     return te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=pg)
 
 
+class TeRegion:
+    """One stage's TE autocast region, open for the length of each forward of the stage (one per
+    micro-batch, as Megatron wraps its blocks): TE's delayed scaling then reduces its amaxes over the TP
+    group and rolls its histories once per micro-batch forward (at the region's exit) and once per
+    micro-batch backward (in the backward of the region's first linear), not once per linear. A linear
+    called while it is closed -- activation recompute re-runs layers inside the backward -- opens a region
+    of its own around its call."""
+
+    def __init__(self, te, recipe, group: Group):
+        self.te, self.recipe, self.group = te, recipe, group
+        self._ctx = None
+
+    @property
+    def open(self) -> bool:
+        return self._ctx is not None
+
+    def enter(self, module, args) -> None:  # forward pre-hook
+        if self._ctx is None:
+            ctx = _autocast(self.te, self.recipe, self.group)
+            ctx.__enter__()
+            self._ctx = ctx
+
+    def exit(self, module, args, output) -> None:  # forward hook, also called when the forward raises
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
+
 class TeLinearImpl(LinearImpl):
     """One layer's TE-backed FP8 GEMM around Tessel's TP collectives (the module docstring)."""
 
-    def __init__(self, te, module: nn.Module, recipe_name: str, recipe):
-        self.te, self.module, self.recipe_name, self.recipe = te, module, recipe_name, recipe
+    def __init__(self, module: nn.Module, recipe_name: str, region: TeRegion):
+        self.module, self.recipe_name, self.region = module, recipe_name, region
 
-    def _gemm(self, x, weight, group: Group):
+    def _gemm(self, x, weight):
         if self.module.weight is not weight:
             raise RuntimeError("TeLinearImpl: the weight passed is not the Transformer Engine module's (it shares "
                                "the layer's Parameter); was the layer's weight replaced after apply_te_fp8?")
-        with _autocast(self.te, self.recipe, group):
+        if self.region.open:
+            return self.module(x)
+        with _autocast(self.region.te, self.region.recipe, self.region.group):
             return self.module(x)
 
     def column_forward(self, x, weight, bias, *, group, sequence_parallel, gather_output):
         x = gather_from_sp(x, group) if sequence_parallel else copy_to_tp(x, group)  # (s, b, in)
-        y = self._gemm(x, weight, group)  # (s, b, out/tp)
+        y = self._gemm(x, weight)  # (s, b, out/tp)
         if bias is not None:
             y = y + bias
         return gather_from_tp(y, group) if gather_output else y
 
     def row_forward(self, x, weight, bias, *, group, sequence_parallel):
-        y = self._gemm(x, weight, group)  # (s, b, out) partial sums over TP
+        y = self._gemm(x, weight)  # (s, b, out) partial sums over TP
         y = reduce_scatter_to_sp(y, group) if sequence_parallel else reduce_from_tp(y, group)  # (s/tp | s, b, out)
         return y if bias is None else y + bias
 
     def __repr__(self) -> str:
-        return f"TeLinearImpl({self.recipe_name!r} -> {type(self.recipe).__name__})"
+        return f"TeLinearImpl({self.recipe_name!r} -> {type(self.region.recipe).__name__})"
 
 
 def apply_te_fp8(stage: nn.Module, recipe: str, *, exclude: Sequence[str] = (), history_len: int = 16,
                  margin: int = 0) -> list[str]:
-    """Switch ``stage``'s TP linears (all but the output layer and ``exclude``) to TE-backed FP8 in place;
-    returns their names. Shapes were checked by the model hook (K, N multiples of 16)."""
+    """Switch ``stage``'s TP linears (all but the output layer and ``exclude``) to TE-backed FP8 in place,
+    and open a :class:`TeRegion` around each forward of ``stage``; returns the linears' names. Shapes were
+    checked by the model hook (K, N multiples of 16)."""
     from parallel.tensor_parallel.fp8 import ALWAYS_EXCLUDED, _excluded
 
     te = import_te()
-    converted = []
-    for name, mod in list(stage.named_modules()):
-        if not isinstance(mod, (ColumnParallelLinear, RowParallelLinear)) or _excluded(name, (*ALWAYS_EXCLUDED,
-                                                                                                *exclude)):
-            continue
+    layers = [(name, mod) for name, mod in stage.named_modules()
+              if isinstance(mod, (ColumnParallelLinear, RowParallelLinear))
+              and not _excluded(name, (*ALWAYS_EXCLUDED, *exclude))]
+    if not layers:
+        return []
+    group = layers[0][1].tp_group
+    if any(mod.tp_group is not group for _, mod in layers):
+        raise ValueError("apply_te_fp8: the stage's linears span more than one TP group; one TE amax reduction "
+                         "group per stage is assumed")
+    region = TeRegion(te, te_recipe(recipe, history_len=history_len, margin=margin, reduce_amax=group.size > 1),
+                      group)
+    for name, mod in layers:
         out_local, in_local = mod.weight.shape
         # Built on the meta device (no second weight), then given the layer's own Parameter.
         linear = te.Linear(in_local, out_local, bias=False, params_dtype=mod.weight.dtype, device="meta",
                            parallel_mode=None)
         linear.weight = mod.weight
-        mod.impl = TeLinearImpl(te, linear, recipe, te_recipe(recipe, history_len=history_len, margin=margin))
-        converted.append(name)
-    if recipe == "delayed" and converted:
+        mod.impl = TeLinearImpl(linear, recipe, region)
+    stage.register_forward_pre_hook(region.enter)
+    stage.register_forward_hook(region.exit, always_call=True)
+    if recipe == "delayed":
         warnings.warn("model.fp8 = 'delayed' with model.fp8_backend = 'te': TE's amax histories are not in Tessel's "
                       "checkpoints, so a resumed run starts them afresh (docs/fp8.md)", stacklevel=2)
-    return converted
+    return [name for name, _ in layers]

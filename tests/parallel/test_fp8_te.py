@@ -50,6 +50,7 @@ def fake_te():
         te = importlib.import_module("transformer_engine.pytorch")
         assert importlib.import_module("transformer_engine").FAKE
         te.CALLS.clear()
+        te.OPENED.clear()
         yield te
     finally:
         sys.path.remove(FAKE)
@@ -93,11 +94,31 @@ def test_te_recipes_map_to_te_classes():
                                                       Format)
 
         assert te_recipe("tensorwise") == Float8CurrentScaling(fp8_format=Format.HYBRID)
-        assert te_recipe("delayed", history_len=7, margin=1) == DelayedScaling(
-            fp8_format=Format.HYBRID, amax_history_len=7, margin=1, amax_compute_algo="max")
+        assert te_recipe("delayed", history_len=7, margin=1, reduce_amax=False) == DelayedScaling(
+            fp8_format=Format.HYBRID, amax_history_len=7, margin=1, amax_compute_algo="max", reduce_amax=False)
         assert te_recipe("blockwise") == Float8BlockScaling(fp8_format=Format.HYBRID)
         with pytest.raises(ValueError, match="rowwise"):
             te_recipe("rowwise")
+        import transformer_engine.common.recipe as r
+
+        del r.Float8BlockScaling  # a TE older than 2.3
+        with pytest.raises(ImportError, match=r"lacks.*block scaling in 2.3\); upgrade TE, or set model.fp8_backend"):
+            te_recipe("blockwise")
+
+
+def test_delayed_at_tp1_reduces_no_amax_and_warns_that_checkpoints_lack_te_histories():
+    """With one TP rank TE must not reduce amaxes (its default group would be the whole world)."""
+    from parallel.comm import Group
+    from parallel.tensor_parallel.fp8_te import apply_te_fp8
+
+    g = torch.Generator().manual_seed(3)
+    w1, w2, b1, b2 = torch.randn(F, H, generator=g), torch.randn(H, F, generator=g), torch.zeros(F), torch.zeros(H)
+    with fake_te():
+        m = _mlp(Group.trivial("tp"), w1, w2, b1, b2, False, te=False)
+        with pytest.warns(UserWarning, match="not in Tessel's checkpoints, so a resumed run starts them afresh"):
+            assert apply_te_fp8(m, "delayed", history_len=4) == ["fc1", "fc2"]
+        region = m["fc1"].impl.region
+        assert region is m["fc2"].impl.region and not region.recipe.reduce_amax and region.recipe.amax_history_len == 4
 
 
 # -- TP = 2 MLP against the high-precision path -------------------------------------------------------
@@ -158,6 +179,11 @@ def _mlp_worker():
                 "calls": [(type(rec).__name__, grp is tp.pg, shape) for _, rec, grp, shape in te.CALLS],
                 "weights_shared": all(mod.impl.module.weight is mod.weight for mod in m.values()),
             }
+        from parallel.tensor_parallel.fp8_te import apply_te_fp8
+
+        m = _mlp(tp, w1, w2, b1, b2, False, te=False)
+        apply_te_fp8(m, "delayed")
+        out["delayed_reduces"] = m["fc1"].impl.region.recipe.reduce_amax
     return out
 
 
@@ -176,6 +202,7 @@ def test_te_tp2_mlp_equals_the_high_precision_path_with_the_same_bytes(mlp_resul
         # TE sees whole sequences: the column linear's input gathered (SP) or replicated, the row linear's
         # TP-local input; its output is reduce-scattered (SP) or all-reduced by Tessel after the GEMM
         assert r["calls"] == [("Float8CurrentScaling", True, (S, B, H)), ("Float8CurrentScaling", True, (S, B, F // 2))]
+        assert res["delayed_reduces"]  # over the TP group (given to every region)
 
 
 # -- the whole model through the assembly line ---------------------------------------------------------
@@ -211,7 +238,7 @@ def test_te_backend_through_the_assembly_line_equals_the_plain_model():
     with fake_te() as te:
         run, got = _train(_cfg(["model.fp8=tensorwise", "model.fp8_backend=te",
                                 "model.fp8_exclude=['layers.1.mlp.fc2']"]))
-        calls = list(te.CALLS)
+        calls, opened = list(te.CALLS), list(te.OPENED)
     assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-6, (got, ref)
     stage = run.trainer.chunks[0]
     impls = {n: m.impl for n, m in stage.named_modules() if isinstance(getattr(m, "impl", None), TeLinearImpl)}
@@ -223,7 +250,23 @@ def test_te_backend_through_the_assembly_line_equals_the_plain_model():
     assert list(sd_te) == list(sd_plain)  # no TE keys: the TE modules are not submodules
     # 7 TE linears x (2 steps + 1 evaluation batch, 2 micro-batches each) forwards, each in its own region
     assert len(calls) == 7 * 6 and {type(rec).__name__ for _, rec, _, _ in calls} == {"Float8CurrentScaling"}
+    # one region per forward of the stage (micro-batch), not per linear: TE's delayed scaling reduces and
+    # rolls its amax histories at each region's exit
+    assert len(opened) == 6 and all(rec is opened[0][0] and grp is None for rec, grp in opened)
     assert run.trainer.precision == "fp8-tensorwise-te/fp32"
+
+
+def test_te_backend_under_activation_recompute_opens_a_region_per_recomputed_call():
+    """Full recompute re-runs each layer inside the backward, outside the stage's region: each recomputed
+    TE call opens its own (the fake refuses a call outside any region), and the run equals the plain one."""
+    recompute = ["train.activation_checkpointing=full"]
+    _, ref = _train(_cfg(recompute))
+    with fake_te() as te:
+        _, got = _train(_cfg(["model.fp8=tensorwise", "model.fp8_backend=te", *recompute]))
+        calls, opened = len(te.CALLS), len(te.OPENED)
+    assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-6, (got, ref)
+    # 8 linears: 6 forwards (2 steps x 2 micro-batches, 2 evaluation) + 4 recomputed (training only)
+    assert calls == 8 * 10 and opened == 6 + 8 * 4
 
 
 # -- a real Transformer Engine (skips without it) ---------------------------------------------------------

@@ -4,7 +4,8 @@
 registered as ``weight``/``bias``, ``device="meta"`` deferring initialisation) and its forward's rules that
 Tessel must respect: it runs only inside an autocast region, and every FP8 GEMM operand's dimensions are
 multiples of 16. It computes ``F.linear`` in the input's precision. Every call appends
-``(module name, recipe, amax reduction group, input shape)`` to :data:`CALLS`.
+``(module id, recipe, amax reduction group, input shape)`` to :data:`CALLS`, every region entered
+``(recipe, group)`` to :data:`OPENED`.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 CALLS: list[tuple] = []
+OPENED: list[tuple] = []  # every autocast region entered: (recipe, amax reduction group)
 _REGIONS: list[tuple] = []  # the open autocast regions: (recipe, amax reduction group)
 
 
@@ -22,6 +24,7 @@ class autocast:  # noqa: N801 -- TE's name
         self.enabled, self.recipe, self.group = enabled, recipe, amax_reduction_group
 
     def __enter__(self):
+        OPENED.append((self.recipe, self.group))
         _REGIONS.append((self.recipe, self.group) if self.enabled else None)
         return self
 

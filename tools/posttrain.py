@@ -17,6 +17,7 @@ batch or the sequence length, are refused before anything starts (engine/fault.p
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -82,13 +83,23 @@ class Prepared:
     grpo: dict = field(default_factory=dict)  # GRPO: records, prompt ids, the reward registry
 
 
-def _side_files(hf: Path | None) -> dict[str, str]:
+def _side_files(hf: Path | None, *, chat_template: str | None = None) -> dict[str, str]:
     """The base's hf/ files (tokenizer, its config with the chat template, generation config), kept in
-    every checkpoint of the run; config.json is not one of them (the checkpoint's model_config is)."""
-    if hf is None:
-        return {}
-    return {f"{HF_SUBDIR}/{p.name}": p.read_text(encoding="utf-8") for p in sorted(hf.iterdir())
-            if p.is_file() and p.name != "config.json" and p.suffix in (".json", ".jinja", ".txt", ".model")}
+    every checkpoint of the run; config.json is not one of them (the checkpoint's model_config is).
+    ``chat_template``: the text of ``posttrain.chat_template``, which the run trained with: it replaces
+    the base's template in tokenizer_config.json (where there is one) and is written as
+    chat_template.jinja, so the next stage and ``tessel-to-hf`` chat the same way."""
+    files = {} if hf is None else {
+        f"{HF_SUBDIR}/{p.name}": p.read_text(encoding="utf-8") for p in sorted(hf.iterdir())
+        if p.is_file() and p.name != "config.json" and p.suffix in (".json", ".jinja", ".txt", ".model")}
+    if chat_template is not None:
+        key = f"{HF_SUBDIR}/tokenizer_config.json"
+        if key in files:
+            config = json.loads(files[key])
+            config["chat_template"] = chat_template
+            files[key] = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+        files[f"{HF_SUBDIR}/chat_template.jinja"] = chat_template
+    return files
 
 
 def _tokenizer_dir(spec: str) -> str | None:
@@ -99,7 +110,7 @@ def prepare(cfg, *, world: int) -> Prepared:
     """The checks that need no communication, in order: method, layout, base checkpoint, tokenizer,
     chat template, every record (tokenized here, so a bad record fails before training), model,
     memory plan. Raises ValueError naming the problem and the fix."""
-    from engine.assembly import memory_plan
+    from engine.assembly import check_microbatches, memory_plan
     from engine.data.tokenizer import load_tokenizer
     from engine.posttrain.chat import load_chat_template, read_jsonl
     from engine.posttrain.datasets import ChatSFTDataset, PreferenceDataset
@@ -107,8 +118,9 @@ def prepare(cfg, *, world: int) -> Prepared:
 
     pt, t = cfg.posttrain, cfg.train
     if pt.method == "none":
-        raise ValueError("posttrain.method is 'none': set posttrain.method=sft or dpo (tools/pretrain.py pretrains)")
-    cfg.validate_world(world)
+        raise ValueError("posttrain.method is 'none': set posttrain.method=sft, dpo or grpo (tools/pretrain.py "
+                         "pretrains)")
+    check_microbatches(cfg, cfg.validate_world(world))
     if cfg.data.paths:
         raise ValueError("data.paths names pretraining data, which post-training does not read: give the records "
                          "as posttrain.data (and posttrain.valid_data), and remove data.paths")
@@ -166,7 +178,8 @@ def prepare(cfg, *, world: int) -> Prepared:
     if not plan.fits:
         raise ValueError(plan.error())
     return Prepared(model=model, plan=plan, tokenizer=tok, train_data=train, valid_data=valid,
-                    side_files=_side_files(hf), grpo=grpo)
+                    side_files=_side_files(hf, chat_template=template.text if pt.chat_template else None),
+                    grpo=grpo)
 
 
 def run_posttrain(cfg, prep: Prepared, run_dir: str | None, *, world: int):
@@ -244,13 +257,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     def checked():
-        from engine.fault import POSTTRAIN_RESUME_KEYS, check_run_dir
+        from engine.fault import POSTTRAIN_RESUME_KEYS, check_run_dir, check_unfinished
 
         cfg = load_config(args.config, args.config_overrides or [], defaults=base_defaults)
         prep = prepare(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
         # A foreign directory is never written into; a resume must not change what its checkpoint depends on.
-        check_run_dir(cfg, args.run_dir or cfg.train.run_dir, model_config=prep.model.hf_config,
-                      keys=POSTTRAIN_RESUME_KEYS)
+        run_dir = args.run_dir or cfg.train.run_dir
+        check_unfinished(cfg, check_run_dir(cfg, run_dir, model_config=prep.model.hf_config,
+                                            keys=POSTTRAIN_RESUME_KEYS), run_dir)
         return cfg, prep
     return launch("posttrain.py", checked, lambda p, world: run_posttrain(p[0], p[1], args.run_dir, world=world),
                   timeout_s=lambda p: p[0].fault.collective_timeout_s)

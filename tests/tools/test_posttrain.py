@@ -365,3 +365,22 @@ def test_keys_another_method_reads_are_refused(sets, message):
 
     with pytest.raises(ValueError, match=message):
         load_config("tiny_llama_cpu", sets)
+
+
+def test_chat_template_override_is_kept_in_the_checkpoints_hf_files(base, tmp_path):
+    """posttrain.chat_template: the template the run trained with goes into every checkpoint's hf/ (the base's
+    tokenizer_config.json rewritten, and chat_template.jinja), so the next stage chats the same way."""
+    from engine.posttrain.chat import load_chat_template
+
+    ckpt, hf, data = base
+    override = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} <|im_end|> {% endfor %}"
+    (tmp_path / "chat.jinja").write_text(override)
+    prep = _prepare(ckpt, data, tmp_path, "sft", [f"posttrain.chat_template={tmp_path / 'chat.jinja'}"])
+    out = tmp_path / "hf_out"
+    out.mkdir()
+    for name, text in prep.side_files.items():
+        (tmp_path / "hf_out" / Path(name).name).write_text(text)
+    assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == "<|im_end|>"  # the rest kept
+    assert load_chat_template(str(out)).text == override
+    assert (out / "chat_template.jinja").read_text() == override
+    assert "chat_template.jinja" not in {Path(n).name for n in _prepare(ckpt, data, tmp_path, "sft", []).side_files}

@@ -41,8 +41,53 @@ def check_data_paths(paths: list[str]) -> None:
         missing = [p + ext for ext in (".bin", ".idx") if not os.path.exists(p + ext)]
         if missing:
             hint = ("run `.venv/bin/python tools/prepare_corpus.py` to build the bundled corpus"
-                    if "stdlib_corpus" in p else "make it with tools/preprocess_data.py --output-prefix " + p)
+                    if "stdlib_corpus" in p else f"make it with tools/preprocess_data.py --input DOCS.jsonl --output-prefix {p}")
             raise ValueError(f"data path {p!r} is missing {', '.join(missing)}; {hint}")
+
+
+def check_microbatches(cfg: TesselConfig, dp: int) -> int:
+    """The micro-batches per step of each of ``dp`` ranks, checked against the pipeline schedule in the
+    config's own terms (before any process group exists): at least one per stage, and for the interleaved
+    schedule a multiple of pp (Megatron-LM's rule with the default group size)."""
+    from parallel.pipeline.schedules import _valid_interleaved_m
+
+    p, t = cfg.parallel, cfg.train
+    m = cfg.num_microbatches(dp)
+    per_step = f"train.global_batch_size={t.global_batch_size} gives each of the dp={dp} ranks {m} micro-batch(es) " \
+               f"of train.micro_batch_size={t.micro_batch_size}"
+    if m < p.pp:
+        raise ValueError(f"{per_step}, fewer than parallel.pp={p.pp}: a pipeline needs at least one per stage; raise "
+                         f"train.global_batch_size to >= {p.pp * dp * t.micro_batch_size}")
+    if p.schedule == "interleaved" and not _valid_interleaved_m(m, p.pp, p.pp):
+        sizes = [k * dp * t.micro_batch_size for k in (m - m % p.pp, m - m % p.pp + p.pp) if k >= p.pp]
+        raise ValueError(f"{per_step}; the interleaved schedule runs a multiple of parallel.pp={p.pp} micro-batches "
+                         f"per step (Megatron-LM's rule); set train.global_batch_size to "
+                         f"{' or '.join(map(str, sizes))}")
+    return m
+
+
+def run_tokenizer(cfg: TesselConfig):
+    """The run's tokenizer (before any process group): ``data.tokenizer``, else the one
+    tools/preprocess_data.py saved beside the first data prefix (``PREFIX.tokenizer.json``), else None.
+    A prefix whose own tokenizer has another vocabulary than the run's is refused: its token ids were
+    not made by the run's tokenizer."""
+    from engine.data.tokenizer import load_tokenizer
+
+    beside = {p: p + ".tokenizer.json" for p in cfg.data.paths if os.path.isfile(p + ".tokenizer.json")}
+    spec = cfg.data.tokenizer or next(iter(beside.values()), None)
+    if spec is None:
+        return None
+    tok = load_tokenizer(spec)
+    for prefix, own in beside.items():
+        if os.path.abspath(own) == os.path.abspath(spec):
+            continue
+        size = load_tokenizer(own).vocab_size
+        if size != tok.vocab_size:
+            raise ValueError(f"data path {prefix!r} was tokenized with {own} ({size} tokens), but data.tokenizer="
+                             f"{spec} has {tok.vocab_size}: its token ids would be read with the wrong vocabulary; "
+                             f"set data.tokenizer={own} (and model.vocab_size >= {size}), or preprocess the data "
+                             "with the run's tokenizer (tools/preprocess_data.py --tokenizer FILE)")
+    return tok
 
 
 @dataclass(frozen=True)
@@ -368,12 +413,7 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
                                                              start_step=o.powersgd_start_step))
     optimizer = Optimizer.from_config(ddp, o, total_steps=t.steps, tp_group=mesh.tp, pp_group=mesh.pp,
                                       ep_group=mesh.ep if p.ep > 1 else None)
-    m = cfg.num_microbatches(mesh.dims.dp)
-    if m < p.pp:
-        raise ValueError(f"train.global_batch_size={t.global_batch_size} gives each of the dp={mesh.dims.dp} ranks "
-                         f"{m} micro-batch(es) of train.micro_batch_size={t.micro_batch_size}, fewer than "
-                         f"parallel.pp={p.pp}: a pipeline needs at least one per stage; raise "
-                         f"train.global_batch_size to >= {p.pp * mesh.dims.dp * t.micro_batch_size}")
+    m = check_microbatches(cfg, mesh.dims.dp)
     schedule = build_schedule(p.schedule, pp=p.pp, vp=p.vp, microbatches=m)
     eval_schedule = forward_only(p.pp, p.vp, m, placement=schedule.placement)
 

@@ -44,6 +44,23 @@ class RunStopped(RuntimeError):
     non-finite steps). Raised on every rank at the same step; the message is one line."""
 
 
+class NothingToTrain(Exception):
+    """The run directory's newest checkpoint is already at ``train.steps``: the launch has nothing to do
+    (found before any process group; the launcher says so once and exits 0)."""
+
+
+def check_unfinished(cfg, resumes: str | None, run_dir: str) -> None:
+    """Raise :class:`NothingToTrain` when ``resumes`` (what :func:`check_run_dir` returned) is at or past
+    ``train.steps``, instead of starting up only to stop at once."""
+    from engine.checkpoint.format import parse_step
+
+    step = parse_step(os.path.basename(resumes)) if resumes else None
+    if step is not None and step >= cfg.train.steps:
+        raise NothingToTrain(f"run directory {run_dir!r} is at step {step} (checkpoint {os.path.basename(resumes)}) "
+                             f"and train.steps={cfg.train.steps}: nothing to train; raise train.steps to continue, "
+                             "or give a new --run-dir")
+
+
 def _is_tessel_config(path: str) -> bool:
     try:
         with open(path, encoding="utf-8") as f:

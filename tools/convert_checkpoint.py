@@ -434,7 +434,7 @@ def tessel_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str 
     is mapped to Hugging Face keys; with it, adapter tensors in the checkpoint are skipped."""
     out_dtype = _out_dtype(dtype)
     max_bytes = parse_size(max_shard_size)
-    step_dir = resolve_checkpoint(ckpt)
+    step_dir = resolve_checkpoint(ckpt, what="--ckpt")
     meta = read_metadata(step_dir)
     if config_path is not None:
         config = _read_json(Path(config_path), "--config must name a Hugging Face config.json")

@@ -136,6 +136,9 @@ def resolve_options(args: argparse.Namespace) -> dict:
     if sum(x is not None for x in (args.text, opts["data"], args.tokens)) != 1:
         raise ValueError("give exactly one input: --text FILE, --data PREFIX (or --set data.paths=PREFIX), or "
                          "--tokens FILE.json")
+    for flag, path in (("--text", args.text), ("--tokens", args.tokens)):
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"{flag} {path!r} does not exist; give an existing file")
     if args.dump_logits and not args.tokens:
         raise ValueError("--dump-logits needs --tokens FILE.json (logits are written for given token ids)")
     return opts
@@ -284,9 +287,9 @@ def run_evaluate(argv: list[str] | None = None) -> dict:
     return result
 
 
-def launch_mesh(opts: dict, *, what: str) -> tuple[Mesh, torch.device]:
+def launch_mesh(opts: dict, *, what: str, flags: str = "--tp/--pp/--cp/--ep") -> tuple[Mesh, torch.device]:
     """The process group and the tp x pp (x cp) mesh (dp = ep, 1 without experts) of a forward-only tool, and
-    this rank's device."""
+    this rank's device. ``flags``: the tool's layout options, named when the world size does not match."""
     init_distributed()
     world = dist.get_world_size() if dist.is_initialized() else 1
     tp, pp, cp, ep = opts["tp"], opts["pp"], opts.get("cp", 1), opts.get("ep", 1)
@@ -295,7 +298,7 @@ def launch_mesh(opts: dict, *, what: str) -> tuple[Mesh, torch.device]:
         if ep > 1:
             names, sizes = names + "*ep", sizes + f"*{ep}"
         raise ValueError(f"world size {world} != {names} = {sizes}; launch {tp * pp * cp * ep} processes (torchrun "
-                         f"--nproc-per-node) or change --tp/--pp/--cp/--ep ({what} runs with dp={ep})")
+                         f"--nproc-per-node) or change {flags} ({what} runs with dp={ep})")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     a2a = opts.get("cp_a2a_size") if opts.get("cp_comm") == "hybrid" else None
     return Mesh.build(ParallelDims(dp=ep, pp=pp, tp=tp, cp=cp, ep=ep), cp_a2a_size=a2a), device
@@ -304,7 +307,7 @@ def launch_mesh(opts: dict, *, what: str) -> tuple[Mesh, torch.device]:
 def checkpoint_model_config(ckpt: str, config_path: str | None) -> tuple[Path, dict, dict]:
     """(step directory, metadata, model config.json dict) of checkpoint ``ckpt``; ``config_path`` (a
     config.json) replaces the model_config the checkpoint stores."""
-    step_dir = resolve_checkpoint(ckpt)
+    step_dir = resolve_checkpoint(ckpt, what="--ckpt")
     meta = read_metadata(step_dir)
     if config_path is not None:
         with open(config_path) as f:
@@ -333,7 +336,7 @@ def load_weights(stage, mesh: Mesh, step_dir: Path, meta: dict, *, base: str | N
             raise ValueError(f"checkpoint {step_dir} holds only LoRA adapters; pass --base BASE_CKPT, the "
                              "checkpoint the run loaded its base weights from (checkpoint.load)")
         if base is not None:
-            parts = [(resolve_checkpoint(base), "frozen"), (step_dir, "trainable")]
+            parts = [(resolve_checkpoint(base, what="--base"), "frozen"), (step_dir, "trainable")]
     ctx = ShardingContext.from_mesh(mesh)
     biases = _routing_biases(stage, meta)
     for path, params in parts:

@@ -152,7 +152,7 @@ def run_generate(argv: list[str] | None = None) -> dict:
         registry = reward_registry(args.reward_module)
         registry.check_records(scored)
     check_generate_args(prompts, vocab_size=cfg.vocab_size, max_positions=cfg.max_position_embeddings, **sampling)
-    mesh, device = launch_mesh(opts, what="generation")
+    mesh, device = launch_mesh(opts, what="generation", flags="--tp/--pp")
     tp, pp = opts["tp"], opts["pp"]
     _, stage = build_stage(model_config, mesh, opts, device=device)
     load_weights(stage, mesh, step_dir, meta, base=args.base, verify=not args.no_verify)

@@ -147,7 +147,7 @@ def lora_to_peft(ckpt: str | os.PathLike, out: str | os.PathLike, *, merge: bool
     """Export the LoRA checkpoint ``ckpt`` as a PEFT adapter directory, or (``merge``) as merged Hugging
     Face weights; returns ``out``."""
     out_dtype = _out_dtype(dtype)
-    step_dir = resolve_checkpoint(ckpt)
+    step_dir = resolve_checkpoint(ckpt, what="--ckpt")
     meta = read_metadata(step_dir)
     settings, adapters_only = _check_lora_checkpoint(step_dir, meta)
     config = _model_config(step_dir, meta, config_path)
@@ -189,7 +189,7 @@ def _merge(step_dir: Path, adapters: dict, settings, cfg, out, *, base, adapters
                              "(checkpoint.load)")
         base_dir = step_dir
     else:
-        base_dir = resolve_checkpoint(base)
+        base_dir = resolve_checkpoint(base, what="--base")
         base_config = read_metadata(base_dir).get("model_config")
         if kw["config_path"] is None and base_config and config_from_hf(base_config) != cfg:
             raise ValueError(f"--base {base_dir} holds a different model than {step_dir} (their model_config differ); "

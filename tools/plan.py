@@ -93,8 +93,8 @@ def build_model(a):
         return from_hf_config(a.hf_config)
     missing = [k for k in ("hidden_size", "num_layers", "num_heads") if getattr(a, k) is None]
     if missing:
-        raise ValueError(f"--family {a.family} needs --{missing[0].replace('_', '-')} (and --hidden-size, "
-                         "--num-layers, --num-heads)")
+        raise ValueError(f"--family {a.family} needs {', '.join('--' + k.replace('_', '-') for k in missing)} "
+                         "(the model's dimensions: --hidden-size, --num-layers, --num-heads)")
     try:
         return from_dims(family=a.family, hidden_size=a.hidden_size, num_layers=a.num_layers, num_heads=a.num_heads,
                          num_kv_heads=a.num_kv_heads, ffn_hidden_size=a.ffn_hidden_size,

@@ -7,7 +7,8 @@ Inputs: JSONL files (one document per line, text under --json-key), plain text f
 each), and directories (walked recursively for .txt .md .rst .py .jsonl). Every document is
 followed by the tokenizer's end-of-document id. The tokenizer is saved beside the data as
 PREFIX.tokenizer.json (+ PREFIX.tokenizer_config.json naming the EOD token for bpe / HF
-tokenizers); training loads it from there. See docs/data.md.
+tokenizers); training loads it from there when data.tokenizer is unset, and refuses a data.tokenizer of
+another vocabulary. See docs/data.md.
 """
 from __future__ import annotations
 

@@ -161,10 +161,11 @@ def run(work: Path, *, hf_cache: Path, convert_tp: int = 3, convert_pp: int = 2,
     from tools.convert_checkpoint import hf_to_tessel, tessel_to_hf
     from tools.evaluate import windows
 
+    gguf = find_gguf()  # before anything is created: a missing package leaves no empty work directory
     work.mkdir(parents=True, exist_ok=True)
     times = {}
     t = time.perf_counter()
-    hf_dir = make_hf_dir(find_gguf(), hf_cache)
+    hf_dir = make_hf_dir(gguf, hf_cache)
     times["gguf_to_hf_s"] = time.perf_counter() - t
     ckpt, export = work / "tessel", work / "export"
     t = time.perf_counter()

@@ -42,7 +42,11 @@ _STEP_RE = re.compile(r"^step_(\d{8,})$")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint cannot be written or read as asked; the message names the file/tensor and the fix."""
+    """A checkpoint cannot be written or read as asked; the message names the file/tensor and the fix.
+    ``on_every_rank``: raised with the same message on every rank (a collective check), so a launcher
+    prints it once."""
+
+    on_every_rank = False
 
 
 class CheckpointWarning(UserWarning):
@@ -178,7 +182,7 @@ def read_metadata(step_dir: str | os.PathLike) -> dict:
     """
     step_dir = Path(step_dir)
     if not step_dir.exists():
-        raise CheckpointError(f"checkpoint path {step_dir} does not exist; check checkpoint.load / the directory")
+        raise CheckpointError(f"checkpoint path {step_dir} does not exist")
     meta_path = step_dir / METADATA_FILE
     if not meta_path.is_file():
         raise CheckpointError(f"{step_dir} is not a complete Tessel checkpoint: {METADATA_FILE} is missing "
@@ -267,17 +271,24 @@ def find_latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return best[1]
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
+def resolve_checkpoint(path: str | os.PathLike, *, what: str | None = None) -> Path:
     """A step directory for ``path``: the directory itself if it holds a checkpoint, else the newest
-    complete checkpoint below it. CheckpointError when there is none."""
+    complete checkpoint below it. CheckpointError when there is none; ``what`` (the option that named
+    ``path``, e.g. "--ckpt") opens its message."""
+    if what is not None:
+        try:
+            return resolve_checkpoint(path)
+        except CheckpointError as e:
+            raise CheckpointError(f"{what}: {e}") from None
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"checkpoint path {path} does not exist; check checkpoint.load / the directory")
+        raise CheckpointError(f"checkpoint path {path} does not exist")
     if (path / METADATA_FILE).exists() or parse_step(path.name) is not None:
         read_metadata(path)  # a clear error for a foreign or incomplete step directory
         return path
     found = find_latest_checkpoint(path)
     if found is None:
+        hint = f"; a run directory keeps them in {path / 'checkpoints'}" if (path / "checkpoints").is_dir() else ""
         raise CheckpointError(f"{path} is not a Tessel checkpoint: it holds neither {METADATA_FILE} nor any "
-                              f"complete {STEP_PREFIX}NNNNNNNN/ directory")
+                              f"complete {STEP_PREFIX}NNNNNNNN/ directory{hint}")
     return found

@@ -30,8 +30,8 @@ import torch
 from safetensors import safe_open
 
 from engine.checkpoint import _dist
-from engine.checkpoint.format import (CheckpointError, dtype_name, from_json_state, read_metadata,
-                                      resolve_checkpoint, safetensors_code, to_json_state)
+from engine.checkpoint.format import (CheckpointError, dtype_name, from_json_state, list_checkpoints, parse_step,
+                                      read_metadata, resolve_checkpoint, safetensors_code, to_json_state)
 from engine.checkpoint.safetensors_io import pread_exact, read_safetensors_header, verify_files
 from engine.checkpoint.sharded import Box, ShardedTensor, intersect, piece_boxes
 from parallel.comm import Group
@@ -168,7 +168,14 @@ def _verify_files(step_dir: Path, meta: dict, needed: set[str], group: Group | N
     errors = verify_files(step_dir, meta["files"], mine)
     errors = [e for errs in _dist.all_gather_json(errors, group) for e in errs]
     if errors:
-        raise CheckpointError("; ".join(errors))
+        current = parse_step(step_dir.name)
+        earlier = [p for step, p in list_checkpoints(step_dir.parent) if current is not None and step < current]
+        way_out = (f"move {step_dir} aside (keep it to inspect) to fall back to {earlier[-1].name}, the newest "
+                   f"complete checkpoint before it, or load {earlier[-1]} directly" if earlier else
+                   f"there is no complete checkpoint before {step_dir.name} in {step_dir.parent}")
+        err = CheckpointError(f"{'; '.join(errors)}. Checkpoint {step_dir.name} is damaged: {way_out}")
+        err.on_every_rank = True
+        raise err
     return len(mine)
 
 

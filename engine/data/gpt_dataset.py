@@ -98,8 +98,12 @@ class GPTDataset:
             raise ValueError(f"document_range={document_range} outside the {indexed.num_documents} documents "
                              f"of {indexed.prefix}")
         if begin == end:
-            raise ValueError(f"split {split_name!r} of {indexed.prefix} has no documents: give it a larger "
-                             f"weight in the split (e.g. '969,30,1') or request 0 samples for it")
+            skip = " or set train.eval_interval=0 to train without validation" if split_name == "valid" else ""
+            err = ValueError(f"split {split_name!r} of {indexed.prefix} has no documents (the corpus has "
+                             f"{indexed.num_documents}): give it a larger weight in data.split or use a larger "
+                             f"corpus{skip}")
+            err.on_every_rank = True  # every rank builds the same splits: a launcher says it once
+            raise err
         if seq_length < 1:
             raise ValueError(f"seq_length={seq_length} must be >= 1")
         if num_samples is not None and num_samples < 1:

@@ -25,7 +25,8 @@ def split_layers(num_layers: int, num_stages: int, layout: Sequence[int] | None 
     else:
         if num_stages > num_layers:
             raise ValueError(f"pp*vp = {num_stages} (virtual stages) exceeds num_layers={num_layers}: every stage "
-                             "needs a layer; lower pp or vp, or set parallel.pipeline_layout")
+                             "needs a layer; lower pp or vp, or give the layers per stage (parallel.pipeline_layout; "
+                             "--pipeline-layout in the tools)")
         base, extra = divmod(num_layers, num_stages)
         counts = [base + (1 if s < extra else 0) for s in range(num_stages)]
     out, start = [], 0

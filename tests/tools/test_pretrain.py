@@ -124,3 +124,67 @@ def test_a_preset_too_big_is_refused_before_allocating(tmp_path, corpus):
     assert r.returncode != 0 and r.stderr.count("the run does not fit in memory") == 1, r.stderr[-2000:]
     assert "GB of parameters, fp32 gradients and optimizer state" in r.stderr
     assert time.monotonic() - start < 60
+
+
+def test_launch_mistakes_are_named_before_anything_is_written(tmp_path, corpus, capsys):
+    """In-process (rank 0, before any process group): a post-training preset, no --config at all, and a
+    checkpoint.load that does not exist, each named with its fix; the run directory is not created."""
+    from tools.pretrain import main
+
+    run_dir = tmp_path / "run"
+    cases = [(["--config", "smollm2_sft"], "posttrain.method='sft' is post-training: run tools/posttrain.py"),
+             (["--run-dir", str(run_dir)], "no --config: give a preset or TOML file, e.g. --config tiny_llama_cpu"),
+             (["--config", "tiny_llama_cpu", "--run-dir", str(run_dir),
+               *sum((["--set", o] for o in _overrides(corpus, str(run_dir))), []),
+               "--set", "checkpoint.load=" + str(tmp_path / "nope")],
+              f"checkpoint.load: checkpoint path {tmp_path / 'nope'} does not exist")]
+    for argv, message in cases:
+        assert main(argv) == 2
+        assert message in capsys.readouterr().err
+        assert not run_dir.exists()
+
+
+def test_interleaved_micro_batches_are_checked_in_the_configs_terms():
+    from engine.assembly import check_microbatches
+    from engine.config import load_config
+
+    cfg = load_config("tiny_llama_cpu", ["parallel.vp=2", "parallel.schedule=interleaved",
+                                         "train.global_batch_size=6", "train.micro_batch_size=2"])
+    with pytest.raises(ValueError, match=r"train.global_batch_size=6 gives each of the dp=1 ranks 3 micro-batch\(es\) "
+                                         r"of train.micro_batch_size=2; the interleaved schedule runs a multiple of "
+                                         r"parallel.pp=2 .*set train.global_batch_size to 4 or 8$"):
+        check_microbatches(cfg, 1)
+    assert check_microbatches(load_config("tiny_llama_cpu", ["parallel.vp=2", "parallel.schedule=interleaved",
+                                                             "train.global_batch_size=8"]), 2) == 2
+
+
+def test_the_run_tokenizer_is_the_datas_own_unless_given_and_must_match_it(tmp_path, corpus):
+    """data.tokenizer unset: the tokenizer preprocess_data.py saved beside the data (PREFIX.tokenizer.json);
+    set to one with another vocabulary than the data's own: refused, naming the data's."""
+    from tokenizers import Tokenizer, models
+
+    from engine.assembly import run_tokenizer
+    from engine.config import load_config
+
+    base = _overrides(corpus, str(tmp_path))
+    assert run_tokenizer(load_config("tiny_llama_cpu", base + ["data.tokenizer=none"])).vocab_size == 257
+    other = tmp_path / "words.json"
+    Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "</s>": 2}, unk_token="<unk>")).save(str(other))
+    with pytest.raises(ValueError, match=rf"data path '{corpus}' was tokenized with {corpus}.tokenizer.json \(257 "
+                                         rf"tokens\), but data.tokenizer={other} has 3: .*set data.tokenizer="
+                                         rf"{corpus}.tokenizer.json"):
+        run_tokenizer(load_config("tiny_llama_cpu", base + [f"data.tokenizer={other}"]))
+
+
+def test_relaunching_a_finished_run_says_so_and_exits_0(tmp_path, corpus, capsys):
+    from tools.pretrain import main
+
+    run_dir = str(tmp_path / "done")
+    run_distributed(_train, 1, corpus, run_dir, ["train.steps=2"], timeout=120)
+    lines = (tmp_path / "done" / "metrics.jsonl").read_text()
+    argv = ["--config", "tiny_llama_cpu", "--run-dir", run_dir,
+            *sum((["--set", o] for o in _overrides(corpus, run_dir) + ["train.steps=2"]), [])]
+    assert main(argv) == 0
+    assert (f"run directory '{run_dir}' is at step 2 (checkpoint step_00000002) and train.steps=2: nothing to train; "
+            "raise train.steps to continue") in capsys.readouterr().err
+    assert (tmp_path / "done" / "metrics.jsonl").read_text() == lines  # nothing started, nothing appended

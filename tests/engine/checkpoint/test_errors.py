@@ -71,9 +71,15 @@ def test_checksum_mismatch_names_the_file(ckpt):
     raw[-3] ^= 0xFF  # flip bits in tensor data; size and header unchanged
     f.write_bytes(bytes(raw))
     target = [ShardedTensor.replicated("w", torch.zeros(8, 6))]
-    with pytest.raises(CheckpointError, match=r"checksum mismatch in .*rank_00000\.safetensors"):
+    with pytest.raises(CheckpointError, match=r"checksum mismatch in .*rank_00000\.safetensors.*Checkpoint "
+                                              r"step_00000003 is damaged: there is no complete checkpoint before") as e:
         load_checkpoint(root, tensors=target)
+    assert e.value.on_every_rank  # a launcher says it once
     load_checkpoint(root, tensors=target, verify=False)  # the check is what caught it
+    save_checkpoint(root, step=1, tensors=[ShardedTensor.replicated("w", torch.zeros(8, 6))])
+    with pytest.warns(CheckpointWarning, match="latest names 'step_00000001'"), pytest.raises(CheckpointError, match=r"is damaged: move .*step_00000003 aside \(keep it to inspect\) to fall "
+                                              r"back to step_00000001, the newest complete checkpoint before it"):
+        load_checkpoint(root, tensors=target)
 
 
 def test_missing_shard_file(ckpt):
@@ -132,6 +138,18 @@ def test_empty_root_has_no_checkpoint(tmp_path):
     assert find_latest_checkpoint(tmp_path) is None
     with pytest.raises(CheckpointError, match="is not a Tessel checkpoint"):
         load_checkpoint(tmp_path)
+
+
+
+def test_a_run_directory_given_for_a_checkpoint_points_at_its_checkpoints(tmp_path):
+    from engine.checkpoint import resolve_checkpoint
+
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(CheckpointError, match=r"^--ckpt: .* is not a Tessel checkpoint.*a run directory keeps them "
+                                              r"in .*checkpoints$"):
+        resolve_checkpoint(tmp_path, what="--ckpt")
+    with pytest.raises(CheckpointError, match=r"^--base: checkpoint path .*nowhere does not exist$"):
+        resolve_checkpoint(tmp_path / "nowhere", what="--base")
 
 
 def test_save_argument_errors(tmp_path):

@@ -47,8 +47,9 @@ def check_data_paths(paths: list[str]) -> None:
 
 def check_microbatches(cfg: TesselConfig, dp: int) -> int:
     """The micro-batches per step of each of ``dp`` ranks, checked against the pipeline schedule in the
-    config's own terms (before any process group exists): at least one per stage, and for the interleaved
-    schedule a multiple of pp (Megatron-LM's rule with the default group size)."""
+    config's own terms (before any process group exists): at least one per stage, for the interleaved
+    schedule a multiple of pp (Megatron-LM's rule with the default group size), and whatever else the
+    schedule needs (its builder's check, e.g. dualpipev's 2 pp)."""
     from parallel.pipeline.schedules import _valid_interleaved_m
 
     p, t = cfg.parallel, cfg.train
@@ -63,31 +64,55 @@ def check_microbatches(cfg: TesselConfig, dp: int) -> int:
         raise ValueError(f"{per_step}; the interleaved schedule runs a multiple of parallel.pp={p.pp} micro-batches "
                          f"per step (Megatron-LM's rule); set train.global_batch_size to "
                          f"{' or '.join(map(str, sizes))}")
+    try:  # every other rule of the schedule (dualpipev: m >= 2 pp, ...)
+        build_schedule(p.schedule, pp=p.pp, vp=p.vp, microbatches=m)
+    except ValueError as e:
+        raise ValueError(f"{per_step}: {e}; change train.global_batch_size (or train.micro_batch_size)") from None
     return m
 
 
 def run_tokenizer(cfg: TesselConfig):
     """The run's tokenizer (before any process group): ``data.tokenizer``, else the one
     tools/preprocess_data.py saved beside the first data prefix (``PREFIX.tokenizer.json``), else None.
-    A prefix whose own tokenizer has another vocabulary than the run's is refused: its token ids were
-    not made by the run's tokenizer."""
+    Every prefix that is read (weight > 0) and has a tokenizer of its own must have the run's vocabulary
+    (the same file, or the same token -> id map): its ids were made by that tokenizer. Refused otherwise,
+    naming the tokenizers and the fix."""
     from engine.data.tokenizer import load_tokenizer
 
-    beside = {p: p + ".tokenizer.json" for p in cfg.data.paths if os.path.isfile(p + ".tokenizer.json")}
+    weights = list(cfg.data.weights) if cfg.data.weights else [1.0] * len(cfg.data.paths)
+    beside = {p: p + ".tokenizer.json" for p, w in zip(cfg.data.paths, weights)
+              if w > 0 and os.path.isfile(p + ".tokenizer.json")}
     spec = cfg.data.tokenizer or next(iter(beside.values()), None)
     if spec is None:
         return None
     tok = load_tokenizer(spec)
     for prefix, own in beside.items():
-        if os.path.abspath(own) == os.path.abspath(spec):
+        if _same_vocabulary(own, spec, tok, load_tokenizer):
             continue
-        size = load_tokenizer(own).vocab_size
-        if size != tok.vocab_size:
-            raise ValueError(f"data path {prefix!r} was tokenized with {own} ({size} tokens), but data.tokenizer="
-                             f"{spec} has {tok.vocab_size}: its token ids would be read with the wrong vocabulary; "
-                             f"set data.tokenizer={own} (and model.vocab_size >= {size}), or preprocess the data "
-                             "with the run's tokenizer (tools/preprocess_data.py --tokenizer FILE)")
+        if cfg.data.tokenizer:
+            raise ValueError(f"data path {prefix!r} was tokenized with {own}, whose vocabulary differs from "
+                             f"data.tokenizer={spec}: its token ids would be read with the wrong vocabulary; set "
+                             f"data.tokenizer={own}, or preprocess the data with the run's tokenizer "
+                             "(tools/preprocess_data.py --tokenizer FILE)")
+        first = next(iter(beside))
+        raise ValueError(f"data paths {first!r} and {prefix!r} were tokenized with different vocabularies ({spec} "
+                         f"and {own}); preprocess them with one tokenizer (tools/preprocess_data.py --tokenizer "
+                         "FILE), and set data.tokenizer to it")
     return tok
+
+
+def _same_vocabulary(path: str, spec: str, tok, load) -> bool:
+    """``path`` (a tokenizer file) has the vocabulary of ``tok`` (loaded from ``spec``): the same bytes, or the
+    same token -> id map (a byte tokenizer: the same kind and size)."""
+    if os.path.isfile(spec) and open(path, "rb").read() == open(spec, "rb").read():
+        return True
+    try:
+        other = load(path)
+    except (ValueError, OSError):  # e.g. no resolvable end-of-document token: cannot tell, so not refused
+        return True
+    if getattr(tok, "backend", None) is None or getattr(other, "backend", None) is None:
+        return (tok.kind, tok.vocab_size) == (other.kind, other.vocab_size)
+    return tok.backend.get_vocab(with_added_tokens=True) == other.backend.get_vocab(with_added_tokens=True)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ docs/fault_tolerance.md says what each mechanism promises and what is not built.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -49,15 +50,24 @@ class NothingToTrain(Exception):
     (found before any process group; the launcher says so once and exits 0)."""
 
 
-def check_unfinished(cfg, resumes: str | None, run_dir: str) -> None:
-    """Raise :class:`NothingToTrain` when ``resumes`` (what :func:`check_run_dir` returned) is at or past
-    ``train.steps``, instead of starting up only to stop at once."""
+def check_unfinished(cfg, resumes: str | None, run_dir: str, *, rows_per_sample: int = 1) -> None:
+    """Raise :class:`NothingToTrain` when ``resumes`` (what :func:`check_run_dir` returned) is at or past the
+    run's last step (``train.steps``, or fewer where ``train.max_tokens`` ends it: the trainer's rule), instead
+    of starting up only to stop at once. Like every start-up check it reads the checkpoint directory on each
+    rank without communicating: the ranks must see the same directory (a shared file system). Not taken with
+    ``checkpoint.peer_replica``: the full start-up's clean exit is what frees the peers' RAM replicas."""
     from engine.checkpoint.format import parse_step
 
+    t = cfg.train
+    last = t.steps
+    if t.max_tokens:
+        last = min(last, math.ceil(t.max_tokens / (t.global_batch_size * rows_per_sample * t.seq_length)))
     step = parse_step(os.path.basename(resumes)) if resumes else None
-    if step is not None and step >= cfg.train.steps:
+    if step is not None and step >= last and not cfg.checkpoint.peer_replica:
+        ends = f"train.steps={t.steps}" + (f" (train.max_tokens={t.max_tokens} ends it at step {last})"
+                                            if last < t.steps else "")
         raise NothingToTrain(f"run directory {run_dir!r} is at step {step} (checkpoint {os.path.basename(resumes)}) "
-                             f"and train.steps={cfg.train.steps}: nothing to train; raise train.steps to continue, "
+                             f"and {ends}: nothing to train; raise train.steps (or train.max_tokens) to continue, "
                              "or give a new --run-dir")
 
 

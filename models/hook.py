@@ -195,7 +195,8 @@ class ModelHook:
                 from parallel.tensor_parallel.fp8_te import check_te_backend
                 check_te_backend(recipe=cfg.model.fp8, tp_overlap=cfg.parallel.tp_overlap,
                                  recompute=cfg.train.activation_checkpointing,
-                                 tokens=cfg.train.seq_length // cfg.parallel.cp * cfg.train.micro_batch_size)
+                                 tokens=cfg.train.seq_length // cfg.parallel.cp * cfg.train.micro_batch_size,
+                                 generates=cfg.posttrain.method == "grpo")
             hook.check_fp8(tp=cfg.parallel.tp)
         positions = hook.config.max_position_embeddings
         if cfg.train.seq_length > positions:

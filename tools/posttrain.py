@@ -264,7 +264,8 @@ def main(argv=None) -> int:
         # A foreign directory is never written into; a resume must not change what its checkpoint depends on.
         run_dir = args.run_dir or cfg.train.run_dir
         check_unfinished(cfg, check_run_dir(cfg, run_dir, model_config=prep.model.hf_config,
-                                            keys=POSTTRAIN_RESUME_KEYS), run_dir)
+                                            keys=POSTTRAIN_RESUME_KEYS), run_dir,
+                         rows_per_sample=2 if cfg.posttrain.method == "dpo" else 1)
         return cfg, prep
     return launch("posttrain.py", checked, lambda p, world: run_posttrain(p[0], p[1], args.run_dir, world=world),
                   timeout_s=lambda p: p[0].fault.collective_timeout_s)

@@ -45,8 +45,9 @@ Not mapped: ``MXFP8BlockScaling`` (Tessel has no MXFP8 recipe to map from; TE ru
 only). Refused with the TE backend, each before any process group: ``parallel.tp_overlap = "ring"``
 (TE's linears run Tessel's plain collectives; TE's own userbuffers overlap is not wired),
 ``delayed`` with activation recompute (TE keeps delayed scales consistent between a forward and its
-recompute only under its own ``te.distributed.checkpoint``), and token counts per micro-batch that
-are not multiples of 16 (TE's FP8 GEMM shape rule; Tessel's own backend pads instead).
+recompute only under its own ``te.distributed.checkpoint``), GRPO (its rollouts run the layers on
+any number of rows), and token counts per micro-batch that are not multiples of 16 (TE's FP8 GEMM
+shape rule; Tessel's own backend pads instead).
 TE's delayed-scaling histories live in TE's modules and are not in Tessel's checkpoints: a resumed
 run starts them afresh (Tessel's own ``delayed`` checkpoints them and resumes bitwise).
 """
@@ -79,9 +80,10 @@ def import_te():
     return te
 
 
-def check_te_backend(*, recipe: str, tp_overlap: str, recompute: str, tokens: int) -> None:
+def check_te_backend(*, recipe: str, tp_overlap: str, recompute: str, tokens: int, generates: bool = False) -> None:
     """Check ``model.fp8_backend = 'te'`` before any process group: every refusal names the fix.
-    ``tokens``: one micro-batch's rows per FP8 GEMM after the SP gather (sequence / cp x micro-batch size)."""
+    ``tokens``: one micro-batch's rows per FP8 GEMM after the SP gather (sequence / cp x micro-batch size);
+    ``generates``: the run also generates with the trained layers (GRPO's rollouts)."""
     if recipe not in TE_RECIPES:
         raise ValueError(f"model.fp8 = {recipe!r} has no Transformer Engine recipe (TE maps "
                          f"{', '.join(TE_RECIPES)}); choose one of those, or model.fp8_backend = 'tessel'")
@@ -95,6 +97,10 @@ def check_te_backend(*, recipe: str, tp_overlap: str, recompute: str, tokens: in
                          "only under its own checkpoint wrapper, which Tessel's recompute is not; use "
                          "model.fp8 = 'tensorwise' or 'blockwise', activation_checkpointing = 'none', or "
                          "model.fp8_backend = 'tessel'")
+    if generates:
+        raise ValueError("posttrain.method = 'grpo' with model.fp8_backend = 'te': the rollouts run the trained layers "
+                         "on any number of rows (prompts, one-token decode steps), which TE's FP8 GEMMs refuse "
+                         f"unless a multiple of {TOKEN_MULTIPLE}; use model.fp8_backend = 'tessel' (it pads)")
     if tokens % TOKEN_MULTIPLE:
         raise ValueError(f"model.fp8_backend = 'te' needs train.seq_length / parallel.cp x train.micro_batch_size "
                          f"(= {tokens} rows per FP8 GEMM) to be a multiple of {TOKEN_MULTIPLE} (TE's FP8 GEMM shape "

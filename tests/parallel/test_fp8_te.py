@@ -68,7 +68,8 @@ def test_te_backend_refusals_name_the_fix():
                                       r"parallel.tp_overlap = 'none'"),
              ({"recipe": "delayed", "recompute": "selective"}, r"delayed.*activation_checkpointing = 'selective'.*"
                                                                r"own checkpoint wrapper"),
-             ({"tokens": 24}, r"\(= 24 rows per FP8 GEMM\) to be a multiple of 16")]
+             ({"tokens": 24}, r"\(= 24 rows per FP8 GEMM\) to be a multiple of 16"),
+             ({"generates": True}, r"posttrain.method = 'grpo' with model.fp8_backend = 'te'.*fp8_backend = 'tessel'")]
     for change, match in cases:
         with pytest.raises(ValueError, match=match):
             check_te_backend(**{**ok, **change})

@@ -170,10 +170,21 @@ def test_the_run_tokenizer_is_the_datas_own_unless_given_and_must_match_it(tmp_p
     assert run_tokenizer(load_config("tiny_llama_cpu", base + ["data.tokenizer=none"])).vocab_size == 257
     other = tmp_path / "words.json"
     Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "</s>": 2}, unk_token="<unk>")).save(str(other))
-    with pytest.raises(ValueError, match=rf"data path '{corpus}' was tokenized with {corpus}.tokenizer.json \(257 "
-                                         rf"tokens\), but data.tokenizer={other} has 3: .*set data.tokenizer="
+    with pytest.raises(ValueError, match=rf"data path '{corpus}' was tokenized with {corpus}.tokenizer.json, whose "
+                                         rf"vocabulary differs from data.tokenizer={other}: .*set data.tokenizer="
                                          rf"{corpus}.tokenizer.json"):
         run_tokenizer(load_config("tiny_llama_cpu", base + [f"data.tokenizer={other}"]))
+    # two prefixes of one vocabulary pass; of two vocabularies (same size), refused naming both
+    twin, alien = tmp_path / "twin", tmp_path / "alien"
+    for prefix, vocab in ((twin, {"<unk>": 0, "a": 1, "</s>": 2}), (alien, {"<unk>": 0, "b": 1, "</s>": 2})):
+        Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(f"{prefix}.tokenizer.json")
+    words = ["data.tokenizer=none", "data.weights=none"]
+    assert run_tokenizer(load_config("tiny_llama_cpu", base + words + [f"data.paths={twin},{twin}"])).vocab_size == 3
+    with pytest.raises(ValueError, match=rf"data paths '{twin}' and '{alien}' were tokenized with different "
+                                         r"vocabularies .*preprocess them with one tokenizer"):
+        run_tokenizer(load_config("tiny_llama_cpu", base + words + [f"data.paths={twin},{alien}"]))
+    run_tokenizer(load_config("tiny_llama_cpu", base + [f"data.paths={twin},{alien}", "data.weights=1,0",
+                                                        "data.tokenizer=none"]))  # a prefix read 0 times is not
 
 
 def test_relaunching_a_finished_run_says_so_and_exits_0(tmp_path, corpus, capsys):
@@ -186,5 +197,20 @@ def test_relaunching_a_finished_run_says_so_and_exits_0(tmp_path, corpus, capsys
             *sum((["--set", o] for o in _overrides(corpus, run_dir) + ["train.steps=2"]), [])]
     assert main(argv) == 0
     assert (f"run directory '{run_dir}' is at step 2 (checkpoint step_00000002) and train.steps=2: nothing to train; "
-            "raise train.steps to continue") in capsys.readouterr().err
+            "raise train.steps (or train.max_tokens) to continue") in capsys.readouterr().err
     assert (tmp_path / "done" / "metrics.jsonl").read_text() == lines  # nothing started, nothing appended
+
+
+def test_a_run_ended_by_max_tokens_is_finished_too(tmp_path):
+    from engine.config import load_config
+    from engine.fault import NothingToTrain, check_unfinished
+
+    # 4 sequences x 32 tokens a step: max_tokens 300 ends the run at step 3 (the trainer's rule: ceil)
+    cfg = load_config("tiny_llama_cpu", ["train.steps=10", "train.max_tokens=300", "train.global_batch_size=4",
+                                         "train.seq_length=32", "optim.warmup_steps=0"])
+    check_unfinished(cfg, str(tmp_path / "step_00000002"), "r")
+    with pytest.raises(NothingToTrain, match=r"at step 3 .*train.max_tokens=300 ends it at step 3\): nothing"):
+        check_unfinished(cfg, str(tmp_path / "step_00000003"), "r")
+    check_unfinished(load_config("tiny_llama_cpu", ["train.steps=2", "optim.warmup_steps=0",
+                                                    "checkpoint.peer_replica=true"]),
+                     str(tmp_path / "step_00000002"), "r")  # peer replicas: the full start-up frees them

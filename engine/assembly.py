@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,8 +41,8 @@ def check_data_paths(paths: list[str]) -> None:
     for p in paths:
         missing = [p + ext for ext in (".bin", ".idx") if not os.path.exists(p + ext)]
         if missing:
-            hint = ("run `.venv/bin/python tools/prepare_corpus.py` to build the bundled corpus"
-                    if "stdlib_corpus" in p else f"make it with tools/preprocess_data.py --input DOCS.jsonl --output-prefix {p}")
+            hint = ("run `.venv/bin/python tools/prepare_corpus.py` to build the bundled corpus" if "stdlib_corpus" in p
+                    else f"make it with tools/preprocess_data.py --input DOCS.jsonl --output-prefix {p}")
             raise ValueError(f"data path {p!r} is missing {', '.join(missing)}; {hint}")
 
 
@@ -87,7 +88,7 @@ def run_tokenizer(cfg: TesselConfig):
         return None
     tok = load_tokenizer(spec)
     for prefix, own in beside.items():
-        if _same_vocabulary(own, spec, tok, load_tokenizer):
+        if _same_vocabulary(own, spec, tok):
             continue
         if cfg.data.tokenizer:
             raise ValueError(f"data path {prefix!r} was tokenized with {own}, whose vocabulary differs from "
@@ -101,13 +102,15 @@ def run_tokenizer(cfg: TesselConfig):
     return tok
 
 
-def _same_vocabulary(path: str, spec: str, tok, load) -> bool:
+def _same_vocabulary(path: str, spec: str, tok) -> bool:
     """``path`` (a tokenizer file) has the vocabulary of ``tok`` (loaded from ``spec``): the same bytes, or the
     same token -> id map (a byte tokenizer: the same kind and size)."""
-    if os.path.isfile(spec) and open(path, "rb").read() == open(spec, "rb").read():
+    from engine.data.tokenizer import load_tokenizer
+
+    if os.path.isfile(spec) and Path(path).read_bytes() == Path(spec).read_bytes():
         return True
     try:
-        other = load(path)
+        other = load_tokenizer(path)
     except (ValueError, OSError):  # e.g. no resolvable end-of-document token: cannot tell, so not refused
         return True
     if getattr(tok, "backend", None) is None or getattr(other, "backend", None) is None:

@@ -1,7 +1,7 @@
 """Generate continuations from a Tessel checkpoint at any TP x PP layout, with a KV cache.
 
     torchrun --nproc-per-node 4 tools/generate.py --ckpt CKPT --tp 2 --pp 2 --tokens prompts.json \\
-        --max-new-tokens 32 [--temperature 0] [--top-p 1.0] [--stop-token ID] (repeatable) [--seed 0] --json out.json
+        --max-new-tokens 32 [--temperature 0] [--top-p 1.0] [--stop-token ID]... [--seed 0] --json out.json
     torchrun --nproc-per-node 1 tools/generate.py --ckpt CKPT --text prompts.json --max-new-tokens 32
     torchrun --nproc-per-node 1 tools/generate.py --ckpt CKPT --records heldout.jsonl --max-new-tokens 48
 

@@ -386,10 +386,19 @@ class Trainer:
         return bool(flag.item())
 
     def log_start(self) -> None:
-        c = self.cfg
+        c, p = self.cfg, self.cfg.parallel
+        cp = f" x cp {p.cp} ({p.cp_comm}, {c.train.seq_length // p.cp} tokens per rank)" if p.cp > 1 else ""
+        extras = [f"ep {p.ep}" + (f", expert_tp {p.expert_tp_size}" if p.expert_tp_size != p.tp else "")
+                  + f", {p.moe_dispatcher}"] if p.ep > 1 else []
+        if p.tp_overlap != "none":
+            extras.append(f"tp_overlap {p.tp_overlap}")
+        if c.optim.grad_compression != "none":
+            extras.append(f"grad_compression {c.optim.grad_compression}"
+                          + (f" rank {c.optim.powersgd_rank}" if c.optim.grad_compression == "powersgd" else ""))
         self.logger.info(
-            f"tessel: world {self.mesh.world_size} = dp {self.dp} x pp {c.parallel.pp} x tp {c.parallel.tp}"
-            f" (vp {c.parallel.vp}, schedule {c.parallel.schedule}, sp {c.parallel.sequence_parallel and c.parallel.tp > 1}),"
+            f"tessel: world {self.mesh.world_size} = dp {self.dp} x pp {p.pp} x tp {p.tp}{cp}"
+            f" (vp {p.vp}, schedule {p.schedule}, sp {p.sequence_parallel and p.tp > 1}"
+            f"{''.join('; ' + e for e in extras)}),"
             f" {self.num_micro} micro-batches of {c.train.micro_batch_size} x {c.train.seq_length} per rank per step")
         if self.plan_line:
             self.logger.info(self.plan_line)

@@ -87,6 +87,11 @@ def hf_config_from_run(model_cfg, *, vocab_size: int | None, extra: dict | None 
             raise MissingModelKey(f"model.{missing[0]} is not set and the {family} family needs it; set "
                                   f"model.{missing[0]}" + ("" if m.hf_config else " (or model.hf_config, a config.json)"),
                                   key=missing[0]) from None
+        lacks = re.search(r"config\.json lacks ('[^']+')", str(e))
+        if lacks and not m.hf_config:  # a config.json field the [model] section has no key for
+            raise ValueError(f"the {family} family needs config.json's {lacks.group(1)}, which the [model] section "
+                             "has no key for (experts, routing); set model.hf_config to the model's config.json (the "
+                             "[model] keys override it)") from None
         raise
     return _complete(out, cfg)
 
@@ -184,12 +189,16 @@ class ModelHook:
         if cfg.parallel.moe_bias_update_rate and not hook.config.num_experts:
             raise ValueError(f"parallel.moe_bias_update_rate={cfg.parallel.moe_bias_update_rate} balances experts, but "
                              f"the {hook.config.model_type} model has none; remove it")
+        if cfg.parallel.changed("moe_dispatcher") and not hook.config.num_experts:
+            raise ValueError(f"parallel.moe_dispatcher={cfg.parallel.moe_dispatcher!r} routes tokens to experts, but "
+                             f"the {hook.config.model_type} model has none; remove it")
         if cfg.parallel.ep > 1 or cfg.parallel.expert_tp_size != cfg.parallel.tp:
             hook.check_expert_parallel(cfg.parallel.ep, expert_tp=cfg.parallel.expert_tp_size)
         n = cfg.train.recompute_num_layers
         if n is not None and n > hook.num_layers:
             raise ValueError(f"train.recompute_num_layers={n} exceeds the model's {hook.num_layers} layers; set at "
-                             "most the layers of one pipeline stage (a stage with fewer recomputes all of its own)")
+                             f"most {hook.num_layers} (it counts the first layers of each pipeline stage; a stage "
+                             "with fewer recomputes all of its own)")
         if cfg.model.fp8 != "none":
             if cfg.model.fp8_backend == "te":
                 from parallel.tensor_parallel.fp8_te import check_te_backend

@@ -55,10 +55,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     t = ap.add_argument_group("training")
     t.add_argument("--seq-length", type=int, help="default: the preset's train.seq_length")
     t.add_argument("--global-batch-size", type=int, help="sequences per step; default: the preset's")
-    t.add_argument("--precision", default="bf16", choices=["bf16", "fp8"])
+    t.add_argument("--precision", default=None, choices=["bf16", "fp8"],
+                   help="default: the preset's (fp8 where model.fp8 is set), else bf16")
     t.add_argument("--recompute", default=None, choices=["none", "selective", "full"],
                    help="default: the preset's, else selective")
-    t.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3])
+    t.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3],
+                   help="default: the preset's (optim.zero_stage with optim.distributed, else 0), else 1")
     t.add_argument("--attention", default="flash", choices=["flash", "unfused"])
     t.add_argument("--tp-overlap", choices=["none", "ring"],
                    help="parallel.tp_overlap: 'ring' runs each sequence-parallel all-gather / reduce-scatter as tp - 1 "
@@ -120,6 +122,11 @@ def build_training(a, model) -> Training:
     if seq is None or gbs is None:
         raise ValueError("give --seq-length and --global-batch-size (no preset to take them from)")
     recompute = a.recompute or tr.get("activation_checkpointing") or "selective"
+    optim = preset.get("optim", {})
+    if a.zero is None:  # the preset's (its --set overrides included), else the planner's default 1
+        a.zero = (optim.get("zero_stage", 1) if optim.get("distributed") else 0) if preset else 1
+    if a.precision is None:
+        a.precision = "fp8" if preset.get("model", {}).get("fp8", "none") != "none" else "bf16"
     overlap = a.tp_overlap or preset.get("parallel", {}).get("tp_overlap") or "none"
     if overlap not in ("none", "ring"):
         raise ValueError(f"parallel.tp_overlap={overlap!r} (the preset's) is not planned: use --tp-overlap none or ring")

@@ -27,11 +27,14 @@ _TRUE_WORDS = ("true", "1")
 _FALSE_WORDS = ("false", "0")
 
 
-def unknown_key_error(key: str, *, valid: list[str], where: str, what: str = "key") -> ValueError:
+def unknown_key_error(key: str, *, valid: list[str], where: str, what: str = "key",
+                      elsewhere: list[str] = ()) -> ValueError:
     """A ValueError for ``key`` not being one of ``valid`` in ``where`` ("section [optim]"),
-    suggesting the closest valid name and listing all of them."""
+    suggesting the key of that name in another section (``elsewhere``: "optim.zero_stage", ...), else the
+    closest valid name, and listing all of them."""
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    hint = f"; did you mean '{close[0]}'?" if close else "."
+    hint = (f"; it belongs to {' or '.join(elsewhere)}." if elsewhere else
+            f"; did you mean '{close[0]}'?" if close else ".")
     return ValueError(f"unknown {what} '{key}' in {where}{hint} Valid {what}s: "
                       f"{', '.join(sorted(valid))}")
 

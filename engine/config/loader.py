@@ -91,7 +91,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             cls, table, where = types[sub], _subtable(table, sub, where=where), f"{where}.{sub}"
         types = field_types(cls)
         if name not in types:
-            raise unknown_key_error(name, valid=list(types), where=f"section [{where}] (--set {item!r})")
+            elsewhere = [f"{s}.{name}" for s, c in SECTIONS.items() if s != section and name in field_types(c)]
+            raise unknown_key_error(name, valid=list(types), where=f"section [{where}] (--set {item!r})",
+                                    elsewhere=elsewhere)
         table[name] = parse_text(text, types[name], name=f"{where}.{name}")
     return out
 

@@ -131,6 +131,10 @@ class TesselConfig:
 
     def _check_schedule(self) -> None:
         steps, optim = self.train.steps, self.optim
+        ps = self.logging.profile_steps
+        if ps is not None and ps[1] > steps:
+            raise ValueError(f"logging.profile_steps={list(ps)} ends after train.steps={steps}: the trace would not "
+                             f"be written; end the window at step {steps} or before, or raise train.steps")
         if optim.warmup_steps > steps:
             raise ValueError(f"optim.warmup_steps={optim.warmup_steps} exceeds "
                              f"train.steps={steps}; set optim.warmup_steps <= {steps}")
@@ -274,6 +278,11 @@ class TesselConfig:
                                  f"does not equal the world size {world_size}; set parallel.dp=-1 "
                                  f"to infer it, or launch {mp * dp} processes")
         self._check_dp(dp)
+        if self.optim.grad_compression != "none" and dp * p.cp == 1:
+            raise ValueError(f"optim.grad_compression={self.optim.grad_compression!r} compresses the data-parallel "
+                             "gradient reduction, but this launch has one data-parallel rank (dp x cp = 1): nothing "
+                             "is sent, and the compression would only perturb the gradients; launch more ranks "
+                             "(dp > 1), or remove optim.grad_compression")
         return dp
 
     def with_world_size(self, world_size: int) -> TesselConfig:

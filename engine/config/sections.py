@@ -267,9 +267,13 @@ class ParallelConfig(Section):
         if self.cp_comm == "hybrid":
             a = self.cp_a2a_size
             if a is None or self.cp % a:
+                got = "" if a is None else f" (got {a}, which does not divide it)"
                 raise ValueError(f"parallel.cp_comm='hybrid' needs parallel.cp_a2a_size, a divisor of parallel.cp="
-                                 f"{self.cp} (all-to-all inside blocks of that many cp ranks, ring across them); "
+                                 f"{self.cp}{got} (all-to-all inside blocks of that many cp ranks, ring across them); "
                                  f"set it to one of {[d for d in range(1, self.cp + 1) if self.cp % d == 0]}")
+        elif self.cp_comm != "ring" and self.cp == 1:
+            raise ValueError(f"parallel.cp_comm={self.cp_comm!r} chooses how attention spans the context-parallel "
+                             "ranks, but parallel.cp=1; remove it or set parallel.cp >= 2")
         elif self.cp_a2a_size is not None:
             raise ValueError(f"parallel.cp_a2a_size={self.cp_a2a_size} is read by parallel.cp_comm='hybrid' only "
                              f"(cp_comm is {self.cp_comm!r}); remove it or set parallel.cp_comm='hybrid'")
@@ -625,8 +629,9 @@ class FaultConfig(Section):
     ``hang_timeout_s`` (None: off): a watchdog thread per rank; when no step and no collective finished for
     that long, every live rank writes its stacks and its last ``flight_records`` collectives to
     ``RUN_DIR/hang/rank<R>.txt``, names the collective and the ranks that did not progress, and exits with
-    status 4 (engine/watchdog.py). ``straggler_ratio`` (None: off): every log interval, a rank whose step
-    time exceeds the median's by this factor is named in the log and in metrics.jsonl (engine/straggler.py).
+    status 4 (engine/watchdog.py). ``straggler_ratio`` (None: off): every log interval, a rank whose compute
+    time (the step less its blocked communication) exceeds its pipeline stage's median by this factor is
+    named in the log and in metrics.jsonl (engine/straggler.py).
     ``nan_replay``: the first step of each run of non-finite steps (loss or gradient norm) is replayed with
     hooks; the log names the first layer, tensor and rank that went non-finite (engine/nan_locate.py).
     """

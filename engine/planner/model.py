@@ -92,8 +92,7 @@ class PlanModel:
         par = {"tp": tp, "pp": pp, "vp": vp, "dp": dp, "cp": cp, "ep": ep,
                "sequence_parallel": sequence_parallel and tp > 1, "tp_overlap": tp_overlap,
                "schedule": "interleaved" if vp > 1 else "1f1b", "pipeline_layout": None, "p2p_early_recv": False}
-        if cp > 1:
-            par.update(cp_comm="ring", cp_a2a_size=base.parallel.field_default("cp_a2a_size"))
+        par.update(cp_comm="ring", cp_a2a_size=base.parallel.field_default("cp_a2a_size"))  # (cp = 1 refuses others)
         train = {"micro_batch_size": mbs, "global_batch_size": gbs, "seq_length": seq,
                  "activation_checkpointing": recompute, "recompute_num_layers": None}
         optim = {"distributed": zero > 0, "zero_stage": max(zero, 1)}

@@ -105,7 +105,11 @@ def check_te_backend(*, recipe: str, tp_overlap: str, recompute: str, tokens: in
         raise ValueError(f"model.fp8_backend = 'te' needs train.seq_length / parallel.cp x train.micro_batch_size "
                          f"(= {tokens} rows per FP8 GEMM) to be a multiple of {TOKEN_MULTIPLE} (TE's FP8 GEMM shape "
                          "rule); change one of them, or use model.fp8_backend = 'tessel' (it pads)")
-    import_te()
+    try:  # a config error like the others: the launcher says it once, before any process group
+        import_te()
+        te_recipe(recipe)  # this TE has the recipe's class
+    except ImportError as e:
+        raise ValueError(str(e)) from None
 
 
 def te_recipe(recipe: str, *, history_len: int = 16, margin: int = 0, reduce_amax: bool = True):

@@ -226,6 +226,9 @@ def test_unknown_override_key_lists_valid_keys():
         small("train.stepz=3")
     for key in ("steps", "seed", "global_batch_size", "micro_batch_size", "seq_length"):
         assert key in str(info.value)
+    with raises("unknown key 'zero_stage' in section [parallel] (--set 'parallel.zero_stage=2'); it belongs to "
+                "optim.zero_stage."):
+        small("parallel.zero_stage=2")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -378,6 +381,13 @@ def test_toml_error_names_the_file(tmp_path):
     (["parallel.dp=2", "parallel.ep=4", "train.global_batch_size=32"],
      "parallel.ep=4 does not divide dp = 2"),
     (["parallel.moe_dispatcher=ring"], "parallel.moe_dispatcher='ring' is not valid; choose one of: alltoall"),
+    # keys that would do nothing
+    (["parallel.cp_comm=a2a"], "parallel.cp_comm='a2a' chooses how attention spans the context-parallel ranks, "
+                               "but parallel.cp=1; remove it or set parallel.cp >= 2"),
+    (["parallel.cp=4", "parallel.cp_comm=hybrid", "parallel.cp_a2a_size=3"],
+     "needs parallel.cp_a2a_size, a divisor of parallel.cp=4 (got 3, which does not divide it)"),
+    (["train.steps=2", "optim.warmup_steps=0", "logging.profile_steps=[3, 4]"],
+     "logging.profile_steps=[3, 4] ends after train.steps=2: the trace would not be written"),
 ])
 def test_validation_errors(sets, fragment):
     with raises(fragment):
@@ -458,6 +468,11 @@ def test_validate_world_infers_dp_and_checks_product():
         cfg.validate_world(64)
     with raises("world_size=0 must be a positive integer"):
         cfg.validate_world(0)
+    compressed = small("parallel.tp=2", "optim.grad_compression=powersgd", "train.global_batch_size=16")
+    assert compressed.validate_world(4) == 2
+    with raises("optim.grad_compression='powersgd' compresses the data-parallel gradient reduction, but this launch "
+                "has one data-parallel rank (dp x cp = 1)"):
+        compressed.validate_world(2)
 
 
 def test_validate_world_explicit_dp_mismatch():

@@ -82,8 +82,8 @@ def test_te_backend_refusals_name_the_fix():
 def test_te_backend_without_te_names_the_install_and_the_alternative():
     from parallel.tensor_parallel.fp8_te import check_te_backend
 
-    with pytest.raises(ImportError, match=r"needs Transformer Engine, which cannot be imported here .*pip install.*"
-                                          r"or set model.fp8_backend = 'tessel'"):
+    with pytest.raises(ValueError, match=r"needs Transformer Engine, which cannot be imported here .*pip install.*"
+                                         r"or set model.fp8_backend = 'tessel'"):
         check_te_backend(recipe="tensorwise", tp_overlap="none", recompute="none", tokens=32)
 
 

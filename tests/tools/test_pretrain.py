@@ -6,6 +6,7 @@ DP=4, PP=4 and the 1-process run agree to 2e-4 absolute (different reduction ord
 compounded over 20 AdamW steps), and so does the interleaved PP=2 x VP=2 run; two 1-process runs
 agree bitwise.
 """
+import importlib.util
 import os
 import subprocess
 import sys
@@ -138,6 +139,19 @@ def test_launch_mistakes_are_named_before_anything_is_written(tmp_path, corpus, 
                *sum((["--set", o] for o in _overrides(corpus, str(run_dir))), []),
                "--set", "checkpoint.load=" + str(tmp_path / "nope")],
               f"checkpoint.load: checkpoint path {tmp_path / 'nope'} does not exist")]
+    preset = ["--config", "tiny_llama_cpu", "--run-dir", str(run_dir), *sum((["--set", o] for o in _overrides(
+        corpus, str(run_dir))), [])]
+    for sets, message in ((["model.family=mixtral"], "the mixtral family needs config.json's 'num_local_experts', "
+                                                     "which the [model] section has no key for"),
+                          (["parallel.moe_dispatcher=allgather"], "parallel.moe_dispatcher='allgather' routes tokens "
+                                                                  "to experts, but the llama model has none"),
+                          (["train.activation_checkpointing=full", "train.recompute_num_layers=9"],
+                           "train.recompute_num_layers=9 exceeds the model's 4 layers; set at most 4"),
+                          (["model.fp8=tensorwise", "model.fp8_backend=te"],
+                           "model.fp8_backend = 'te' needs Transformer Engine")):
+        if sets[-1] == "model.fp8_backend=te" and importlib.util.find_spec("transformer_engine") is not None:
+            continue
+        cases.append(([*preset, *sum((["--set", s] for s in sets), [])], message))
     for argv, message in cases:
         assert main(argv) == 2
         assert message in capsys.readouterr().err

@@ -249,9 +249,10 @@ def run_evaluate(argv: list[str] | None = None) -> dict:
     """Everything but the process exit: returns the result dict on every rank (collective)."""
     args = build_parser().parse_args(argv)
     opts = resolve_options(args)
+    step_dir, meta, model_config = checkpoint_model_config(args.ckpt, args.config)
+    check_heads(model_config, opts)  # before any process group
     mesh, device = launch_mesh(opts, what="evaluation")
     tp, pp, cp = opts["tp"], opts["pp"], opts["cp"]
-    step_dir, meta, model_config = checkpoint_model_config(args.ckpt, args.config)
     cfg, stage = build_stage(model_config, mesh, opts, device=device)
     load_weights(stage, mesh, step_dir, meta, base=args.base, verify=not args.no_verify)
 
@@ -285,6 +286,23 @@ def run_evaluate(argv: list[str] | None = None) -> dict:
     if dist.is_initialized():
         dist.barrier()  # the logits file and JSON exist once every rank returns
     return result
+
+
+def check_heads(model_config: dict, opts: dict) -> None:
+    """The model's attention heads split over ``--tp`` and, with ``parallel.cp_comm`` a2a or hybrid, each TP
+    rank's heads over the all-to-all block of cp ranks (the training config's rules; ValueError naming the fix)."""
+    from models import config_from_hf
+
+    cfg = config_from_hf(model_config)
+    tp, cp, comm = opts["tp"], opts.get("cp", 1), opts.get("cp_comm", "ring")
+    a2a = {"a2a": cp, "hybrid": opts.get("cp_a2a_size") or 1}.get(comm, 1) if cp > 1 else 1
+    for what, heads in (("attention heads", cfg.num_heads), ("key/value heads", cfg.num_kv_heads)):
+        if heads % tp:
+            raise ValueError(f"--tp {tp} does not divide the model's {heads} {what}; choose a divisor of {heads}")
+        if a2a > 1 and (heads // tp) % a2a:
+            raise ValueError(f"the model's {heads} {what} over --tp {tp} leave {heads // tp} per rank, not divisible "
+                             f"by {a2a}: parallel.cp_comm={comm!r} scatters heads over {a2a} cp ranks; use "
+                             "--set parallel.cp_comm=ring (or a smaller cp_a2a_size with hybrid)")
 
 
 def launch_mesh(opts: dict, *, what: str, flags: str = "--tp/--pp/--cp/--ep") -> tuple[Mesh, torch.device]:

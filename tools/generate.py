@@ -34,7 +34,7 @@ if ROOT not in sys.path:  # runnable from a checkout without installing
 
 from engine.posttrain.generate import check_generate_args, generate  # noqa: E402
 from parallel import comm  # noqa: E402
-from tools.evaluate import (DTYPES, build_stage, checkpoint_model_config, cli, launch_mesh,  # noqa: E402
+from tools.evaluate import (DTYPES, build_stage, check_heads, checkpoint_model_config, cli, launch_mesh,  # noqa: E402
                             load_weights, read_token_file)
 
 
@@ -152,6 +152,7 @@ def run_generate(argv: list[str] | None = None) -> dict:
         registry = reward_registry(args.reward_module)
         registry.check_records(scored)
     check_generate_args(prompts, vocab_size=cfg.vocab_size, max_positions=cfg.max_position_embeddings, **sampling)
+    check_heads(model_config, opts)  # before any process group
     mesh, device = launch_mesh(opts, what="generation", flags="--tp/--pp")
     tp, pp = opts["tp"], opts["pp"]
     _, stage = build_stage(model_config, mesh, opts, device=device)

@@ -139,6 +139,10 @@ def test_evaluate_errors(converted, tmp_path, capsys):
         (["--tokens", str(good), "--dtype", "fp8"], "dtype='fp8' must be one of fp32, bf16"),
         (["--tokens", str(good), "--pipeline-layout", "a,b"], "must be comma-separated layer counts"),
         (["--tokens", str(good), "--batch-size", "0"], "batch_size=0 must be an integer >= 1"),
+        # checked against the checkpoint's model before any process group (the world size is checked after)
+        (["--tp", "3", "--tokens", str(good)], r"--tp 3 does not divide the model's \d+ attention heads"),
+        (["--cp", "3", "--set", "parallel.cp_comm=a2a", "--tokens", str(good)],
+         r"parallel.cp_comm='a2a' scatters heads over 3 cp ranks; use --set parallel.cp_comm=ring"),
     ]
     bad = {"nested": [[1, 2], []], "strings": ["a"], "object": {"a": 1}}
     for name, data in bad.items():

@@ -132,9 +132,9 @@ class TesselConfig:
     def _check_schedule(self) -> None:
         steps, optim = self.train.steps, self.optim
         ps = self.logging.profile_steps
-        if ps is not None and ps[1] > steps:
-            raise ValueError(f"logging.profile_steps={list(ps)} ends after train.steps={steps}: the trace would not "
-                             f"be written; end the window at step {steps} or before, or raise train.steps")
+        if ps is not None and ps[0] > steps:  # (a window that runs past the end is written at the end)
+            raise ValueError(f"logging.profile_steps={list(ps)} starts after train.steps={steps}: no step would be "
+                             f"profiled; start the window at step {steps} or before, or raise train.steps")
         if optim.warmup_steps > steps:
             raise ValueError(f"optim.warmup_steps={optim.warmup_steps} exceeds "
                              f"train.steps={steps}; set optim.warmup_steps <= {steps}")

@@ -387,7 +387,7 @@ def test_toml_error_names_the_file(tmp_path):
     (["parallel.cp=4", "parallel.cp_comm=hybrid", "parallel.cp_a2a_size=3"],
      "needs parallel.cp_a2a_size, a divisor of parallel.cp=4 (got 3, which does not divide it)"),
     (["train.steps=2", "optim.warmup_steps=0", "logging.profile_steps=[3, 4]"],
-     "logging.profile_steps=[3, 4] ends after train.steps=2: the trace would not be written"),
+     "logging.profile_steps=[3, 4] starts after train.steps=2: no step would be profiled"),
 ])
 def test_validation_errors(sets, fragment):
     with raises(fragment):

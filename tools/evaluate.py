@@ -291,11 +291,12 @@ def run_evaluate(argv: list[str] | None = None) -> dict:
 def check_heads(model_config: dict, opts: dict) -> None:
     """The model's attention heads split over ``--tp`` and, with ``parallel.cp_comm`` a2a or hybrid, each TP
     rank's heads over the all-to-all block of cp ranks (the training config's rules; ValueError naming the fix)."""
+    from engine.config.sections import ParallelConfig
     from models import config_from_hf
 
     cfg = config_from_hf(model_config)
-    tp, cp, comm = opts["tp"], opts.get("cp", 1), opts.get("cp_comm", "ring")
-    a2a = {"a2a": cp, "hybrid": opts.get("cp_a2a_size") or 1}.get(comm, 1) if cp > 1 else 1
+    tp, comm = opts["tp"], opts.get("cp_comm", "ring")
+    a2a = ParallelConfig(tp=tp, cp=opts.get("cp", 1), cp_comm=comm, cp_a2a_size=opts.get("cp_a2a_size")).cp_head_scatter
     for what, heads in (("attention heads", cfg.num_heads), ("key/value heads", cfg.num_kv_heads)):
         if heads % tp:
             raise ValueError(f"--tp {tp} does not divide the model's {heads} {what}; choose a divisor of {heads}")

@@ -108,7 +108,7 @@ class TesselConfig:
                                  + ", ".join(f"{k}={v}" for k, v in known.items())
                                  + f": one of {', '.join(map(str, fits))}")
         par = self.parallel
-        a2a = {"a2a": par.cp, "hybrid": par.cp_a2a_size or 1}.get(par.cp_comm, 1) if par.cp > 1 else 1
+        a2a = par.cp_head_scatter
         for key, value in (("num_attention_heads", num_attention_heads), ("num_key_value_heads", num_key_value_heads)):
             if value is not None and a2a > 1 and (value // tp) % a2a:
                 raise ValueError(f"model.{key}={value} over parallel.tp={tp} leaves {value // tp} heads per rank, not "

@@ -323,6 +323,13 @@ class ParallelConfig(Section):
         return self.tp * self.pp * self.cp
 
     @property
+    def cp_head_scatter(self) -> int:
+        """The cp ranks one attention all-to-all scatters heads over: cp (a2a), cp_a2a_size (hybrid), else 1."""
+        if self.cp == 1:
+            return 1
+        return {"a2a": self.cp, "hybrid": self.cp_a2a_size or 1}.get(self.cp_comm, 1)
+
+    @property
     def sequence_parallel_active(self) -> bool:
         return self.sequence_parallel and self.tp > 1
 

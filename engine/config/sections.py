@@ -288,6 +288,10 @@ class ParallelConfig(Section):
             raise ValueError(f"parallel.vp={self.vp} needs parallel.pp > 1 (virtual stages are "
                              "interleaved across pipeline ranks); set parallel.vp=1 or "
                              "parallel.pp >= 2")
+        if self.schedule == "zb-h1" and self.pp < 2:
+            raise ValueError(f"parallel.schedule='zb-h1' fills the pipeline's bubble with deferred weight gradients, "
+                             f"but parallel.pp={self.pp} has no pipeline and no bubble; set parallel.schedule='1f1b', "
+                             "or parallel.pp >= 2")
         if self.schedule in ("zbv", "dualpipev"):
             # Two chunks per rank folded into a V (stages r and 2 pp - 1 - r): docs/pipeline.md.
             if self.pp < 2 or self.vp != 2:

@@ -171,6 +171,8 @@ def test_config_accepts_the_names():
     from engine.config.sections import ParallelConfig
 
     assert ParallelConfig(pp=2, schedule="zb-h1").schedule == "zb-h1"
+    with pytest.raises(ValueError, match=r"parallel.pp=1 has no pipeline and no bubble; set parallel.schedule='1f1b'"):
+        ParallelConfig(pp=1, schedule="zb-h1")
     for name in ("zbv", "dualpipev"):   # two chunks per rank in a V: vp = 2 (tests/parallel/test_zero_bubble_trainer.py)
         assert ParallelConfig(pp=2, vp=2, schedule=name).schedule == name
         with pytest.raises(ValueError, match=rf"parallel.schedule='{name}' .* needs parallel.vp=2"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 
@@ -21,7 +22,12 @@ def components() -> list[str]:
 
 
 def load(name: str):
-    """Import ``engine._<name>``; raise ImportError naming the fix if it was not built."""
+    """Import ``engine._<name>``; raise ImportError naming the fix if it was not built. Hot paths (an
+    FP8 cast per linear call) call this per call: an imported module is returned from sys.modules
+    directly, without importlib's machinery."""
+    mod = sys.modules.get(f"engine._{name}")
+    if mod is not None:
+        return mod
     import torch  # noqa: F401  (the extensions link against libtorch: load it first)
 
     try:

@@ -6,9 +6,15 @@
    in bf16 (fp32 on the CPU) on the same shapes in the same run, and against the machine's measured
    ceilings (a dense bf16/fp32 matmul and a dense tensorwise ``_scaled_mm``, ``--ceiling-n``^3). Each FP8 result is also
    checked against the plain-PyTorch reference of its recipe (max relative difference printed).
-2. **Training step** of ``--preset`` (gpu-1b on CUDA, cpu-tiny on CPU; tools/bench_train_step.py's
+2. **Host time per linear** (``--host-shape``, default 16 x 16 x 16, where the device work is
+   negligible): the time to issue one forward + backward (no synchronisation per call), and the
+   aten ops it dispatches that compute, for bf16 (fp32 on the CPU) ``F.linear`` and each recipe. A
+   GPU runs ahead of the host only while the host issues work faster than the GPU drains it; the
+   first GPU session measured the 8B layer's FP8 calls at 1.6x their kernel time (docs/fp8.md).
+3. **Training step** of ``--preset`` (gpu-1b on CUDA, cpu-tiny on CPU; tools/bench_train_step.py's
    Trainer at TP=PP=DP=1): model.fp8 = none vs each recipe, timed round-robin in the same run; the
-   ratio is the FP8 step speed-up (goal on an H100: 1.3x or more at gpu-1b). ``--micro-batch`` splits
+   ratio is the FP8 step speed-up (goal on an H100: 1.3x or more at gpu-1b), beside the computing aten ops
+   one step dispatches (each a kernel launch on a GPU, issued from Python). ``--micro-batch`` splits
    the batch into micro-batches; ``--weight-cache-ab`` adds, per recipe, a side with
    ``model.fp8_weight_cache=false`` (each weight cast per micro-batch instead of once per step).
 
@@ -78,6 +84,64 @@ def _quantised(recipe: str, x, w):
     if recipe == "rowwise":
         return quantize_rowwise(x, E4M3), quantize_rowwise(w, E4M3)
     return quantize_tiles(x, E4M3), quantize_blocks(w, E4M3)
+
+
+def dispatched_ops(fn) -> dict[str, int]:
+    """The aten ops ``fn()`` dispatches that compute: views, allocations and CPU scalar reads left out
+    (each counted op is a kernel launch on a GPU, issued from Python)."""
+    import collections
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+    with Count() as c:
+        fn()
+    skip = {"view", "t", "empty", "empty_like", "slice", "detach", "_local_scalar_dense", "alias", "unsqueeze",
+            "select"}
+    return {k: v for k, v in sorted(c.ops.items()) if k not in skip}
+
+
+def bench_host(args) -> dict:
+    """Host microseconds to issue one forward + backward per side at a shape whose device work is
+    negligible (median of 5 batches of 50 calls; on CUDA the GPU is synchronised after each batch only),
+    and the computing ops each call dispatches."""
+    dev = args.device
+    m, n, k = args.host_shape
+    hp = torch.bfloat16 if dev == "cuda" else torch.float32
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(m, k, device=dev, dtype=hp, generator=g).requires_grad_()
+    w = (torch.randn(n, k, device=dev, generator=g) * 0.02).requires_grad_()
+    wb = w.detach().to(hp).requires_grad_()
+    dy = torch.randn(m, n, device=dev, dtype=hp, generator=g)
+    sides = {"hp": lambda: F.linear(x, wb).backward(dy)}
+    for recipe in args.recipes:
+        state = DelayedScaling(device=dev) if recipe == "delayed" else None
+        sides[recipe] = (lambda r, st: lambda: fp8_linear(x, w, recipe=r, state=st).backward(dy))(recipe, state)
+        sides[recipe]()
+        if state is not None:
+            state.update()  # scales from the history from here on, as in training after the first step
+    out = {"shape": [m, n, k], "baseline_dtype": str(hp).replace("torch.", ""), "sides": {}}
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    for name, fn in sides.items():
+        for _ in range(5):
+            fn()
+        sync()
+        batches = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(50):
+                fn()
+            batches.append((time.perf_counter() - t0) / 50)
+            sync()
+        ops = dispatched_ops(fn)
+        out["sides"][name] = {"host_us": statistics.median(batches) * 1e6, "ops": sum(ops.values()), "op_counts": ops}
+    return out
 
 
 def bench_gemms(args, run) -> dict:
@@ -171,6 +235,7 @@ def bench_step(args) -> dict:
 
     sides = {}
     names = ["none", *args.recipes] + ([f"{r}/nocache" for r in args.recipes] if args.weight_cache_ab else [])
+    ops = {}  # computing aten ops dispatched per train step (each a kernel launch on a GPU)
     for name in names:
         fp8, _, nocache = name.partition("/")
         trainer, _, _ = _tessel_trainer(ns, fp8=fp8, micro_batch=args.micro_batch,
@@ -178,6 +243,7 @@ def bench_step(args) -> dict:
         loader = itertools.cycle(micro)  # the batch's micro-batches, in turn (one per trainer micro-batch)
         for _ in range(args.warmup):
             trainer.train_step(loader)
+        ops[name] = sum(dispatched_ops(lambda: trainer.train_step(loader)).values())  # one more step, counted
         sides[name] = (trainer, loader)
         if args.device == "cuda":  # one side on the GPU at a time (a 1B model's copies)
             sides[name] = _time_side(args, trainer, loader)
@@ -200,6 +266,7 @@ def bench_step(args) -> dict:
     base = times["none"]["step_s"]
     for k, v in times.items():
         v["speedup_vs_none"] = base / v["step_s"]
+        v["ops_per_step"] = ops[k]
     return {"preset": args.preset, "dtype": args.dtype, "micro_batch": mb, "batch": preset["batch"], "sides": names,
             **times}
 
@@ -230,7 +297,9 @@ def main(argv=None) -> int:
     p.add_argument("--weight-cache-ab", action="store_true",
                    help="also time each recipe with model.fp8_weight_cache=false (same run)")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--skip", choices=("gemms", "step"), action="append", default=[])
+    p.add_argument("--skip", choices=("gemms", "host", "step"), action="append", default=[])
+    p.add_argument("--host-shape", type=int, nargs=3, default=[16, 16, 16], metavar=("M", "N", "K"),
+                   help="the linear the host time is measured at (multiples of 16)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--profile", default=None, metavar="MODEL:LINEAR",
                    help="only profile one linear's forward + backward per recipe, kernel by kernel (e.g. 8b:qkv)")
@@ -272,7 +341,7 @@ def main(argv=None) -> int:
             p.error(f"--profile={args.profile!r}: give MODEL:LINEAR, MODEL one of {sorted(MODELS)}, LINEAR one of "
                     "qkv out fc1 fc2 (e.g. 8b:qkv)")
         res["profile"] = profile_layer(args)
-        args.skip = ["gemms", "step"]
+        args.skip = ["gemms", "host", "step"]
     if "gemms" not in args.skip:
         res["gemms"] = bench_gemms(args, run)
         from engine.ops.fp8_linear import GEMM_PATHS
@@ -289,6 +358,17 @@ def main(argv=None) -> int:
                                f"{row[r]['vs_reference_rel']:>7.1e}" for r in args.recipes)
             print(f"{row['model'] + ' ' + row['linear']:>12} {row['M']:>6} x {row['N']:>5} x {row['K']:>5} "
                   f"{row['hp_fwd_tflops']:>9.3f} {row['hp_step_tflops']:>9.3f} | {cells}")
+    if "host" not in args.skip:
+        if any(v % 16 for v in args.host_shape):
+            p.error(f"--host-shape={args.host_shape} must be multiples of 16 (FP8 GEMM alignment)")
+        res["host"] = h = bench_host(args)
+        base = h["sides"]["hp"]
+        print(f"host time to issue one linear forward + backward ({' x '.join(map(str, h['shape']))}), median of 5 x 50 "
+              f"calls, and the computing ops dispatched:")
+        for name, v in h["sides"].items():
+            label = f"{h['baseline_dtype']} F.linear" if name == "hp" else name
+            print(f"  {label:<18} {v['host_us']:8.1f} us  ({v['host_us'] / base['host_us']:.2f}x)  {v['ops']:3d} ops: "
+                  + ", ".join(f"{k} {c}" for k, c in v["op_counts"].items()))
     if "step" not in args.skip:
         res["step"] = bench_step(args)
         s = res["step"]
@@ -299,7 +379,8 @@ def main(argv=None) -> int:
             extra = f", peak {v['peak_mem_gib']:.1f} GiB, loss {v['last_loss']:.4f}" if "peak_mem_gib" in v else ""
             if k.endswith("/nocache"):  # the same recipe with its weight casts reused, over this side
                 extra += f"   (weight cache: {v['step_s'] / s[k.split('/')[0]]['step_s']:.3f}x)"
-            print(f"  model.fp8={k:<18} {v['step_s'] * 1e3:9.1f} ms   speed-up vs none {v['speedup_vs_none']:.3f}x{extra}")
+            print(f"  model.fp8={k:<18} {v['step_s'] * 1e3:9.1f} ms   speed-up vs none {v['speedup_vs_none']:.3f}x, "
+                  f"{v['ops_per_step']} ops{extra}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

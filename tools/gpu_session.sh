@@ -20,8 +20,8 @@
 #   pytest_gpu.log     python3 -m pytest -v -m gpu -p no:cacheprovider --tb=short -rfs --durations=10 --continue-on-collection-errors tests/
 #   train_step.log     tools/bench_train_step.py --device cuda --preset gpu-1b --compare-kernels; its JSON
 #                      results at the end of the same file
-#   bench_fp8.log      tools/bench_fp8.py --device cuda: FP8 vs bf16 GEMMs (8B/70B layers) and the gpu-1b
-#                      train step per recipe; its JSON results at the end of the same file; then one linear's
+#   bench_fp8.log      tools/bench_fp8.py --device cuda: FP8 vs bf16 GEMMs (8B/70B layers), the host time to
+#                      issue one linear per recipe, and the gpu-1b train step per recipe; its JSON results at the end of the same file; then one linear's
 #                      kernel profile, and the gpu-1b step in 4 micro-batches with and without the weight cache
 #   bench_parallel.log four steps, one after another, each with its JSON at its end:
 #                      overlap: tools/bench_overlap.py --gemm-overhead --device cuda: the ring's chunk GEMMs vs

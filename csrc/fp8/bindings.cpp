@@ -84,6 +84,85 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& 
   return {out, out_t, amax};
 }
 
+// cast_transpose_scaled(input, scale, from_amax, e5m2, want_out_t) -> (out, out_t or None, amax, scale_inv):
+// cast_transpose for per-tensor scaling in one call. With from_amax, scale holds an amax (max |x| of the
+// tensor the scale is for, e.g. all-reduced over a TP group) and the scale is scale_from_amax of it
+// (fp8.h), computed where the cast runs (no host sync on a GPU); scale_inv is a 0-dim fp32 1 / scale.
+std::tuple<at::Tensor, py::object, at::Tensor, at::Tensor> cast_transpose_scaled(const at::Tensor& input,
+                                                                                 const at::Tensor& scale,
+                                                                                 bool from_amax, bool e5m2,
+                                                                                 bool want_out_t) {
+  check_input(input);
+  if (scale.scalar_type() != at::kFloat || scale.numel() != 1 || scale.device() != input.device()) {
+    fail(std::string(from_amax ? "amax" : "scale") + " must be a one-element float32 tensor on the input's device, "
+         "got " + std::string(c10::toString(scale.scalar_type())) + " with " + std::to_string(scale.numel()) +
+         " elements on " + scale.device().str());
+  }
+  const int64_t rows = input.size(0), cols = input.size(1);
+  const auto fp8 = input.options().dtype(e5m2 ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn);
+  at::Tensor out = at::empty({rows, cols}, fp8);
+  at::Tensor out_t = want_out_t ? at::empty({cols, rows}, fp8) : at::Tensor();  // (cols, rows): the transpose
+  at::Tensor amax = at::empty({1}, input.options().dtype(at::kFloat));
+  at::Tensor scale_inv = at::empty({}, input.options().dtype(at::kFloat));
+  const bool bf16 = input.scalar_type() == at::kBFloat16;
+  auto* out_ptr = reinterpret_cast<uint8_t*>(out.data_ptr());
+  auto* out_t_ptr = want_out_t ? reinterpret_cast<uint8_t*>(out_t.data_ptr()) : nullptr;
+  auto wrap = [&]() -> std::tuple<at::Tensor, py::object, at::Tensor, at::Tensor> {
+    return {out, want_out_t ? py::cast(out_t) : py::none(), amax, scale_inv};
+  };
+#ifdef TESSEL_WITH_CUDA
+  if (input.is_cuda()) {
+    const c10::cuda::CUDAGuard guard(input.device());
+    const at::Tensor scale_c = scale.contiguous();
+    check_launch(tessel::fp8::cast_transpose_scaled_cuda(
+                     input.data_ptr(), bf16, rows, cols, scale_c.data_ptr<float>(), from_amax, out_ptr, out_t_ptr,
+                     amax.data_ptr<float>(), scale_inv.data_ptr<float>(), e5m2,
+                     c10::cuda::getCurrentCUDAStream(input.device().index()).stream()),
+                 "cast_transpose_scaled");
+    return wrap();
+  }
+#endif
+  const float given = scale.item<float>();
+  const float s = from_amax ? tessel::fp8::scale_from_amax_cpu(given, e5m2) : given;
+  *scale_inv.data_ptr<float>() = 1.0f / s;
+  {
+    py::gil_scoped_release release;
+    tessel::fp8::cast_transpose_cpu(input.data_ptr(), bf16, rows, cols, s, out_ptr, out_t_ptr,
+                                    amax.data_ptr<float>(), e5m2);
+  }
+  return wrap();
+}
+
+// scales_from_amax(amax, e5m2) -> (scale, scale_inv): elementwise scale_from_amax (fp8.h) of a float32 tensor
+// of amaxes and its reciprocal, both of amax's shape (contiguous): a grid of scales in one call.
+std::tuple<at::Tensor, at::Tensor> scales_from_amax(const at::Tensor& amax, bool e5m2) {
+  if (amax.scalar_type() != at::kFloat) {
+    fail(std::string("scales_from_amax: amax must be float32, got ") + c10::toString(amax.scalar_type()));
+  }
+  const at::Tensor a = amax.contiguous();
+  at::Tensor scale = at::empty_like(a), scale_inv = at::empty_like(a);
+  const int64_t n = a.numel();
+#ifdef TESSEL_WITH_CUDA
+  if (a.is_cuda()) {
+    const c10::cuda::CUDAGuard guard(a.device());
+    check_launch(tessel::fp8::scales_from_amax_cuda(a.data_ptr<float>(), n, scale.data_ptr<float>(),
+                                                    scale_inv.data_ptr<float>(), e5m2,
+                                                    c10::cuda::getCurrentCUDAStream(a.device().index()).stream()),
+                 "scales_from_amax");
+    return {scale, scale_inv};
+  }
+#endif
+  if (!a.is_cpu()) fail("scales_from_amax: unsupported device " + a.device().str());
+  const float* in = a.data_ptr<float>();
+  float* s = scale.data_ptr<float>();
+  float* inv = scale_inv.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = tessel::fp8::scale_from_amax_cpu(in[i], e5m2);
+    inv[i] = 1.0f / s[i];
+  }
+  return {scale, scale_inv};
+}
+
 // cast_transpose_grid(input, scale, block_rows, block_cols, e5m2, want_out, want_out_t) -> (out or None,
 // out_t or None, amax): as cast_transpose, element (r, c) scaled by scale[r / block_rows][c / block_cols];
 // scale a contiguous fp32 (ceil(rows / block_rows), ceil(cols / block_cols)) grid on the input's device.
@@ -144,6 +223,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(rows, cols) fp32/bf16 input, one-element fp32 scale -> (fp8 (rows, cols) of input*scale, "
         "fp8 (cols, rows) transpose, fp32 (1,) amax of |input|); e4m3, or e5m2 with e5m2=True; "
         "saturating, NaN-propagating amax.");
+  m.def("cast_transpose_scaled", &cast_transpose_scaled, py::arg("input"), py::arg("scale"),
+        py::arg("from_amax") = false, py::arg("e5m2") = false, py::arg("want_out_t") = true,
+        "cast_transpose for per-tensor scaling: with from_amax, scale is an amax and the scale is derived "
+        "where the cast runs; returns (out, out_t or None, amax, 0-dim scale_inv = 1 / scale).");
+  m.def("scales_from_amax", &scales_from_amax, py::arg("amax"), py::arg("e5m2") = false,
+        "(scale, 1 / scale) of each float32 amax: fp8_max / amax (IEEE), 1 where amax is not positive and "
+        "finite, at most the largest float32.");
   m.def("cast_transpose_grid", &cast_transpose_grid, py::arg("input"), py::arg("scale"), py::arg("block_rows"),
         py::arg("block_cols"), py::arg("e5m2") = false, py::arg("want_out") = true, py::arg("want_out_t") = true,
         "cast_transpose with a grid of scales: element (r, c) times scale[r / block_rows][c / block_cols]; "

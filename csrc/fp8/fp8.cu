@@ -3,7 +3,9 @@
 // One 32x32 tile per block (32x8 threads, 4 rows each): the tile is read once, coalesced; its
 // scaled fp8 bytes are written row-major directly and transposed through shared memory; the
 // block's max |x| (as bit patterns, so NaN wins) goes to amax with one atomicMax. One scale for
-// the tensor, or (the _grid launcher) a grid of scales looked up per element.
+// the tensor, or (the _grid launcher) a grid of scales looked up per element. The one-scale kernel
+// may instead be handed an amax and derive the scale itself (scale_from_amax, fp8.h), and writes the
+// dequantisation scale 1 / scale: per-tensor current scaling is then one launch after the amax.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -18,6 +20,14 @@ namespace {
 
 constexpr int kTile = 32;
 constexpr int kRowsPerThread = 4;  // blockDim = (32, 8)
+
+// fp8.h's scale_from_amax in IEEE round-to-nearest arithmetic (__fdiv_rn; setup.py builds this
+// extension without fast math, so subnormals are kept). "Positive and finite" is read from the bits.
+__device__ __forceinline__ float scale_from_amax(float amax, float fp8_max) {
+  const unsigned int bits = __float_as_uint(amax);
+  const float s = (bits > 0u && bits < 0x7f800000u) ? __fdiv_rn(fp8_max, amax) : 1.0f;  // 0, inf, NaN, < 0: 1
+  return fminf(s, 3.402823466e+38f);  // FLT_MAX: a tiny amax overflows the division to inf
+}
 
 template <typename T>
 __device__ __forceinline__ float load_float(const T* p);
@@ -34,10 +44,14 @@ template <typename T, __nv_fp8_interpretation_t kFormat, bool kGrid>
 __global__ void __launch_bounds__(kTile * kTile / kRowsPerThread)
 cast_transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t cols, const float* __restrict__ scale,
                       int64_t block_rows, int64_t block_cols, int64_t scale_cols,
-                      uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, unsigned int* __restrict__ amax_bits) {
+                      uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, unsigned int* __restrict__ amax_bits,
+                      bool from_amax, float fp8_max, float* __restrict__ scale_inv) {
   __shared__ uint8_t tile[kTile][kTile + 4];  // +4: no bank conflicts on the transposed read
   __shared__ unsigned int warp_max[kTile * kTile / kRowsPerThread / 32];
-  const float s0 = kGrid ? 0.0f : *scale;
+  const float s0 = kGrid ? 0.0f : (from_amax ? scale_from_amax(*scale, fp8_max) : *scale);
+  if (!kGrid && scale_inv != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0) {
+    *scale_inv = __frcp_rn(s0);
+  }
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTile;
   unsigned int local_max = 0;
@@ -77,12 +91,26 @@ cast_transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t cols, cons
   }
 }
 
+// An empty input's dequantisation scale (the cast kernel has no block to write it from).
+__global__ void scale_inv_kernel(const float* scale, bool from_amax, float fp8_max, float* scale_inv) {
+  *scale_inv = __frcp_rn(from_amax ? scale_from_amax(*scale, fp8_max) : *scale);
+}
+
 template <bool kGrid>
 int launch(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float* scale, int64_t block_rows,
-           int64_t block_cols, uint8_t* out, uint8_t* out_t, float* amax, bool e5m2, cudaStream_t stream) {
+           int64_t block_cols, uint8_t* out, uint8_t* out_t, float* amax, bool e5m2, cudaStream_t stream,
+           bool from_amax = false, float* scale_inv = nullptr) {
   // amax is a max over bit patterns of |x|: start from +0.
   cudaError_t err = cudaMemsetAsync(amax, 0, sizeof(float), stream);
-  if (err != cudaSuccess || rows == 0 || cols == 0) return static_cast<int>(err);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  const float fp8_max = e5m2 ? 57344.0f : 448.0f;
+  if (rows == 0 || cols == 0) {  // nothing to cast; the dequantisation scale is still wanted
+    if (scale_inv != nullptr) {
+      scale_inv_kernel<<<1, 1, 0, stream>>>(scale, from_amax, fp8_max, scale_inv);
+      return static_cast<int>(cudaGetLastError());
+    }
+    return 0;
+  }
   const dim3 block(kTile, kTile / kRowsPerThread);
   const dim3 grid(static_cast<unsigned int>((cols + kTile - 1) / kTile),
                   static_cast<unsigned int>((rows + kTile - 1) / kTile));
@@ -92,7 +120,8 @@ int launch(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float
   const auto* in_f = static_cast<const float*>(in);
 #define TESSEL_FP8_LAUNCH(T, FMT, IN)                                                                     \
   cast_transpose_kernel<T, FMT, kGrid><<<grid, block, 0, stream>>>(IN, rows, cols, scale, block_rows,     \
-                                                                   block_cols, scale_cols, out, out_t, amax_bits)
+                                                                   block_cols, scale_cols, out, out_t, amax_bits, \
+                                                                   from_amax, fp8_max, scale_inv)
   if (in_bf16 && e5m2) {
     TESSEL_FP8_LAUNCH(__nv_bfloat16, __NV_E5M2, in_bf);
   } else if (in_bf16) {
@@ -106,7 +135,33 @@ int launch(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float
   return static_cast<int>(cudaGetLastError());
 }
 
+__global__ void scales_from_amax_kernel(const float* __restrict__ amax, int64_t n, float fp8_max,
+                                        float* __restrict__ scale, float* __restrict__ scale_inv) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) {
+    const float s = scale_from_amax(amax[i], fp8_max);
+    scale[i] = s;
+    scale_inv[i] = __frcp_rn(s);
+  }
+}
+
 }  // namespace
+
+int scales_from_amax_cuda(const float* amax, int64_t n, float* scale, float* scale_inv, bool e5m2, void* stream_ptr) {
+  if (n == 0) return 0;
+  const int threads = 256;
+  scales_from_amax_kernel<<<static_cast<unsigned int>((n + threads - 1) / threads), threads, 0,
+                            static_cast<cudaStream_t>(stream_ptr)>>>(amax, n, e5m2 ? 57344.0f : 448.0f, scale,
+                                                                     scale_inv);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int cast_transpose_scaled_cuda(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float* scale,
+                               bool from_amax, uint8_t* out, uint8_t* out_t, float* amax, float* scale_inv, bool e5m2,
+                               void* stream_ptr) {
+  return launch<false>(in, in_bf16, rows, cols, scale, rows > 0 ? rows : 1, cols > 0 ? cols : 1, out, out_t, amax,
+                       e5m2, static_cast<cudaStream_t>(stream_ptr), from_amax, scale_inv);
+}
 
 int cast_transpose_cuda(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float* scale,
                         uint8_t* out, uint8_t* out_t, float* amax, bool e5m2, void* stream_ptr) {

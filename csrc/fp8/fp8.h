@@ -28,6 +28,11 @@ void cast_transpose_grid_cpu(const void* in, bool in_bf16, int64_t rows, int64_t
                              int64_t block_rows, int64_t block_cols, uint8_t* out, uint8_t* out_t, float* amax,
                              bool e5m2);
 
+// Per-tensor scale from an amax (current scaling), as engine.ops.fp8_linear.amax_to_scale:
+//   scale_from_amax(a) = min(fp8_max / a, FLT_MAX) for a positive finite a, else 1,
+// the division rounded to nearest (IEEE); fp8_max 448 (e4m3) or 57344 (e5m2).
+float scale_from_amax_cpu(float amax, bool e5m2);
+
 // CUDA (fp8.cu). scale and amax are device pointers; stream is a cudaStream_t.
 // Returns a cudaError_t value (0 = success).
 int cast_transpose_cuda(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float* scale,
@@ -35,6 +40,15 @@ int cast_transpose_cuda(const void* in, bool in_bf16, int64_t rows, int64_t cols
 int cast_transpose_grid_cuda(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float* scale,
                              int64_t block_rows, int64_t block_cols, uint8_t* out, uint8_t* out_t, float* amax,
                              bool e5m2, void* stream);
+// cast_transpose_cuda with scale_inv = 1 / scale written (device pointer, may be null) and, with
+// from_amax, the scale derived on the device from *scale read as an amax (scale_from_amax). out_t may
+// be null (not written).
+int cast_transpose_scaled_cuda(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float* scale,
+                               bool from_amax, uint8_t* out, uint8_t* out_t, float* amax, float* scale_inv, bool e5m2,
+                               void* stream);
+// scale[i] = scale_from_amax(amax[i]) and scale_inv[i] = 1 / scale[i] for n amaxes (device pointers): the
+// row-, tile- and block-wise recipes' grids of scales in one launch.
+int scales_from_amax_cuda(const float* amax, int64_t n, float* scale, float* scale_inv, bool e5m2, void* stream);
 const char* cuda_error_string(int error);
 
 }  // namespace fp8

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "fp8/fp8.h"
 
@@ -87,6 +88,14 @@ void dispatch(const void* in, bool in_bf16, int64_t rows, int64_t cols, const fl
 }
 
 }  // namespace
+
+float scale_from_amax_cpu(float amax, bool e5m2) {
+  uint32_t bits;
+  std::memcpy(&bits, &amax, sizeof(bits));
+  const float fp8_max = e5m2 ? 57344.0f : 448.0f;
+  const float s = (bits > 0u && bits < 0x7f800000u) ? fp8_max / amax : 1.0f;  // 0, inf, NaN, < 0: 1
+  return std::min(s, std::numeric_limits<float>::max());
+}
 
 void cast_transpose_cpu(const void* in, bool in_bf16, int64_t rows, int64_t cols, float scale,
                         uint8_t* out, uint8_t* out_t, float* amax, bool e5m2) {

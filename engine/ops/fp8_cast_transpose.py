@@ -36,6 +36,32 @@ def fp8_cast_transpose_reference(x: Tensor, scale: Tensor, *, fmt: torch.dtype =
     return fp8_cast_transpose_grid_reference(x, scale.reshape(1, 1), block, fmt=fmt)
 
 
+def scale_from_amax(amax: Tensor, fmt: torch.dtype) -> Tensor:
+    """Current per-tensor scale(s) from amax(es), elementwise: ``min(fp8_max / amax, FLT_MAX)`` (the
+    division rounded to nearest) where amax is positive and finite, else 1 (nothing to scale by; a
+    tiny amax overflows the division, clamped so that 0 * scale stays 0). fp32, ``amax``'s shape.
+    The native :func:`fp8_cast_transpose_scaled` computes the same on its device, bit for bit."""
+    amax = amax.float()
+    ok = (amax > 0) & (amax < float("inf"))  # NaN compares False
+    scale = torch.where(ok, torch.full_like(amax, FP8_MAX[fmt]) / amax, 1.0)
+    return scale.clamp(max=torch.finfo(torch.float32).max)
+
+
+def fp8_scales_from_amax(amax: Tensor, fmt: torch.dtype = torch.float8_e4m3fn, *, backend: str = "auto"
+                         ) -> tuple[Tensor, Tensor]:
+    """(:func:`scale_from_amax` of ``amax``, its reciprocal), both of ``amax``'s shape, float32: the row-,
+    tile- and block-wise recipes' grids of scales and dequantisation scales in one native call (one
+    launch on a GPU) instead of a dozen elementwise PyTorch ops. Bit for bit the reference."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"fp8_scales_from_amax: backend={backend!r} is not one of {_BACKENDS}.")
+    if fmt not in FP8_MAX:
+        raise ValueError(f"fp8_scales_from_amax: fmt={fmt} is not torch.float8_e4m3fn or torch.float8_e5m2.")
+    if backend == "native" or (backend == "auto" and _native.available("fp8")):
+        return _native.load("fp8").scales_from_amax(amax.float(), e5m2=fmt == torch.float8_e5m2)
+    scale = scale_from_amax(amax, fmt)
+    return scale, 1.0 / scale
+
+
 def _check_common(op: str, x: Tensor, fmt: torch.dtype, backend: str) -> None:
     """The checks both entry points share: backend, format, and x a 2-D fp32/bf16 tensor."""
     if backend not in _BACKENDS:
@@ -62,6 +88,36 @@ def fp8_cast_transpose(x: Tensor, scale: Tensor, *, fmt: torch.dtype = torch.flo
     if backend == "native" or (backend == "auto" and _native.available("fp8")):
         return _native.load("fp8").cast_transpose(x.contiguous(), scale, e5m2=fmt == torch.float8_e5m2)
     return fp8_cast_transpose_reference(x, scale, fmt=fmt)
+
+
+def fp8_cast_transpose_scaled_reference(x: Tensor, *, scale: Tensor | None = None, amax: Tensor | None = None,
+                                        fmt: torch.dtype = torch.float8_e4m3fn, want_out_t: bool = True
+                                        ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    """Plain-PyTorch version of :func:`fp8_cast_transpose_scaled` (same promises, bit for bit)."""
+    s = scale_from_amax(amax, fmt) if scale is None else scale.float()
+    q, q_t, x_amax = fp8_cast_transpose_reference(x, s.reshape(1), fmt=fmt)
+    return q, (q_t if want_out_t else None), x_amax, (1.0 / s).reshape(())
+
+
+def fp8_cast_transpose_scaled(x: Tensor, *, scale: Tensor | None = None, amax: Tensor | None = None,
+                              fmt: torch.dtype = torch.float8_e4m3fn, want_out_t: bool = True,
+                              backend: str = "auto") -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    """:func:`fp8_cast_transpose` for per-tensor scaling, in one call: given ``scale``, or ``amax`` (the
+    current amax of the tensor the scale is for, e.g. all-reduced over a TP group; the scale is then
+    :func:`scale_from_amax` of it, computed on x's device with no host sync). Returns (out, out_t or
+    None (``want_out_t=False``), amax of x (1,), the 0-dim dequantisation scale ``1 / scale``): what
+    an FP8 GEMM takes, with no scale arithmetic left to launch from Python."""
+    _check_common(f"{_OP}_scaled", x, fmt, backend)
+    if (scale is None) == (amax is None):
+        raise ValueError(f"{_OP}_scaled: give exactly one of scale= and amax=")
+    given = scale if amax is None else amax
+    if given.dtype != torch.float32 or given.numel() != 1 or given.device != x.device:
+        raise ValueError(f"{_OP}_scaled: {'scale' if amax is None else 'amax'} must be a one-element float32 "
+                         f"tensor on {x.device}, got {given.dtype} with {given.numel()} elements on {given.device}.")
+    if backend == "native" or (backend == "auto" and _native.available("fp8")):
+        return _native.load("fp8").cast_transpose_scaled(x.contiguous(), given, from_amax=amax is not None,
+                                                         e5m2=fmt == torch.float8_e5m2, want_out_t=want_out_t)
+    return fp8_cast_transpose_scaled_reference(x, scale=scale, amax=amax, fmt=fmt, want_out_t=want_out_t)
 
 
 def fp8_cast_transpose_grid_reference(x: Tensor, scale: Tensor, block: tuple[int, int], *,

@@ -75,7 +75,8 @@ from typing import Callable, Mapping, Optional
 import torch
 from torch import Tensor
 
-from engine.ops.fp8_cast_transpose import FP8_MAX, fp8_cast_transpose, fp8_cast_transpose_grid
+from engine.ops.fp8_cast_transpose import (FP8_MAX, fp8_cast_transpose_grid, fp8_cast_transpose_scaled,  # noqa: F401
+                                           fp8_scales_from_amax, scale_from_amax)
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -94,12 +95,10 @@ AmaxReduce = Callable[[Tensor], Tensor]
 # -- quantisation ----------------------------------------------------------------------------------
 def amax_to_scale(amax: Tensor, fmt: torch.dtype, *, margin: int = 0) -> Tensor:
     """``fp8_max / amax / 2**margin`` in fp32; 1 where amax is 0, inf or NaN (nothing to scale by).
-    Clamped to the largest fp32 (a tiny amax would overflow the scale to inf, and 0 * inf is NaN)."""
-    amax = amax.float()
-    ok = torch.isfinite(amax) & (amax > 0)
-    scale = torch.where(ok, FP8_MAX[fmt] / torch.where(ok, amax, torch.ones_like(amax)), torch.ones_like(amax))
-    scale = scale / (2.0 ** margin) if margin else scale
-    return scale.clamp(max=torch.finfo(torch.float32).max)
+    ``fp8_max / amax`` is clamped to the largest fp32 (a tiny amax would overflow it to inf, and 0 * inf
+    is NaN): engine.ops.fp8_cast_transpose.scale_from_amax, which the native cast computes itself."""
+    scale = scale_from_amax(amax, fmt)
+    return scale / (2.0 ** margin) if margin else scale
 
 
 def _grid_cast(t: Tensor, scale: Tensor, block: tuple[int, int], fmt: torch.dtype, *, out: bool = True,
@@ -152,18 +151,18 @@ class Quantized:
         return d * s
 
 
-def quantize_tensorwise(t: Tensor, fmt: torch.dtype, scale: Tensor, *, transpose: bool = False
+def quantize_tensorwise(t: Tensor, fmt: torch.dtype, scale: Optional[Tensor] = None, *,
+                        amax: Optional[Tensor] = None, transpose: bool = False
                         ) -> tuple[Quantized, Optional[Quantized], Tensor]:
-    """``t`` (rows, cols) with one scale: (q, q.T or None, amax of t). One pass of the fused
-    cast-transpose-amax (engine.ops.fp8_cast_transpose, e4m3 or e5m2; bitwise equal to its
-    reference) where the transpose is wanted; a plain cast otherwise."""
-    scale = scale.reshape(1).float()
-    inv = (1.0 / scale).reshape(())
-    if transpose:
-        q, q_t, amax = fp8_cast_transpose(t.contiguous(), scale, fmt=fmt)
-        return Quantized(q, inv, "tensor"), Quantized(q_t, inv, "tensor"), amax
-    q, _, amax = _grid_cast(t, scale.reshape(1, 1), tuple(t.shape), fmt)  # (rows, cols)
-    return Quantized(q, inv, "tensor"), None, amax
+    """``t`` (rows, cols) with one scale, given as ``scale`` or as the ``amax`` it derives from
+    (:func:`amax_to_scale`, margin 0): (q, q.T or None, amax of t). One call of the fused
+    cast-transpose-amax (engine.ops.fp8_cast_transpose_scaled, e4m3 or e5m2; bitwise equal to its
+    reference), which also derives the scale from an amax and returns 1 / scale, so a cast launches
+    no scale arithmetic of its own (host time per linear: docs/fp8.md)."""
+    if scale is not None:
+        scale = scale.reshape(1).float()
+    q, q_t, t_amax, inv = fp8_cast_transpose_scaled(t, scale=scale, amax=amax, fmt=fmt, want_out_t=transpose)
+    return Quantized(q, inv, "tensor"), (Quantized(q_t, inv, "tensor") if transpose else None), t_amax
 
 
 def _absmax(t: Tensor, dim) -> Tensor:
@@ -177,12 +176,12 @@ def quantize_rowwise(t: Tensor, fmt: torch.dtype, *, transposed: bool = False) -
     t = t.contiguous()
     rows, cols = t.shape
     if transposed:
-        scale = amax_to_scale(_absmax(t, 0), fmt)  # (1, cols): one per row of t.T
+        scale, inv = fp8_scales_from_amax(_absmax(t, 0), fmt)  # (1, cols): one per row of t.T
         _, q_t, _ = _grid_cast(t, scale, (rows, 1), fmt, out=False, out_t=True)  # (cols, rows)
-        return Quantized(q_t, (1.0 / scale).reshape(-1, 1), "row")  # (cols, 1), unit strides
-    scale = amax_to_scale(_absmax(t, 1), fmt)  # (rows, 1)
+        return Quantized(q_t, inv.reshape(-1, 1), "row")  # (cols, 1), unit strides
+    scale, inv = fp8_scales_from_amax(_absmax(t, 1), fmt)  # (rows, 1)
     q, _, _ = _grid_cast(t, scale, (1, cols), fmt)
-    return Quantized(q, 1.0 / scale, "row")
+    return Quantized(q, inv, "row")
 
 
 def quantize_tiles(t: Tensor, fmt: torch.dtype, *, transposed: bool = False) -> Quantized:
@@ -193,15 +192,15 @@ def quantize_tiles(t: Tensor, fmt: torch.dtype, *, transposed: bool = False) -> 
     if transposed:
         nb = -(-rows // BLOCK)
         tiles = _padded_to(t, nb * BLOCK, cols).view(nb, BLOCK, cols)
-        scale = amax_to_scale(_absmax(tiles, 1), fmt).squeeze(1)  # (nb, cols)
+        scale, inv = fp8_scales_from_amax(_absmax(tiles, 1).squeeze(1), fmt)  # (nb, cols)
         _, q_t, _ = _grid_cast(t, scale, (BLOCK, 1), fmt, out=False, out_t=True)  # (cols, rows)
-        inv = torch.empty(cols, nb, device=t.device).copy_((1.0 / scale).t())  # (cols, nb), unit strides
+        inv = torch.empty(cols, nb, device=t.device).copy_(inv.t())  # (cols, nb), unit strides
         return Quantized(q_t, inv, "tile")
     nb = -(-cols // BLOCK)
     tiles = _padded_to(t, rows, nb * BLOCK).view(rows, nb, BLOCK)
-    scale = amax_to_scale(_absmax(tiles, 2), fmt).squeeze(2)  # (rows, nb)
+    scale, inv = fp8_scales_from_amax(_absmax(tiles, 2).squeeze(2), fmt)  # (rows, nb)
     q, _, _ = _grid_cast(t, scale, (1, BLOCK), fmt)
-    return Quantized(q, 1.0 / scale, "tile")
+    return Quantized(q, inv, "tile")
 
 
 def quantize_blocks(t: Tensor, fmt: torch.dtype) -> Quantized:
@@ -210,9 +209,9 @@ def quantize_blocks(t: Tensor, fmt: torch.dtype) -> Quantized:
     rows, cols = t.shape
     rb, cb = -(-rows // BLOCK), -(-cols // BLOCK)
     tiles = _padded_to(t, rb * BLOCK, cb * BLOCK).view(rb, BLOCK, cb, BLOCK)  # (rb, 128, cb, 128)
-    scale = amax_to_scale(_absmax(tiles, (1, 3)).reshape(rb, cb), fmt)  # (rb, cb)
+    scale, inv = fp8_scales_from_amax(_absmax(tiles, (1, 3)).reshape(rb, cb), fmt)  # (rb, cb)
     q, _, _ = _grid_cast(t, scale, (BLOCK, BLOCK), fmt)
-    return Quantized(q, 1.0 / scale, "block")
+    return Quantized(q, inv, "block")
 
 
 # -- GEMMs ----------------------------------------------------------------------------------------
@@ -381,26 +380,30 @@ class DelayedScaling(torch.nn.Module):
     def record(self, role: str, amax: Tensor) -> None:
         """Fold a call's (local) amax into this step's pending maximum (no host sync)."""
         i = ROLES.index(role)
-        torch.maximum(self.pending[i:i + 1], amax.reshape(1).float().to(self.pending.device),
-                      out=self.pending[i:i + 1])
+        pending = self.pending[i:i + 1]
+        if amax.dtype != torch.float32 or amax.device != pending.device:
+            amax = amax.float().to(pending.device)
+        torch.maximum(pending, amax.reshape(1), out=pending)
 
     def update(self, reduce: Optional[AmaxReduce] = None) -> None:
         """Push this step's amaxes (``reduce``d first, e.g. MAX over TP and DP) into the history and
         recompute the scales. A role with no usable amax this step (none recorded, or non-finite: a
-        skipped step) keeps its history and its scale untouched."""
-        amax = self.pending.clone()
-        if reduce is not None:
-            amax = reduce(amax)
-        ok = (torch.isfinite(amax) & (amax > 0)).unsqueeze(1)  # (3, 1): roles that take this step
-        rolled = torch.roll(self.amax_history, 1, dims=1)
-        rolled[:, 0] = torch.where(ok[:, 0], amax, rolled[:, 0])
-        self.amax_history.copy_(torch.where(ok, rolled, self.amax_history))
-        ref = self.amax_history.amax(dim=1) if self.algo == "max" else self.amax_history[:, 0]
-        for i, role in enumerate(ROLES):
-            new = amax_to_scale(ref[i:i + 1], _FORMAT[role], margin=self.margin)
-            self.scale[i:i + 1] = torch.where(ok[i] & (ref[i:i + 1] > 0), new, self.scale[i:i + 1])
-        self.pending.zero_()
-        self.steps += 1
+        skipped step) keeps its history and its scale untouched. :func:`update_delayed_states` of one."""
+        update_delayed_states([self], reduce)
+
+
+def _delayed_step(history: Tensor, scale: Tensor, amax: Tensor, *, margin: int, algo: str) -> tuple[Tensor, Tensor]:
+    """:meth:`DelayedScaling.update` of ``g`` states at once: ``history`` (g, 3, L), ``scale`` (g, 3) and this
+    step's reduced ``amax`` (g, 3) -> the new history and scales (elementwise per state: the same bits as
+    one state at a time)."""
+    ok = (amax > 0) & (amax < float("inf"))  # (g, 3): roles that take this step (not 0, inf or NaN)
+    rolled = torch.roll(history, 1, dims=2)
+    rolled[:, :, 0] = torch.where(ok, amax, rolled[:, :, 0])
+    history = torch.where(ok.unsqueeze(2), rolled, history)  # (g, 3, L), newest first
+    ref = history.amax(dim=2) if algo == "max" else history[:, :, 0]  # (g, 3)
+    new = torch.cat([amax_to_scale(ref[:, :2], E4M3, margin=margin),   # input, weight: e4m3
+                     amax_to_scale(ref[:, 2:], E5M2, margin=margin)], dim=1)  # grad_output: e5m2
+    return history, torch.where(ok & (ref > 0), new, scale)
 
 
 def delayed_states(module: torch.nn.Module) -> list[tuple[str, DelayedScaling]]:
@@ -409,15 +412,29 @@ def delayed_states(module: torch.nn.Module) -> list[tuple[str, DelayedScaling]]:
 
 
 def update_delayed_states(states: list[DelayedScaling], reduce: Optional[AmaxReduce] = None) -> None:
-    """Update many states with ONE reduction: their pending amaxes are stacked into a (3n,) tensor."""
+    """:meth:`DelayedScaling.update` of many states with ONE reduction (their pending amaxes stacked into
+    a (3n,) tensor) and one batched computation per (history length, margin, algo, device): a fixed
+    number of kernel launches per optimizer step, not a few dozen per linear."""
     if not states:
         return
     stacked = torch.cat([s.pending for s in states])  # (3n,)
     if reduce is not None:
         stacked = reduce(stacked)
+    stacked = stacked.view(len(states), 3)  # (n, 3): a row per state
+    groups: dict[tuple, list[int]] = {}
     for i, s in enumerate(states):
-        s.pending.copy_(stacked[3 * i:3 * i + 3])
-        s.update()
+        groups.setdefault((s.history_len, s.margin, s.algo, s.amax_history.device), []).append(i)
+    for (_, margin, algo, _), idx in groups.items():
+        members = [states[i] for i in idx]
+        amax = stacked if len(idx) == len(states) else stacked[torch.tensor(idx, device=stacked.device)]  # (g, 3)
+        history, scale = _delayed_step(torch.stack([s.amax_history for s in members]),  # (g, 3, L)
+                                       torch.stack([s.scale for s in members]), amax,  # (g, 3)
+                                       margin=margin, algo=algo)
+        torch._foreach_copy_([s.amax_history for s in members], list(history.unbind(0)))
+        torch._foreach_copy_([s.scale for s in members], list(scale.unbind(0)))
+    torch._foreach_zero_([s.pending for s in states])
+    for s in states:
+        s.steps += 1  # (1,) int64 on the CPU
 
 
 # -- weight casts reused across calls ------------------------------------------------------------
@@ -472,11 +489,12 @@ def _cast(casts: Optional[WeightCasts], kind: str, weight: Tensor, make: Callabl
 
 
 def weight_tensorwise(weight: Tensor, scaler: "Scaler", casts: Optional[WeightCasts],
-                      scale: Optional[Tensor] = None) -> tuple[Quantized, Quantized]:
+                      scale: Optional[dict[str, Tensor]] = None) -> tuple[Quantized, Quantized]:
     """The per-tensor e4m3 weight and its transpose (N, K), (K, N); its amax recorded for delayed
-    scaling. ``scale``: the weight's scale if the caller already has it (a stacked reduction)."""
+    scaling. ``scale``: the weight's :meth:`Scaler.scale` if the caller already has it (a stacked
+    reduction)."""
     wq, wq_t, amax = _cast(casts, "tensor", weight, lambda: quantize_tensorwise(
-        weight, E4M3, scaler.scale("weight", weight) if scale is None else scale, transpose=True))
+        weight, E4M3, **(scaler.scale("weight", weight) if scale is None else scale), transpose=True))
     scaler.record("weight", amax)
     return wq, wq_t
 
@@ -516,7 +534,7 @@ def shard_cast(t: Tensor, role: str, scaler: "Scaler", amax_max: AmaxReduce, *, 
     if weight is not None and not (casts is not None and casts.has("tensor")):
         items.append(("weight", weight))
     scales = scaler.scales(items, amax_max)
-    q, _, amax = quantize_tensorwise(t, _FORMAT[role], scales[0])
+    q, _, amax = quantize_tensorwise(t, _FORMAT[role], **scales[0])
     return q, amax, (scales[1] if len(scales) > 1 else None)
 
 
@@ -587,23 +605,26 @@ class Scaler:
         self.current = recipe == "tensorwise" or not state.started
         self.recording = torch.is_grad_enabled()  # evaluation (no grad) leaves the history alone
 
-    def scale(self, role: str, t: Tensor) -> Tensor:
+    def scale(self, role: str, t: Tensor) -> dict[str, Tensor]:
+        """Where ``t``'s scale comes from, as :func:`quantize_tensorwise`'s keyword: ``{"scale": s}``
+        (from the delayed state) or ``{"amax": a}`` (current, reduced over its group; the cast derives
+        the scale)."""
         if not self.current:
             i = ROLES.index(role)
-            return self.state.scale[i:i + 1]
+            return {"scale": self.state.scale[i:i + 1]}
         amax = _amax(t)
         if role in self.reduce:
             amax = self.reduce[role](amax)
-        return amax_to_scale(amax, _FORMAT[role])
+        return {"amax": amax}
 
-    def scales(self, items: list[tuple[str, Tensor]], reduce: AmaxReduce) -> list[Tensor]:
-        """The scales of several operands, their current amaxes reduced by ONE call of ``reduce`` on
+    def scales(self, items: list[tuple[str, Tensor]], reduce: AmaxReduce) -> list[dict[str, Tensor]]:
+        """:meth:`scale` of several operands, their current amaxes reduced by ONE call of ``reduce`` on
         the stacked (n,) tensor (a collective matmul reduces a shard's amax beside the weight's)."""
         if not self.current:
             return [self.scale(role, t) for role, t in items]
         amax = torch.cat([_amax(t) for _, t in items])  # (n,)
         amax = reduce(amax)
-        return [amax_to_scale(amax[i:i + 1], _FORMAT[role]) for i, (role, _) in enumerate(items)]
+        return [{"amax": amax[i:i + 1]} for i in range(len(items))]
 
     def record(self, role: str, amax: Tensor) -> None:
         if self.state is not None and self.recording:
@@ -624,7 +645,7 @@ class _Fp8Linear(torch.autograd.Function):
                 xq = gather_rows(xq, gather.all_gather)  # (M, K)
                 xq_t = xq.t()  # (K, M)
             else:
-                xq, xq_t, x_amax = quantize_tensorwise(x, E4M3, scaler.scale("input", x), transpose=True)
+                xq, xq_t, x_amax = quantize_tensorwise(x, E4M3, **scaler.scale("input", x), transpose=True)
                 s_w = None
             wq, wq_t = weight_tensorwise(weight, scaler, casts, scale=s_w)
             scaler.record("input", x_amax)
@@ -657,7 +678,7 @@ class _Fp8Linear(torch.autograd.Function):
                 gq = gather_rows(gq, ctx.scatter.all_gather)  # (M, N)
                 gq_t = gq.t() if need_w else None  # (N, M)
             else:  # (M, N) and, for the weight gradient, its (N, M) transpose, from one pass over g
-                gq, gq_t, g_amax = quantize_tensorwise(g, E5M2, scaler.scale("grad_output", g), transpose=need_w)
+                gq, gq_t, g_amax = quantize_tensorwise(g, E5M2, **scaler.scale("grad_output", g), transpose=need_w)
             scaler.record("grad_output", g_amax)
             if need_x:
                 grad_x = gemm(gq, Quantized(wt_data, wt_inv, "tensor"), ctx.out_dtype)  # (M, K)

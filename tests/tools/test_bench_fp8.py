@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from engine import _native
 from tools import bench_fp8
 
 
@@ -19,6 +20,11 @@ def test_bench_fp8_gemms_check_every_recipe(tmp_path):
         for recipe in bench_fp8.RECIPES:
             assert row[recipe]["vs_reference_rel"] == 0.0
             assert row[recipe]["fwd_gemm_tflops"] > 0
+    host = res["host"]["sides"]  # the host section runs by default: ops per linear forward + backward
+    assert host["hp"]["op_counts"] == {"add_": 2, "mm": 3}
+    assert all(v["host_us"] > 0 for v in host.values())
+    if _native.available("fp8"):  # the reference casts (extension not built) are plain PyTorch ops
+        assert host["tensorwise"]["ops"] == 8
 
 
 def test_bench_fp8_train_step_ratio(tmp_path, capsys):
@@ -29,6 +35,8 @@ def test_bench_fp8_train_step_ratio(tmp_path, capsys):
     assert step["preset"] == "cpu-tiny" and step["none"]["speedup_vs_none"] == 1.0
     assert (step["batch"], step["micro_batch"]) == (8, 4)
     assert step["delayed"]["step_s"] > 0 and step["delayed/nocache"]["step_s"] > 0
+    # launches per step: the FP8 linears add their amax maxima and casts' bookkeeping, not scale arithmetic
+    assert step["none"]["ops_per_step"] < step["delayed"]["ops_per_step"] < 1.25 * step["none"]["ops_per_step"]
     printed = capsys.readouterr().out
     assert "model.fp8=delayed " in printed and "weight cache:" in printed
 

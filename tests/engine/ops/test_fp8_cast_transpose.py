@@ -3,8 +3,10 @@ import pytest
 import torch
 
 from engine import _native
-from engine.ops.fp8_cast_transpose import (fp8_cast_transpose, fp8_cast_transpose_grid,
-                                           fp8_cast_transpose_grid_reference, fp8_cast_transpose_reference)
+from engine.ops.fp8_cast_transpose import (FP8_MAX, fp8_cast_transpose, fp8_cast_transpose_grid,
+                                           fp8_cast_transpose_grid_reference, fp8_cast_transpose_reference,
+                                           fp8_cast_transpose_scaled, fp8_cast_transpose_scaled_reference,
+                                           fp8_scales_from_amax, scale_from_amax)
 
 needs_native = pytest.mark.skipif(not _native.available("fp8"),
                                   reason="engine._fp8 not built (run setup.py build_ext --inplace)")
@@ -152,3 +154,77 @@ def test_grid_reference_is_what_fp8_linear_quantises_with():
     a = fp8_cast_transpose_grid_reference(x, scale, (1, 128))
     b = fp8_cast_transpose_grid(x, scale, (1, 128))
     assert torch.equal(_bits(a[0]), _bits(b[0])) and torch.equal(_bits(a[1]), _bits(b[1]))
+
+
+# The amaxes a per-tensor cast may be handed: ordinary, 0 (an all-zero tensor), inf / NaN (a broken
+# step), a subnormal (its fp8_max / amax overflows: clamped to the largest fp32), negative (never an
+# amax: scale 1 like the others that are not positive and finite).
+EDGE_AMAXES = [3.25, 1e-3, 0.0, float("inf"), float("nan"), 1e-40, 1e-38, -2.0, 3e38]
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_scale_from_amax_rules(fmt):
+    a = torch.tensor(EDGE_AMAXES)
+    s = scale_from_amax(a, fmt)
+    m = FP8_MAX[fmt]
+    assert s[0] == torch.tensor(m) / torch.tensor(3.25)  # a rounded division, not reciprocal * max
+    assert s[2:6].tolist() == [1.0, 1.0, 1.0, torch.finfo(torch.float32).max]
+    assert s[7] == 1.0 and torch.isfinite(s).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaled_cast_from_amax_bit_for_bit(backend, fmt, dtype):
+    """One call from an amax (current scaling): the cast with scale_from_amax(amax) and 1 / scale, the
+    same bits on the native path as in plain PyTorch, for every kind of amax."""
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(37, 129, generator=gen) * 7).to(dtype)
+    for a in EDGE_AMAXES:
+        amax = torch.tensor([a])
+        out, out_t, x_amax, inv = fp8_cast_transpose_scaled(x, amax=amax, fmt=fmt, backend=backend)
+        s = scale_from_amax(amax, fmt)
+        want, want_t, want_amax = fp8_cast_transpose_reference(x, s, fmt=fmt)
+        assert torch.equal(_bits(out), _bits(want)) and torch.equal(_bits(out_t), _bits(want_t)), a
+        assert torch.equal(x_amax, want_amax)
+        assert inv.shape == () and inv.dtype == torch.float32
+        assert torch.equal(inv, (1.0 / s).reshape(())), a
+    # a given scale: used as it is; no transpose wanted: none written
+    scale = torch.tensor([0.37])
+    out, out_t, _, inv = fp8_cast_transpose_scaled(x, scale=scale, fmt=fmt, want_out_t=False, backend=backend)
+    assert out_t is None and torch.equal(_bits(out), _bits(fp8_cast_transpose_reference(x, scale, fmt=fmt)[0]))
+    assert torch.equal(inv, (1.0 / scale).reshape(()))
+    empty = fp8_cast_transpose_scaled(x[:0], amax=torch.tensor([2.0]), fmt=fmt, backend=backend)
+    assert empty[0].shape == (0, 129) and empty[1].shape == (129, 0) and empty[2].item() == 0.0
+    assert empty[3] == 1.0 / scale_from_amax(torch.tensor(2.0), fmt)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(), "exactly one of scale= and amax="),
+    (dict(scale=torch.ones(1), amax=torch.ones(1)), "exactly one of scale= and amax="),
+    (dict(amax=torch.ones(2)), "amax must be a one-element float32 tensor"),
+    (dict(scale=torch.ones(1, dtype=torch.float64)), "scale must be a one-element float32 tensor"),
+])
+def test_scaled_cast_bad_inputs(kw, match):
+    with pytest.raises(ValueError, match=match):
+        fp8_cast_transpose_scaled(torch.ones(4, 4), **kw)
+
+
+def test_scaled_reference_matches_native_reference_helper():
+    x = torch.randn(5, 16)
+    got = fp8_cast_transpose_scaled_reference(x, amax=torch.tensor([2.0]), want_out_t=False)
+    assert got[1] is None and got[3].shape == ()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_grid_of_scales_from_amaxes_bit_for_bit(backend, fmt):
+    """The row/tile/block recipes' scales and 1 / scale in one call, any shape (a non-contiguous view too)."""
+    a = torch.tensor(EDGE_AMAXES * 2).reshape(2, 9).t()  # (9, 2), not contiguous
+    scale, inv = fp8_scales_from_amax(a, fmt, backend=backend)
+    assert scale.shape == inv.shape == (9, 2)
+    assert torch.equal(scale, scale_from_amax(a, fmt)) and torch.equal(inv, 1.0 / scale_from_amax(a, fmt))
+    empty = fp8_scales_from_amax(torch.zeros(0, 3), fmt, backend=backend)
+    assert empty[0].shape == (0, 3)
+    with pytest.raises(ValueError, match="backend='x'"):
+        fp8_scales_from_amax(a, fmt, backend="x")

@@ -111,6 +111,34 @@ def test_fp8_cast_transpose_cuda_bit_for_bit():
 
 
 @pytest.mark.skipif(not _native.has_cuda("fp8"), reason="engine._fp8 was built without CUDA")
+def test_fp8_cast_transpose_scaled_cuda_bit_for_bit():
+    """Per-tensor current scaling in one launch: the scale derived on the device from the amax
+    (IEEE division under the build's fast math) and 1 / scale, against the CPU reference, for every
+    kind of amax (0, inf, NaN, subnormal, negative: tests/engine/ops/test_fp8_cast_transpose.py)."""
+    from engine.ops.fp8_cast_transpose import fp8_cast_transpose_scaled, fp8_cast_transpose_scaled_reference
+
+    x = torch.randn(4099, 1031, device="cuda") * 100  # ragged tiles both ways
+    for dtype, fmt in [(d, f) for d in (torch.float32, torch.bfloat16) for f in (torch.float8_e4m3fn, torch.float8_e5m2)]:
+        xd = x.to(dtype)
+        for a in (3.25, 1e-3, 0.0, float("inf"), float("nan"), 1e-40, 1e-38, -2.0, 3e38, 417.1):
+            amax = torch.tensor([a], device="cuda")
+            got = fp8_cast_transpose_scaled(xd, amax=amax, fmt=fmt, backend="native")
+            want = fp8_cast_transpose_scaled_reference(xd.cpu(), amax=amax.cpu(), fmt=fmt)
+            assert torch.equal(got[0].view(torch.uint8).cpu(), want[0].view(torch.uint8)), (dtype, fmt, a)
+            assert torch.equal(got[1].view(torch.uint8).cpu(), want[1].view(torch.uint8)), (dtype, fmt, a)
+            assert torch.equal(got[2].cpu(), want[2]) and torch.equal(got[3].cpu(), want[3]), (dtype, fmt, a)
+        got = fp8_cast_transpose_scaled(xd[:0], amax=torch.tensor([2.0], device="cuda"), fmt=fmt, backend="native")
+        assert got[3].item() == fp8_cast_transpose_scaled_reference(xd[:0].cpu(), amax=torch.tensor([2.0]), fmt=fmt)[3]
+    from engine.ops.fp8_cast_transpose import fp8_scales_from_amax
+
+    grid = torch.tensor([3.25, 1e-3, 0.0, float("inf"), float("nan"), 1e-40, 1e-38, -2.0, 3e38] * 50).reshape(30, 15)
+    for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        got = fp8_scales_from_amax(grid.cuda(), fmt, backend="native")
+        want = fp8_scales_from_amax(grid, fmt, backend="reference")
+        assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1]), fmt
+
+
+@pytest.mark.skipif(not _native.has_cuda("fp8"), reason="engine._fp8 was built without CUDA")
 def test_fp8_cast_transpose_grid_cuda_bit_for_bit():
     """The row-, column-, tile- and block-scaled casts (the row- and block-wise recipes' quantisation)."""
     from engine.ops.fp8_cast_transpose import fp8_cast_transpose_grid, fp8_cast_transpose_grid_reference

@@ -428,8 +428,10 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
 
         apply_lora(chunks, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets, seed=t.seed)
 
-    from parallel.data_parallel.compression import build_grad_compressor  # docs/decentralised.md
+    from parallel.data_parallel.compression import build_grad_compressor, check_powersgd_rank  # docs/decentralised.md
 
+    if o.grad_compression == "powersgd":
+        check_powersgd_rank(chunks, o.powersgd_rank, mesh.world)
     ddp = DataParallel(chunks, dp_group=mesh.dp_cp, tp_group=mesh.tp,
                        zero_stage=o.zero_stage if o.distributed else 0, bucket_size_mb=o.bucket_size_mb,
                        overlap_grad_reduce=o.overlap_grad_reduce,

@@ -222,6 +222,24 @@ class OneBit(GradCompressor):
         return {f"error.{k}": v for k, v in self.error.items()}
 
 
+def check_powersgd_rank(modules, rank: int, world: Group) -> None:
+    """Before the buckets are built: ``rank`` must not exceed any trainable matrix's smaller side on ANY
+    rank (pipeline stages and TP shards hold different matrices). The smallest side is agreed with one
+    MIN all-reduce over ``world`` (one int), so every rank raises the same error, said once by the launcher
+    (``on_every_rank``), instead of the ranks holding a small matrix each printing their own."""
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    local = min((min(p.shape) for p in params if p.dim() == 2), default=torch.iinfo(torch.int64).max)
+    smallest = torch.tensor([local], dtype=torch.int64, device=params[0].device if params else "cpu")
+    comm.all_reduce(smallest, world, op="min")
+    smallest = int(smallest.item())
+    if rank > smallest:
+        err = ValueError(f"optim.powersgd_rank={rank} exceeds the smaller side of a trainable matrix of this model "
+                         f"at this layout ({smallest}): a rank-r factorisation needs r <= min(m, n) of every "
+                         f"matrix it compresses; set optim.powersgd_rank <= {smallest}")
+        err.on_every_rank = True
+        raise err
+
+
 def build_grad_compressor(method: str, *, dp_group: Group, rank: int = 4, seed: int = 0,
                           start_step: int = 0) -> GradCompressor | None:
     """``optim.grad_compression``: None for "none", else the compressor for ``dp_group``."""

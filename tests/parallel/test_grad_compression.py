@@ -140,6 +140,30 @@ def test_sign_packing_round_trips():
     assert torch.equal(unpack_signs(packed), torch.where(x >= 0, 1.0, -1.0))
 
 
+def _rank_check():
+    """Ranks holding different matrices (as pipeline stages do): rank 0 a 8 x 3, rank 1 a 16 x 16. Both
+    raise the same error, naming the smallest side anywhere (3), marked to be said once."""
+    import torch.distributed as dist
+
+    from parallel.comm import Group, Ledger
+    from parallel.data_parallel.compression import check_powersgd_rank
+
+    world = Group(axis="world", ranks=range(2), rank=dist.get_rank(), pg=dist.group.WORLD, ledger=Ledger())
+    model = torch.nn.Linear(3, 8) if dist.get_rank() == 0 else torch.nn.Linear(16, 16)
+    check_powersgd_rank([model], 3, world)  # fits everywhere: nothing raised
+    try:
+        check_powersgd_rank([model], 4, world)
+    except ValueError as e:
+        return {"message": str(e), "once": getattr(e, "on_every_rank", False)}
+    return {"message": None, "once": False}
+
+
+def test_powersgd_rank_check_agrees_across_ranks(dp2):
+    got = [r["rank_check"] for r in dp2]
+    assert got[0] == got[1] and got[0]["once"], got
+    assert "optim.powersgd_rank=4 exceeds" in got[0]["message"] and "set optim.powersgd_rank <= 3" in got[0]["message"]
+
+
 def test_powersgd_rank_above_a_matrix_is_refused():
     from parallel.comm import Group
     from parallel.data_parallel import DataParallel

@@ -294,10 +294,11 @@ def _resume(tmp: str, names: list[str]):
 
 def _all_dp2(tmp: str):
     """Every dp2 part of this file and of tests/parallel/test_grad_compression.py in one 2-rank launch."""
-    from tests.parallel.test_grad_compression import _compressed, _exact_rank1, _warmup
+    from tests.parallel.test_grad_compression import _compressed, _exact_rank1, _rank_check, _warmup
 
     return {"sanity": _sanity(1), "bytes": _bytes(), "fragments": _fragments(), "resume": _resume(tmp, list(RESUME_CASES)),
-            "compressed": _compressed(), "exact_rank1": _exact_rank1(), "warmup": _warmup()}
+            "compressed": _compressed(), "exact_rank1": _exact_rank1(), "warmup": _warmup(),
+            "rank_check": _rank_check()}
 
 
 _LAUNCHED: dict[str, list] = {}  # one launch per pytest process, whichever of the two files asks first

@@ -594,15 +594,20 @@ def measured_report(prediction: MemoryPrediction, rows: list[list[float]], *, st
     return line, record
 
 
-def _c10_report_flag():
-    """c10's ``FLAGS_caffe2_report_cpu_memory_usage`` as a ctypes bool, or None if not exported."""
+def _c10_flag(name: str = "FLAGS_caffe2_report_cpu_memory_usage", ctype=ctypes.c_bool):
+    """A c10 flag (by default ``FLAGS_caffe2_report_cpu_memory_usage``) as a ctypes value, or None if not
+    exported."""
     libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
     for path in glob.glob(os.path.join(libdir, "libc10.*")):
         try:
-            return ctypes.c_bool.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_report_cpu_memory_usage")
+            return ctype.in_dll(ctypes.CDLL(path), name)
         except (OSError, ValueError):
             continue
     return None
+
+
+_c10_report_flag = _c10_flag
+_C10_ERROR = 2  # c10's log severity of ERROR (WARNING is 1): FLAGS_caffe2_log_level at or above it drops warnings
 
 
 @contextlib.contextmanager
@@ -633,6 +638,7 @@ class PeakMemory:
         self.exact = True  # False: CPU without the allocator's cross-thread total (see the module docstring)
         self._prof = None
         self._flag = None
+        self._log_level = None  # c10's FLAGS_caffe2_log_level while a CPU window is open
         self._flag_was = False
         self._gc_was = False
         self._start = 0
@@ -648,6 +654,13 @@ class PeakMemory:
         from torch.profiler import ProfilerActivity, profile
         self._flag = _c10_report_flag()
         self.exact = self._flag is not None
+        # With the report flag set, every free of a block allocated before the window makes c10 log "Memory
+        # block of unknown size was allocated before the profiling started" (once per rank and run): the
+        # measurement's own noise, so c10's warnings are dropped for the window (errors still print).
+        self._log_level = _c10_flag("FLAGS_caffe2_log_level", ctypes.c_int) if self.exact else None
+        if self._log_level is not None:
+            self._log_level_was = self._log_level.value
+            self._log_level.value = max(self._log_level_was, _C10_ERROR)
         self._gc_was = gc.isenabled()
         entered = False
         try:
@@ -674,11 +687,13 @@ class PeakMemory:
         return self
 
     def _restore(self) -> None:
-        """The garbage collector and c10's memory-report flag as they were before the window."""
+        """The garbage collector, c10's memory-report flag and its log level as they were before the window."""
         if self._gc_was:
             gc.enable()
         if self._flag is not None:
             self._flag.value = self._flag_was
+        if self._log_level is not None:
+            self._log_level.value = self._log_level_was
 
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":

@@ -611,7 +611,7 @@ _C10_ERROR = 2  # c10's log severity of ERROR (WARNING is 1): FLAGS_caffe2_log_l
 
 
 @contextlib.contextmanager
-def _quiet_stderr():
+def quiet_stderr():
     """Silence file descriptor 2 for the block: Kineto prints a line to it at every profiler start and stop
     (on every rank, at every run's first step), which is noise in a training log."""
     try:
@@ -674,13 +674,13 @@ class PeakMemory:
             # process). A tensor held only by a reference cycle made in the window then lives to its end: the
             # measured peak is at most that much above the run's
             gc.disable()
-            with _quiet_stderr():
+            with quiet_stderr():
                 self._prof.__enter__()
             entered = True
             torch.empty(1)  # an event whose total is the baseline (allocated and freed at once)
         except BaseException:
             if entered:
-                with _quiet_stderr():
+                with quiet_stderr():
                     self._prof.__exit__(None, None, None)
             self._restore()
             raise
@@ -703,7 +703,7 @@ class PeakMemory:
             return
         try:
             torch.empty(1)  # an event after the last free on another thread: the total at exit
-            with _quiet_stderr():
+            with quiet_stderr():
                 self._prof.__exit__(*exc)
         finally:
             self._restore()

@@ -22,8 +22,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import warnings
 
 import torch
+
+from engine.memory import quiet_stderr
 
 
 def _layers(chunk) -> list:
@@ -122,15 +125,24 @@ class StepProfiler:
         if cuda:
             torch.cuda.memory._record_memory_history(max_entries=100000)
         self._ranges = _Ranges(self.chunks, cuda=cuda)
+        # The first stage's embedding sees token ids (no gradient), so torch warns that its range's backward
+        # hook fires on the output gradients instead, once per rank: expected here, and noise in the log.
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
+                                "respect to module outputs", category=UserWarning)
         self._prof = profile(activities=acts, profile_memory=True, record_shapes=False, with_stack=False)
-        self._prof.__enter__()
+        with quiet_stderr():  # Kineto's "profiler_start" line on every rank
+            self._prof.__enter__()
 
     def _finish(self) -> None:
         from engine.memory import cpu_allocation_peak
 
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._prof.__exit__(None, None, None)
+        with quiet_stderr():  # and its "profiler_stop"
+            self._prof.__exit__(None, None, None)
+        self._warnings.__exit__(None, None, None)
         self._ranges.remove()
         os.makedirs(self.dir, exist_ok=True)
         self._prof.export_chrome_trace(os.path.join(self.dir, f"trace_rank{self.rank}.json"))

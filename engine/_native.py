@@ -40,6 +40,16 @@ def load(name: str):
         ) from err
 
 
+def op(name: str, fn: str):
+    """``engine._<name>.<fn>``; an extension built from older sources (pulled, not rebuilt) lacks new
+    functions: that raises ImportError naming the rebuild, not an AttributeError deep in a training step."""
+    f = getattr(load(name), fn, None)
+    if f is None:
+        raise ImportError(f"Tessel native extension 'engine._{name}' was built from older sources: it has no "
+                          f"{fn!r}. Rebuild it with `bash tools/install.sh` (or `python setup.py build_ext --inplace`).")
+    return f
+
+
 def available(name: str) -> bool:
     try:
         load(name)

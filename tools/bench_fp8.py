@@ -86,11 +86,18 @@ def _quantised(recipe: str, x, w):
     return quantize_tiles(x, E4M3), quantize_blocks(w, E4M3)
 
 
+_NOT_LAUNCHES = {"empty", "empty_like", "empty_strided", "new_empty", "_local_scalar_dense", "lift_fresh", "detach"}
+
+
 def dispatched_ops(fn) -> dict[str, int]:
-    """The aten ops ``fn()`` dispatches that compute: views, allocations and CPU scalar reads left out
-    (each counted op is a kernel launch on a GPU, issued from Python)."""
+    """What ``fn()`` issues that runs on the device: the aten ops it dispatches except views, allocations and
+    CPU scalar reads, and (named ``engine._fp8.<fn>``) the calls of the native FP8 extension, which the
+    dispatcher does not see. On a GPU each aten op here is a kernel launch, and a native cast is two (the
+    amax's memset and the kernel)."""
     import collections
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    from engine import _native
 
     class Count(TorchDispatchMode):
         def __init__(self):
@@ -98,13 +105,28 @@ def dispatched_ops(fn) -> dict[str, int]:
             self.ops = collections.Counter()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops[func.overloadpacket.__name__] += 1
+            name = func.overloadpacket.__name__
+            if not (func.is_view or name in _NOT_LAUNCHES):
+                self.ops[name] += 1
             return func(*args, **(kwargs or {}))
-    with Count() as c:
-        fn()
-    skip = {"view", "t", "empty", "empty_like", "slice", "detach", "_local_scalar_dense", "alias", "unsqueeze",
-            "select"}
-    return {k: v for k, v in sorted(c.ops.items()) if k not in skip}
+
+    native = _native.load("fp8") if _native.available("fp8") else None
+    wrapped = {}
+    counter = Count()
+    if native is not None:  # count the extension's calls: wrap its functions for the duration
+        for fname in ("cast_transpose", "cast_transpose_scaled", "cast_transpose_grid", "scales_from_amax"):
+            f = getattr(native, fname, None)
+            if f is not None:
+                wrapped[fname] = f
+                setattr(native, fname, (lambda f, key: lambda *a, **k: (counter.ops.update([key]), f(*a, **k))[1])(
+                    f, f"engine._fp8.{fname}"))
+    try:
+        with counter:
+            fn()
+    finally:
+        for fname, f in wrapped.items():
+            setattr(native, fname, f)
+    return dict(sorted(counter.ops.items()))
 
 
 def bench_host(args) -> dict:
@@ -319,6 +341,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     if args.tokens % 16:
         p.error(f"--tokens={args.tokens} must be a multiple of 16 (FP8 GEMM alignment)")
+    if any(v < 16 or v % 16 for v in args.host_shape):
+        p.error(f"--host-shape={args.host_shape} must be multiples of 16 (FP8 GEMM alignment)")
     if "step" in args.skip or args.profile:
         for flag, val in (("--micro-batch", args.micro_batch), ("--weight-cache-ab", args.weight_cache_ab)):
             if val:
@@ -359,8 +383,6 @@ def main(argv=None) -> int:
             print(f"{row['model'] + ' ' + row['linear']:>12} {row['M']:>6} x {row['N']:>5} x {row['K']:>5} "
                   f"{row['hp_fwd_tflops']:>9.3f} {row['hp_step_tflops']:>9.3f} | {cells}")
     if "host" not in args.skip:
-        if any(v % 16 for v in args.host_shape):
-            p.error(f"--host-shape={args.host_shape} must be multiples of 16 (FP8 GEMM alignment)")
         res["host"] = h = bench_host(args)
         base = h["sides"]["hp"]
         print(f"host time to issue one linear forward + backward ({' x '.join(map(str, h['shape']))}), median of 5 x 50 "

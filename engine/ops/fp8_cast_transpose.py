@@ -57,7 +57,7 @@ def fp8_scales_from_amax(amax: Tensor, fmt: torch.dtype = torch.float8_e4m3fn, *
     if fmt not in FP8_MAX:
         raise ValueError(f"fp8_scales_from_amax: fmt={fmt} is not torch.float8_e4m3fn or torch.float8_e5m2.")
     if backend == "native" or (backend == "auto" and _native.available("fp8")):
-        return _native.load("fp8").scales_from_amax(amax.float(), e5m2=fmt == torch.float8_e5m2)
+        return _native.op("fp8", "scales_from_amax")(amax.float(), e5m2=fmt == torch.float8_e5m2)
     scale = scale_from_amax(amax, fmt)
     return scale, 1.0 / scale
 
@@ -86,7 +86,7 @@ def fp8_cast_transpose(x: Tensor, scale: Tensor, *, fmt: torch.dtype = torch.flo
         raise ValueError(f"{_OP}: scale must be a one-element float32 tensor on {x.device}, got "
                          f"{scale.dtype} with {scale.numel()} elements on {scale.device}.")
     if backend == "native" or (backend == "auto" and _native.available("fp8")):
-        return _native.load("fp8").cast_transpose(x.contiguous(), scale, e5m2=fmt == torch.float8_e5m2)
+        return _native.op("fp8", "cast_transpose")(x.contiguous(), scale, e5m2=fmt == torch.float8_e5m2)
     return fp8_cast_transpose_reference(x, scale, fmt=fmt)
 
 
@@ -115,7 +115,7 @@ def fp8_cast_transpose_scaled(x: Tensor, *, scale: Tensor | None = None, amax: T
         raise ValueError(f"{_OP}_scaled: {'scale' if amax is None else 'amax'} must be a one-element float32 "
                          f"tensor on {x.device}, got {given.dtype} with {given.numel()} elements on {given.device}.")
     if backend == "native" or (backend == "auto" and _native.available("fp8")):
-        return _native.load("fp8").cast_transpose_scaled(x.contiguous(), given, from_amax=amax is not None,
+        return _native.op("fp8", "cast_transpose_scaled")(x.contiguous(), given, from_amax=amax is not None,
                                                          e5m2=fmt == torch.float8_e5m2, want_out_t=want_out_t)
     return fp8_cast_transpose_scaled_reference(x, scale=scale, amax=amax, fmt=fmt, want_out_t=want_out_t)
 
@@ -161,7 +161,7 @@ def fp8_cast_transpose_grid(x: Tensor, scale: Tensor, block: tuple[int, int], *,
     if not (want_out or want_out_t):
         raise ValueError(f"{_OP}_grid: want_out and want_out_t are both False: nothing to compute")
     if backend == "native" or (backend == "auto" and _native.available("fp8")):
-        return _native.load("fp8").cast_transpose_grid(x.contiguous(), scale.contiguous(), br, bc,
+        return _native.op("fp8", "cast_transpose_grid")(x.contiguous(), scale.contiguous(), br, bc,
                                                        e5m2=fmt == torch.float8_e5m2, want_out=want_out,
                                                        want_out_t=want_out_t)
     return fp8_cast_transpose_grid_reference(x, scale, block, fmt=fmt, want_out=want_out, want_out_t=want_out_t)

@@ -24,7 +24,7 @@ def test_bench_fp8_gemms_check_every_recipe(tmp_path):
     assert host["hp"]["op_counts"] == {"add_": 2, "mm": 3}
     assert all(v["host_us"] > 0 for v in host.values())
     if _native.available("fp8"):  # the reference casts (extension not built) are plain PyTorch ops
-        assert host["tensorwise"]["ops"] == 8
+        assert host["tensorwise"]["ops"] == 11 and host["tensorwise"]["op_counts"]["engine._fp8.cast_transpose_scaled"] == 3
 
 
 def test_bench_fp8_train_step_ratio(tmp_path, capsys):
@@ -57,7 +57,8 @@ def test_bench_fp8_profile_lists_each_sides_kernels(tmp_path):
 @pytest.mark.parametrize("argv, match", [(["--profile-top", "3"], "read with --profile only"),
                                          (["--profile", "8b"], "give MODEL:LINEAR"),
                                          (["--skip", "step", "--weight-cache-ab"], "applies to the train step"),
-                                         (["--micro-batch", "3"], "must divide the cpu-tiny preset's batch")])
+                                         (["--micro-batch", "3"], "must divide the cpu-tiny preset's batch"),
+                                         (["--host-shape", "16", "24", "16"], "must be multiples of 16")])
 def test_bench_fp8_profile_flags_are_checked(argv, match, capsys):
     with pytest.raises(SystemExit):
         bench_fp8.main(argv)

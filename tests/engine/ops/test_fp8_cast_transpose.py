@@ -228,3 +228,14 @@ def test_grid_of_scales_from_amaxes_bit_for_bit(backend, fmt):
     assert empty[0].shape == (0, 3)
     with pytest.raises(ValueError, match="backend='x'"):
         fp8_scales_from_amax(a, fmt, backend="x")
+
+
+def test_an_extension_built_from_older_sources_names_the_rebuild(monkeypatch):
+    """A checkout pulled without rebuilding: engine._fp8 imports but lacks a new function. The op says to
+    rebuild (ImportError), instead of an AttributeError inside a training step."""
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "engine._fp8", types.ModuleType("engine._fp8"))  # no functions at all
+    with pytest.raises(ImportError, match=r"built from older sources: it has no 'cast_transpose_scaled'.*tools/install.sh"):
+        fp8_cast_transpose_scaled(torch.ones(16, 16), amax=torch.ones(1), backend="native")

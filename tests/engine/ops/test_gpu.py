@@ -113,7 +113,7 @@ def test_fp8_cast_transpose_cuda_bit_for_bit():
 @pytest.mark.skipif(not _native.has_cuda("fp8"), reason="engine._fp8 was built without CUDA")
 def test_fp8_cast_transpose_scaled_cuda_bit_for_bit():
     """Per-tensor current scaling in one launch: the scale derived on the device from the amax
-    (IEEE division under the build's fast math) and 1 / scale, against the CPU reference, for every
+    (IEEE division and reciprocal; fp8 is built without fast math) and 1 / scale, against the CPU reference, for every
     kind of amax (0, inf, NaN, subnormal, negative: tests/engine/ops/test_fp8_cast_transpose.py)."""
     from engine.ops.fp8_cast_transpose import fp8_cast_transpose_scaled, fp8_cast_transpose_scaled_reference
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import itertools
 import json
 import os
@@ -260,6 +261,11 @@ def bench_step(args) -> dict:
     ops = {}  # computing aten ops dispatched per train step (each a kernel launch on a GPU)
     for name in names:
         fp8, _, nocache = name.partition("/")
+        base = 0
+        if args.device == "cuda":  # what earlier sides left (none, since DataParallel's hooks hold it weakly)
+            gc.collect()
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated()
         trainer, _, _ = _tessel_trainer(ns, fp8=fp8, micro_batch=args.micro_batch,
                                         extra=("model.fp8_weight_cache=false",) if nocache else ())
         loader = itertools.cycle(micro)  # the batch's micro-batches, in turn (one per trainer micro-batch)
@@ -268,12 +274,11 @@ def bench_step(args) -> dict:
         ops[name] = sum(dispatched_ops(lambda: trainer.train_step(loader)).values())  # one more step, counted
         sides[name] = (trainer, loader)
         if args.device == "cuda":  # one side on the GPU at a time (a 1B model's copies)
-            sides[name] = _time_side(args, trainer, loader)
+            sides[name] = _time_side(args, trainer, loader, base)
             # printed at once: a session's time box may stop the run before the table at the end
             print(f"  (measured) model.fp8={name}: {sides[name]['step_s'] * 1e3:.1f} ms, "
                   f"peak {sides[name]['peak_mem_gib']:.1f} GiB", flush=True)
             del trainer
-            torch.cuda.empty_cache()
     if args.device == "cuda":
         times = sides
     else:  # round-robin on the CPU, alternating the order
@@ -293,14 +298,16 @@ def bench_step(args) -> dict:
             **times}
 
 
-def _time_side(args, trainer, loader) -> dict:
+def _time_side(args, trainer, loader, base: int) -> dict:
+    """Median step time of one side, and its peak memory over the timed steps above ``base`` (what was
+    allocated before the side was built)."""
     from tools.bench_train_step import _time_cuda
 
     torch.cuda.reset_peak_memory_stats()
     losses = []
     _, times = _time_cuda(lambda: losses.append(trainer.train_step(loader).loss), n=args.steps)
     return {"step_s": statistics.median(times), "last_loss": losses[-1],
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
+            "peak_mem_gib": (torch.cuda.max_memory_allocated() - base) / 2 ** 30}
 
 
 def main(argv=None) -> int:

@@ -65,6 +65,7 @@ its edp shard of them), so a sum over the dp group counts every expert element o
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Iterator
 
 import torch
@@ -89,6 +90,15 @@ def num_microbatches(global_batch_size: int, micro_batch_size: int, dp: int) -> 
                          f"{micro_batch_size} * {dp} = {per_step}; use a multiple of {per_step} "
                          f"(e.g. {lo} or {lo + per_step}) or change micro_batch_size/dp")
     return global_batch_size // per_step
+
+
+def _weak_grad_hook(ddp_ref, key: int):
+    """The hook a parameter holds: calls ``DataParallel._grad_hooks[key]`` while the DataParallel lives."""
+    def hook(p: torch.nn.Parameter) -> None:
+        ddp = ddp_ref()
+        if ddp is not None:
+            ddp._grad_hooks[key](p)
+    return hook
 
 
 class DataParallel(torch.nn.Module):
@@ -221,7 +231,13 @@ class DataParallel(torch.nn.Module):
         self._inflight: list[tuple[ParamAndGradBuffer, Bucket]] = []
         self.lazy_grad_bytes = 0  # fp32 bucket gradients currently allocated (zero_stage 2)
         self.lazy_grad_bytes_peak = 0
-        self._handles = [p.register_post_accumulate_grad_hook(self._make_grad_hook(p))
+        # The hooks live here; each parameter holds a thin one that reaches them through a weak reference. A
+        # tensor hook is held by C++ (the parameter's gradient accumulator), where Python's garbage collector
+        # cannot see it: a hook holding this object (and so its buckets and parameters) made a cycle that was
+        # never collected, and every DataParallel built in a process kept its model alive to the end.
+        self._grad_hooks = {id(p): self._make_grad_hook(p) for buf in self.flat_buffers for b in buf.buckets
+                            for p in b.params}
+        self._handles = [p.register_post_accumulate_grad_hook(_weak_grad_hook(weakref.ref(self), id(p)))
                          for buf in self.flat_buffers for b in buf.buckets for p in b.params]
         if overlap_param_gather:
             self._register_gather_prehooks()
@@ -318,7 +334,7 @@ class DataParallel(torch.nn.Module):
         self.local_grads = bool(local)
         self.grad_scale = 1.0 / self.dp_group.size if self.grad_reduce == "mean" and not local else 1.0
 
-    def _make_grad_hook(self, param: torch.nn.Parameter):
+    def _make_grad_hook(self, param: torch.nn.Parameter):  # held in self._grad_hooks (see __init__)
         buf, bucket = self._where[id(param)]
 
         if self.zero_stage == 3:

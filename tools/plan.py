@@ -126,7 +126,12 @@ def build_training(a, model) -> Training:
     if a.zero is None:  # the preset's (its --set overrides included), else the planner's default 1
         a.zero = (optim.get("zero_stage", 1) if optim.get("distributed") else 0) if preset else 1
     if a.precision is None:
-        a.precision = "fp8" if preset.get("model", {}).get("fp8", "none") != "none" else "bf16"
+        m = preset.get("model", {})
+        if m.get("fp8") == "mxfp8" and m.get("fp8_backend", "tessel") == "tessel":
+            raise ValueError("model.fp8 = 'mxfp8' on the tessel backend runs its GEMMs as fp32 matmuls (emulated, "
+                             "docs/fp8.md): no FP8 peak applies; give --precision bf16 or fp8 to plan the layout "
+                             "anyway, or set model.fp8_backend = 'te' (TE's MXFP8 on Blackwell)")
+        a.precision = "fp8" if m.get("fp8", "none") != "none" else "bf16"
     overlap = a.tp_overlap or preset.get("parallel", {}).get("tp_overlap") or "none"
     if overlap not in ("none", "ring"):
         raise ValueError(f"parallel.tp_overlap={overlap!r} (the preset's) is not planned: use --tp-overlap none or ring")

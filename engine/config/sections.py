@@ -87,7 +87,8 @@ class ModelConfig(Section):
     ``fp8``: "none", or the FP8 recipe of every column- and row-parallel linear (docs/fp8.md):
     "tensorwise", "delayed" (amax history of ``fp8_amax_history`` steps, scale divided by
     2**``fp8_margin``; TE's default margin 0 saturates activations of small, fast-changing models: use
-    1 there, docs/fp8.md), "rowwise" or "blockwise". ``fp8_exclude`` lists linears kept in high
+    1 there, docs/fp8.md), "rowwise", "blockwise" or "mxfp8" (1 x 32 power-of-two blocks; emulated by an
+    fp32 matmul on the tessel backend, TE's MXFP8 on Blackwell). ``fp8_exclude`` lists linears kept in high
     precision ("mlp.fc2", "layers.0.attention.qkv", ...). ``fp8_backend``: "tessel" (engine/ops on
     torch._scaled_mm) or "te" (Transformer Engine's GEMMs inside Tessel's TP linears; never run with a real
     TE here, docs/fp8.md).

@@ -36,6 +36,14 @@ Recipes (where the amax comes from, and its granularity):
   (``torch.nn.functional.scaled_mm`` with BlockWise1x128 / BlockWise128x128 recipes where torch has
   it, else ``torch._scaled_mm``; 1x128 x 1x128 for the weight gradient), its first result in a
   process checked against the loop; the loop is the fallback (K/128 GEMM launches: slow, correct).
+* ``mxfp8`` (OCP Microscaling, as Transformer Engine's MXFP8BlockScaling with the HYBRID format): every
+  operand in 1 x 32 blocks along its contraction, each block's scale a power of two (E8M0), the
+  smallest that keeps the block within the format (``2**ceil(log2(amax / fp8_max))``: no saturation).
+  The backward re-quantises x, w and dy along their other axis from the saved high-precision tensors,
+  as row-wise does. GEMM: no MX kernel is wired (torch's needs Blackwell), so the fp8 values times their
+  scales are multiplied as an fp32 matmul. With power-of-two scales this is the MX GEMM's arithmetic
+  (every dequantised value and every product exact in fp32, sums in fp32), at an fp32 matmul's speed:
+  a numerics recipe here, for speed on Blackwell use the TE backend (docs/fp8.md).
 
 Shape rules (checked on every backend, so what runs on CPU runs on a GPU): K and N must be
 multiples of 16 (cuBLAS FP8 needs 16-byte aligned rows; the backward contracts over N); M (the
@@ -80,9 +88,11 @@ from engine.ops.fp8_cast_transpose import (FP8_MAX, fp8_cast_transpose_grid, fp8
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
+RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8")
 PER_TENSOR = ("tensorwise", "delayed")  # one scale per tensor
 BLOCK = 128   # blockwise tile edge
+MX_BLOCK = 32  # mxfp8 block length along the contraction
+REQUANTISED = ("rowwise", "mxfp8")  # weight saved in high precision, re-quantised transposed for the backward
 ALIGN = 16    # FP8 GEMM row alignment (elements of 1 byte)
 ROLES = ("input", "weight", "grad_output")
 _FORMAT = {"input": E4M3, "weight": E4M3, "grad_output": E5M2}
@@ -124,7 +134,8 @@ class Quantized:
     """An fp8 matrix and its dequantisation scales.
 
     ``granularity``: "tensor" (scale_inv: 0-d), "row" (rows, 1), "tile" (rows, ceil(cols/128): 1 x 128
-    tiles along the columns) or "block" (ceil(rows/128), ceil(cols/128): 128 x 128 blocks).
+    tiles along the columns), "block" (ceil(rows/128), ceil(cols/128): 128 x 128 blocks) or "mx" (rows,
+    ceil(cols/32): 1 x 32 blocks along the columns, powers of two).
     """
 
     data: Tensor
@@ -144,8 +155,9 @@ class Quantized:
         if self.granularity in ("tensor", "row"):
             return d * self.scale_inv
         rows, cols = d.shape
-        if self.granularity == "tile":
-            s = self.scale_inv.repeat_interleave(BLOCK, dim=1)[:, :cols]  # (rows, cols)
+        if self.granularity in ("tile", "mx"):
+            edge = BLOCK if self.granularity == "tile" else MX_BLOCK
+            s = self.scale_inv.repeat_interleave(edge, dim=1)[:, :cols]  # (rows, cols)
         else:
             s = self.scale_inv.repeat_interleave(BLOCK, dim=0).repeat_interleave(BLOCK, dim=1)[:rows, :cols]
         return d * s
@@ -212,6 +224,39 @@ def quantize_blocks(t: Tensor, fmt: torch.dtype) -> Quantized:
     scale, inv = fp8_scales_from_amax(_absmax(tiles, (1, 3)).reshape(rb, cb), fmt)  # (rb, cb)
     q, _, _ = _grid_cast(t, scale, (BLOCK, BLOCK), fmt)
     return Quantized(q, inv, "block")
+
+
+def _pow2_scales(ratio: Tensor) -> tuple[Tensor, Tensor]:
+    """(scale, scale_inv) for each ``ratio`` = block amax / fp8_max (fp32, ratio's shape): ``scale_inv =
+    2**e`` with ``e = ceil(log2(ratio))``, the smallest power of two with ratio / 2**e <= 1 (the block fits
+    the format unclipped), e clamped to [-126, 126] (fp32 normals both ways; E8M0 reaches 2**-127); 1 where
+    the ratio is 0 or not finite. Built from the exponent bits: exact."""
+    ok = (ratio > 0) & (ratio < float("inf"))
+    mant, exp = torch.frexp(torch.where(ok, ratio, 1.0))  # ratio = mant * 2**exp, mant in [0.5, 1)
+    e = torch.where(mant == 0.5, exp - 1, exp)  # an exact power of two needs no rounding up
+    e = torch.where(ok, e, 0).clamp(-126, 126).to(torch.int32)
+    bits = lambda k: ((k + 127) << 23).view(torch.float32)  # 2**k for a normal exponent k
+    return bits(-e), bits(e)
+
+
+def quantize_mx(t: Tensor, fmt: torch.dtype, *, transposed: bool = False) -> Quantized:
+    """1 x 32 blocks along the columns of ``t`` (rows, cols) with power-of-two scales (mxfp8; a ragged last
+    block has its own). With ``transposed``, the blocks of ``t.T``: 32 x 1 along t's rows, the cast writing
+    the transpose."""
+    t = t.contiguous()
+    rows, cols = t.shape
+    fmax = FP8_MAX[fmt]
+    if transposed:
+        nb = -(-rows // MX_BLOCK)
+        blocks = _padded_to(t, nb * MX_BLOCK, cols).view(nb, MX_BLOCK, cols)
+        scale, inv = _pow2_scales(_absmax(blocks, 1).squeeze(1) / fmax)  # (nb, cols)
+        _, q_t, _ = _grid_cast(t, scale, (MX_BLOCK, 1), fmt, out=False, out_t=True)  # (cols, rows)
+        return Quantized(q_t, torch.empty(cols, nb, device=t.device).copy_(inv.t()), "mx")  # (cols, nb)
+    nb = -(-cols // MX_BLOCK)
+    blocks = _padded_to(t, rows, nb * MX_BLOCK).view(rows, nb, MX_BLOCK)
+    scale, inv = _pow2_scales(_absmax(blocks, 2).squeeze(2) / fmax)  # (rows, nb)
+    q, _, _ = _grid_cast(t, scale, (1, MX_BLOCK), fmt)
+    return Quantized(q, inv, "mx")
 
 
 # -- GEMMs ----------------------------------------------------------------------------------------
@@ -320,6 +365,11 @@ def scaled_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> Tensor:
         dt = torch.bfloat16 if cuda else out_dtype
         y = torch._scaled_mm(a.data, b.data.t(), a.scale_inv, b.scale_inv.t().contiguous(), out_dtype=dt)
         return y.to(out_dtype)
+    if a.granularity == "mx" and b.granularity == "mx":
+        # No MX kernel wired (torch's needs Blackwell): the MX GEMM's arithmetic as an fp32 matmul of the
+        # dequantised operands (power-of-two scales: every value and product exact in fp32).
+        GEMM_PATHS["mxfp8"] = "dequantised fp32 matmul (no MX GEMM wired)"
+        return (a.dequantize() @ b.dequantize().t()).to(out_dtype)  # (M, N)
     if a.granularity in ("tile", "block") and b.granularity in ("tile", "block"):
         native = _native_blockwise(a, b)
         if native is not None:
@@ -333,7 +383,7 @@ def scaled_gemm_reference(a: Quantized, b: Quantized, out_dtype: torch.dtype) ->
     """Plain PyTorch :func:`scaled_gemm`. Tensor and row layouts: the dequantised operands' fp32
     matmul (what ``_scaled_mm`` computes on the CPU, bit for bit; CUDA's epilogue scales the fp32
     accumulator instead, which differs by rounding). Tile and block layouts: the per-128-slice sum."""
-    if a.granularity in ("tensor", "row"):
+    if a.granularity in ("tensor", "row", "mx"):
         return (a.dequantize() @ b.dequantize().t()).to(out_dtype)  # (M, N)
     (m, c), n = a.data.shape, b.data.shape[0]
     acc = torch.zeros(m, n, dtype=torch.float32, device=a.data.device)
@@ -444,7 +494,7 @@ class WeightCasts:
     ``made`` and ``reused`` count the casts computed and the calls that took one from here. A closed
     cache (its scope ended) caches nothing: a late call computes its cast as without a cache."""
 
-    KINDS = ("tensor", "row", "row_t", "block")
+    KINDS = ("tensor", "row", "row_t", "block", "mx", "mx_t")
 
     def __init__(self):
         self._casts: dict[str, object] = {}
@@ -505,9 +555,27 @@ def weight_rowwise(weight: Tensor, casts: Optional[WeightCasts], *, transposed: 
                  lambda: quantize_rowwise(weight, E4M3, transposed=transposed))
 
 
-def weight_blocks(weight: Tensor, casts: Optional[WeightCasts]) -> Quantized:
-    """The weight in 128 x 128 blocks (N, K)."""
+def weight_blocks(weight: Tensor, casts: Optional[WeightCasts], *, transposed: bool = False) -> Quantized:
+    """The weight in 128 x 128 blocks (N, K) (its transpose: ``.t()`` of these, no re-quantisation)."""
+    if transposed:
+        raise ValueError("weight_blocks: a block-quantised weight is transposed with .t(), not re-quantised")
     return _cast(casts, "block", weight, lambda: quantize_blocks(weight, E4M3))
+
+
+def weight_mx(weight: Tensor, casts: Optional[WeightCasts], *, transposed: bool = False) -> Quantized:
+    """The weight in 1 x 32 power-of-two blocks along K (N, K), or, ``transposed``, along N (K, N)."""
+    return _cast(casts, "mx_t" if transposed else "mx", weight,
+                 lambda: quantize_mx(weight, E4M3, transposed=transposed))
+
+
+def act_quantizer(recipe: str) -> Callable[..., Quantized]:
+    """How a row / block / MX recipe quantises an activation or gradient (fn(t, fmt, transposed=False))."""
+    return {"rowwise": quantize_rowwise, "blockwise": quantize_tiles, "mxfp8": quantize_mx}[recipe]
+
+
+def weight_quantizer(recipe: str) -> Callable[..., Quantized]:
+    """How a row / block / MX recipe casts its weight (fn(weight, casts, transposed=False), cached)."""
+    return {"rowwise": weight_rowwise, "blockwise": weight_blocks, "mxfp8": weight_mx}[recipe]
 
 
 @dataclass
@@ -583,9 +651,10 @@ def pad_rows(t: Tensor) -> Tensor:
 
 
 def weight_grad_requantized(recipe: str, gemm, g: Tensor, x: Tensor, w_dtype: torch.dtype) -> Tensor:
-    """``dw = g.T @ x`` (g (M, N), x (M, K)) for the row and block recipes, which quantise g and x again
-    along the tokens M (zero-padded to ALIGN): per row of the transposes, or in 1 x 128 tiles."""
-    quantize = quantize_rowwise if recipe == "rowwise" else quantize_tiles
+    """``dw = g.T @ x`` (g (M, N), x (M, K)) for the row, block and MX recipes, which quantise g and x again
+    along the tokens M (zero-padded to ALIGN): per row of the transposes, in 1 x 128 tiles, or in 1 x 32
+    power-of-two blocks."""
+    quantize = act_quantizer(recipe)
     gt = quantize(pad_rows(g), E5M2, transposed=True)  # (N, M')
     xt = quantize(pad_rows(x), E4M3, transposed=True)  # (K, M')
     return gemm(gt, xt, torch.float32).to(w_dtype)
@@ -651,8 +720,8 @@ class _Fp8Linear(torch.autograd.Function):
             scaler.record("input", x_amax)
             y = gemm(xq, wq, out_dtype)
             ctx.save_for_backward(xq_t.data, xq_t.scale_inv, wq_t.data, wq_t.scale_inv)
-        elif recipe == "rowwise":
-            y = gemm(quantize_rowwise(x, E4M3), weight_rowwise(weight, casts), out_dtype)
+        elif recipe in REQUANTISED:
+            y = gemm(act_quantizer(recipe)(x, E4M3), weight_quantizer(recipe)(weight, casts), out_dtype)
             ctx.save_for_backward(x, weight)
         else:  # blockwise
             wq = weight_blocks(weight, casts)
@@ -686,11 +755,11 @@ class _Fp8Linear(torch.autograd.Function):
                     grad_x = ctx.gather.reduce_scatter(grad_x)  # (M/size, K)
             if need_w:
                 grad_w = wgrad_from_transposes(gemm, gq_t, Quantized(xt_data, xt_inv, "tensor"), ctx.w_dtype)
-        elif recipe == "rowwise":
+        elif recipe in REQUANTISED:
             x, weight = ctx.saved_tensors
             if need_x:
-                grad_x = gemm(quantize_rowwise(g, E5M2), weight_rowwise(weight, ctx.casts, transposed=True),
-                              ctx.out_dtype)
+                grad_x = gemm(act_quantizer(recipe)(g, E5M2),
+                              weight_quantizer(recipe)(weight, ctx.casts, transposed=True), ctx.out_dtype)
             if need_w:
                 grad_w = weight_grad_requantized(recipe, gemm, g, x, ctx.w_dtype)
         else:

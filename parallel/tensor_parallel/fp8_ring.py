@@ -42,9 +42,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.ops.fp8_linear import (E4M3, E5M2, PER_TENSOR, Quantized, Scaler, WeightCasts, quantize_rowwise,
-                                   quantize_tensorwise, quantize_tiles, scaled_gemm, shard_cast, weight_blocks,
-                                   weight_grad_requantized, weight_rowwise, weight_tensorwise, wgrad_from_transposes)
+from engine.ops.fp8_linear import (E4M3, E5M2, PER_TENSOR, REQUANTISED, Quantized, Scaler, WeightCasts,
+                                   act_quantizer, quantize_tensorwise, scaled_gemm, shard_cast,
+                                   weight_grad_requantized, weight_quantizer, weight_tensorwise,
+                                   wgrad_from_transposes)
 from parallel import comm
 from parallel.comm import Group
 from parallel.tensor_parallel.overlap import ring_all_gather, ring_reduce_scatter
@@ -56,11 +57,12 @@ def _rows(t: Tensor, c: int, n: int) -> Tensor:
 
 
 def _saved_row_block(ctx) -> tuple[Tensor, Quantized]:
-    """The row / block recipes' saved (x, W) as (x, fp8 W^T (K, N)): W re-quantised per row of its transpose
-    (rowwise), or its saved 128 x 128 blocks transposed (blockwise: no re-quantisation)."""
-    if ctx.recipe == "rowwise":
+    """The row / block / MX recipes' saved (x, W) as (x, fp8 W^T (K, N)): W re-quantised along N (rowwise:
+    per row of its transpose; mxfp8: in 1 x 32 blocks), or its saved 128 x 128 blocks transposed (blockwise:
+    no re-quantisation)."""
+    if ctx.recipe in REQUANTISED:
         x, weight = ctx.saved_tensors
-        return x, weight_rowwise(weight, ctx.casts, transposed=True)
+        return x, weight_quantizer(ctx.recipe)(weight, ctx.casts, transposed=True)
     x, w_data, w_inv = ctx.saved_tensors
     return x, Quantized(w_data, w_inv, "block").t()
 
@@ -104,8 +106,8 @@ class _Fp8RingColumn(torch.autograd.Function):
             ring_all_gather(xq.data.view(torch.uint8), group, consume)
             ctx.save_for_backward(xq_t, xq.scale_inv, wq_t.data, wq_t.scale_inv)
         else:
-            wq = weight_rowwise(weight, casts) if recipe == "rowwise" else weight_blocks(weight, casts)
-            quantize = quantize_rowwise if recipe == "rowwise" else quantize_tiles
+            wq = weight_quantizer(recipe)(weight, casts)
+            quantize = act_quantizer(recipe)
             x_full = x_shard.new_empty((m, k))  # the gathered x, saved as the non-ring path saves it
 
             def consume(chunk, c):
@@ -114,7 +116,7 @@ class _Fp8RingColumn(torch.autograd.Function):
                 _rows(y, c, n).copy_(out if bias_c is None else out + bias_c)
                 _rows(x_full, c, n).copy_(rows)
             ring_all_gather(x_shard, group, consume)
-            if recipe == "rowwise":
+            if recipe in REQUANTISED:
                 ctx.save_for_backward(x_full, weight)
             else:
                 ctx.save_for_backward(x_full, wq.data, wq.scale_inv)
@@ -143,9 +145,9 @@ class _Fp8RingColumn(torch.autograd.Function):
                 wgrad["w"] = wgrad_from_transposes(scaled_gemm, gq_t, Quantized(xt_data, xt_inv, "tensor"), ctx.w_dtype)
         else:
             x_full, wt = _saved_row_block(ctx)
-            quantize = quantize_rowwise if recipe == "rowwise" else quantize_tiles
+            quantize = act_quantizer(recipe)
 
-            def partial(c):  # a row or a 1 x 128 tile of dy lies within one chunk: the whole dy's scales
+            def partial(c):  # a row, 1 x 128 tile or 1 x 32 block of dy lies within one chunk: the whole dy's scales
                 return scaled_gemm(quantize(_rows(g, c, n), E5M2), wt, ctx.out_dtype)
 
             def weight_grad():
@@ -183,10 +185,9 @@ class _Fp8RingRow(torch.autograd.Function):
             def partial(c):
                 return scaled_gemm(Quantized(_rows(xq.data, c, n), xq.scale_inv, "tensor"), wq, out_dtype)
         else:
-            quantize = quantize_rowwise if recipe == "rowwise" else quantize_tiles
-            xq = quantize(x2d, E4M3)  # row / tile scales: local to each row
-            wq = weight_rowwise(weight, casts) if recipe == "rowwise" else weight_blocks(weight, casts)
-            if recipe == "rowwise":
+            xq = act_quantizer(recipe)(x2d, E4M3)  # row / tile / MX scales: local to each row
+            wq = weight_quantizer(recipe)(weight, casts)
+            if recipe in REQUANTISED:
                 ctx.save_for_backward(x2d, weight)
             else:
                 ctx.save_for_backward(x2d, wq.data, wq.scale_inv)
@@ -227,7 +228,7 @@ class _Fp8RingRow(torch.autograd.Function):
             k = x2d.shape[1]
             if need_x:
                 grad_x = dy_shard.new_empty((m, k), dtype=ctx.out_dtype)
-            quantize = quantize_rowwise if recipe == "rowwise" else quantize_tiles
+            quantize = act_quantizer(recipe)
             g_full = dy_shard.new_empty((m, n_out))  # the gathered dy, for the weight gradient
 
             def consume(chunk, c):

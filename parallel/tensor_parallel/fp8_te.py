@@ -37,12 +37,13 @@ rule for ``reduce_amax``):
                    the whole world, across pipeline stages).
     blockwise   -> Float8BlockScaling(HYBRID): 1x128 activation/gradient and 128x128 weight tiles
                    (TE's defaults; power-of-2 scales unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1).
+    mxfp8       -> MXFP8BlockScaling(HYBRID): 1x32 blocks with E8M0 (power-of-2) scales along each GEMM's
+                   contraction; TE runs it on Blackwell (sm_100+) only, so a visible older GPU is refused.
     rowwise     -> refused: TE has no per-row recipe.
 
 TE versions: ``Float8CurrentScaling`` needs TE >= 2.2, ``Float8BlockScaling`` >= 2.3 (refused with
 that message otherwise); TE itself refuses block scaling without CUDA >= 12.9 on sm90 or newer.
-Not mapped: ``MXFP8BlockScaling`` (Tessel has no MXFP8 recipe to map from; TE runs it on Blackwell
-only). Refused with the TE backend, each before any process group: ``parallel.tp_overlap = "ring"``
+``MXFP8BlockScaling`` came in TE 2.0. Refused with the TE backend, each before any process group: ``parallel.tp_overlap = "ring"``
 (TE's linears run Tessel's plain collectives; TE's own userbuffers overlap is not wired),
 ``delayed`` with activation recompute (TE keeps delayed scales consistent between a forward and its
 recompute only under its own ``te.distributed.checkpoint``), GRPO (its rollouts run the layers on
@@ -56,6 +57,7 @@ from __future__ import annotations
 import warnings
 from typing import Sequence
 
+import torch
 from torch import nn
 
 from parallel.comm import Group
@@ -66,7 +68,8 @@ INSTALL_HINT = ("pip install --no-build-isolation 'transformer_engine[pytorch]' 
                 "model.fp8_backend = 'tessel' (Tessel's own FP8 linears, no TE needed)")
 
 # Tessel recipe -> the Transformer Engine recipe class it maps to (transformer_engine.common.recipe).
-TE_RECIPES = {"tensorwise": "Float8CurrentScaling", "delayed": "DelayedScaling", "blockwise": "Float8BlockScaling"}
+TE_RECIPES = {"tensorwise": "Float8CurrentScaling", "delayed": "DelayedScaling", "blockwise": "Float8BlockScaling",
+              "mxfp8": "MXFP8BlockScaling"}
 TOKEN_MULTIPLE = 16  # TE's FP8 GEMMs need both dimensions of each operand divisible by 16
 
 
@@ -101,6 +104,11 @@ def check_te_backend(*, recipe: str, tp_overlap: str, recompute: str, tokens: in
         raise ValueError("posttrain.method = 'grpo' with model.fp8_backend = 'te': the rollouts run the trained layers "
                          "on any number of rows (prompts, one-token decode steps), which TE's FP8 GEMMs refuse "
                          f"unless a multiple of {TOKEN_MULTIPLE}; use model.fp8_backend = 'tessel' (it pads)")
+    if recipe == "mxfp8" and torch.cuda.is_available() and torch.cuda.get_device_capability() < (10, 0):
+        major, minor = torch.cuda.get_device_capability()
+        raise ValueError(f"model.fp8 = 'mxfp8' with model.fp8_backend = 'te': TE runs MXFP8 on Blackwell (sm_100 or "
+                         f"newer) only, and this GPU is sm_{major}{minor}; use model.fp8 = 'blockwise' (TE's block "
+                         "scaling on Hopper), or model.fp8_backend = 'tessel' (MXFP8 emulated: an fp32 matmul)")
     if tokens % TOKEN_MULTIPLE:
         raise ValueError(f"model.fp8_backend = 'te' needs train.seq_length / parallel.cp x train.micro_batch_size "
                          f"(= {tokens} rows per FP8 GEMM) to be a multiple of {TOKEN_MULTIPLE} (TE's FP8 GEMM shape "
@@ -120,8 +128,8 @@ def te_recipe(recipe: str, *, history_len: int = 16, margin: int = 0, reduce_ama
     if not hasattr(r, TE_RECIPES.get(recipe, "DelayedScaling")):
         raise ImportError(f"model.fp8 = {recipe!r} with model.fp8_backend = 'te' needs transformer_engine."
                           f"common.recipe.{TE_RECIPES[recipe]}, which this Transformer Engine lacks (current "
-                          "scaling came in TE 2.2, block scaling in 2.3); upgrade TE, or set model.fp8_backend = "
-                          "'tessel'")
+                          "scaling came in TE 2.2, block scaling in 2.3, MXFP8 in 2.0); upgrade TE, or set "
+                          "model.fp8_backend = 'tessel'")
     if recipe == "tensorwise":
         return r.Float8CurrentScaling(fp8_format=r.Format.HYBRID)
     if recipe == "delayed":
@@ -129,6 +137,8 @@ def te_recipe(recipe: str, *, history_len: int = 16, margin: int = 0, reduce_ama
                                 amax_compute_algo="max", reduce_amax=reduce_amax)
     if recipe == "blockwise":
         return r.Float8BlockScaling(fp8_format=r.Format.HYBRID)
+    if recipe == "mxfp8":
+        return r.MXFP8BlockScaling(fp8_format=r.Format.HYBRID)
     raise ValueError(f"model.fp8 = {recipe!r} has no Transformer Engine recipe ({', '.join(TE_RECIPES)})")
 
 

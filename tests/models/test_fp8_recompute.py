@@ -26,7 +26,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.ops.fp8_linear import RECIPES, delayed_states
+from engine.ops.fp8_linear import RECIPES, REQUANTISED, delayed_states
 from models import build_model
 from parallel.comm import Group
 from parallel.testing import run_distributed
@@ -105,16 +105,17 @@ def test_fp8_recompute_is_bitwise_identical_single_process(recipe):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_weight_casts_reused_across_micro_batches_and_recompute(recipe):
     """Casts made once per step and linear, bitwise the same training. Per step and linear: 2 micro-batch
-    forwards (4 with full recompute) need the forward cast; rowwise's 2 backwards need the transposed one."""
+    forwards (4 with full recompute) need the forward cast; rowwise's and mxfp8's 2 backwards need the
+    transposed one."""
     tp = Group.trivial("tp")
     ref = _train(_model(recipe, "none", None, tp=tp), tp)
-    linears, kinds = 8, 2 if recipe == "rowwise" else 1
+    linears, kinds = 8, 2 if recipe in REQUANTISED else 1
     for recompute in ("none", "full"):
         counts = []
         _assert_same(_train(_model(recipe, recompute, None, tp=tp), tp, casts=True, counts=counts), ref,
                      (recipe, recompute, "casts"))
         forwards = 4 if recompute == "full" else 2
-        uses = forwards + (2 if recipe == "rowwise" else 0)
+        uses = forwards + (2 if recipe in REQUANTISED else 0)
         assert counts == [(linears * kinds, linears * (uses - kinds))] * 2, (recipe, recompute, counts)
 
 

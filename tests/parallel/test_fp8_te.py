@@ -92,19 +92,35 @@ def test_te_recipes_map_to_te_classes():
 
     with fake_te():
         from transformer_engine.common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
-                                                      Format)
+                                                      Format, MXFP8BlockScaling)
 
         assert te_recipe("tensorwise") == Float8CurrentScaling(fp8_format=Format.HYBRID)
         assert te_recipe("delayed", history_len=7, margin=1, reduce_amax=False) == DelayedScaling(
             fp8_format=Format.HYBRID, amax_history_len=7, margin=1, amax_compute_algo="max", reduce_amax=False)
         assert te_recipe("blockwise") == Float8BlockScaling(fp8_format=Format.HYBRID)
+        assert te_recipe("mxfp8") == MXFP8BlockScaling(fp8_format=Format.HYBRID)
         with pytest.raises(ValueError, match="rowwise"):
             te_recipe("rowwise")
         import transformer_engine.common.recipe as r
 
         del r.Float8BlockScaling  # a TE older than 2.3
-        with pytest.raises(ImportError, match=r"lacks.*block scaling in 2.3\); upgrade TE, or set model.fp8_backend"):
+        with pytest.raises(ImportError, match=r"lacks.*block scaling in 2.3, MXFP8 in 2.0\); upgrade TE, or set "
+                                              r"model.fp8_backend"):
             te_recipe("blockwise")
+
+
+def test_mxfp8_is_refused_on_a_gpu_before_blackwell(monkeypatch):
+    """TE runs MXFP8 on sm_100 and newer only: a visible Hopper is refused with both ways out."""
+    from parallel.tensor_parallel.fp8_te import check_te_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    with fake_te(), pytest.raises(ValueError, match=r"Blackwell \(sm_100 or newer\) only, and this GPU is sm_90; "
+                                                    r"use model.fp8 = 'blockwise'.*model.fp8_backend = 'tessel'"):
+        check_te_backend(recipe="mxfp8", tp_overlap="none", recompute="none", tokens=32)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
+    with fake_te():
+        check_te_backend(recipe="mxfp8", tp_overlap="none", recompute="none", tokens=32)  # accepted
 
 
 def test_delayed_at_tp1_reduces_no_amax_and_warns_that_checkpoints_lack_te_histories():

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.ops.fp8_linear import RECIPES
+from engine.ops.fp8_linear import RECIPES, REQUANTISED
 from parallel.testing import run_distributed
 
 S, B, H, F = 16, 2, 64, 96   # (s, b, h); F: the ffn width (col out, row in)
@@ -140,7 +140,8 @@ def test_amax_all_reduces_in_the_ledger(results, sp):
         # reduce of 2 linears x 3 operands x 4 bytes; step 2 reduces nothing per call.
         assert res[("delayed", sp)]["amax_reduces"] == step + [("all_reduce", 24)] * 2
         assert res[("delayed", sp)]["delayed_steps"] == [2]
-        assert res[("rowwise", sp)]["amax_reduces"] == [] and res[("blockwise", sp)]["amax_reduces"] == []
+        for local in ("rowwise", "blockwise", "mxfp8"):  # row, tile and block scales are local: nothing reduced
+            assert res[(local, sp)]["amax_reduces"] == [], local
 
 
 def test_sequence_parallel_input_gathered_in_fp8(results):
@@ -297,7 +298,7 @@ def test_fp8_ring_with_weight_casts_reused(ring_results, recipe):
     for res in ring_results:
         r = res[("casts", recipe)]
         assert r["equal"]
-        assert r["made"] == 2 * (4 if recipe == "rowwise" else 2)  # per step, fc1's and fc2's (rowwise: and W^T's)
+        assert r["made"] == 2 * (4 if recipe in REQUANTISED else 2)  # per step, fc1's and fc2's (row/MX: and W^T's)
         plain, reused = r["amax"]
         if recipe == "tensorwise":
             assert len(plain) - len(reused) == 2  # one row weight call per step

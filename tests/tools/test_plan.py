@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from tools.plan import main
 
@@ -40,6 +41,10 @@ def test_bad_input_exits_2_naming_the_fix(capsys):
     assert "--num-layers" in capsys.readouterr().err
     assert main(["--config", "tiny_llama_cpu", "--hf-config", "x.json"]) == 2
     assert "exactly one model source" in capsys.readouterr().err
+    assert main(["--config", "tiny_llama_cpu", "--set", "model.fp8=mxfp8"]) == 2  # emulated: no FP8 peak applies
+    assert "runs its GEMMs as fp32 matmuls" in capsys.readouterr().err
+    assert main(["--config", "tiny_llama_cpu", "--set", "model.fp8=mxfp8", "--precision", "bf16", "--json",
+                 os.devnull]) == 0
 
 
 def test_moe_plan_lists_ep_at_every_zero_stage(tmp_path, capsys):

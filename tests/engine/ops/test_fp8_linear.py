@@ -20,20 +20,23 @@ from engine import _native
 from tools.bench_fp8 import dispatched_ops
 
 from engine.ops.fp8_linear import (E4M3, E5M2, FP8_MAX, RECIPES, DelayedScaling, amax_to_scale, fp8_linear,
-                                   quantize_blocks, quantize_tiles, update_delayed_states)
+                                   quantize_blocks, quantize_mx, quantize_tiles, update_delayed_states)
 
 U = {E4M3: 2.0 ** -4, E5M2: 2.0 ** -3}
 SUB = {E4M3: 2.0 ** -10, E5M2: 2.0 ** -17}
 M, K, N = 48, 208, 80   # K, N multiples of 16, not of 128 (ragged tiles); M odd multiple of 16
 
 
-def _err(t: torch.Tensor, fmt) -> torch.Tensor:
-    return U[fmt] * t.abs() + SUB[fmt] * t.abs().max() / FP8_MAX[fmt]
+def _err(t: torch.Tensor, fmt, pow2: bool = False) -> torch.Tensor:
+    """Per element: relative rounding U, and the format's subnormal step in the tensor's units. With a
+    power-of-two block scale (mxfp8) the scaled block max lies in (fp8_max / 2, fp8_max], so the step is
+    up to twice what a scale of exactly fp8_max / amax gives."""
+    return U[fmt] * t.abs() + (2 if pow2 else 1) * SUB[fmt] * t.abs().max() / FP8_MAX[fmt]
 
 
-def _bound(a, fa, b, fb):
+def _bound(a, fa, b, fb, pow2=False):
     """Elementwise bound for a @ b.T (a (R, C), b (S, C), fp64)."""
-    ea, eb = _err(a, fa), _err(b, fb)
+    ea, eb = _err(a, fa, pow2), _err(b, fb, pow2)
     c = a.shape[1]
     return (ea @ b.abs().t() + a.abs() @ eb.t() + ea @ eb.t()
             + c * 2.0 ** -23 * (a.abs() + ea) @ (b.abs() + eb).t())
@@ -65,9 +68,10 @@ def test_errors_within_the_derived_bound(recipe):
         state.update()
         assert int(state.steps) == 1
     y, gx, gw = _run(recipe, x, w, dy, state=state)
-    checks = {"forward": (y, x @ w.t(), _bound(x, E4M3, w, E4M3)),
-              "input grad": (gx, dy @ w, _bound(dy, E5M2, w.t(), E4M3)),
-              "weight grad": (gw, dy.t() @ x, _bound(dy.t(), E5M2, x.t(), E4M3))}
+    p2 = recipe == "mxfp8"
+    checks = {"forward": (y, x @ w.t(), _bound(x, E4M3, w, E4M3, p2)),
+              "input grad": (gx, dy @ w, _bound(dy, E5M2, w.t(), E4M3, p2)),
+              "weight grad": (gw, dy.t() @ x, _bound(dy.t(), E5M2, x.t(), E4M3, p2))}
     for what, (got, ref, bound) in checks.items():
         err = (got.double() - ref).abs()
         assert bool((err <= bound).all()), f"{recipe} {what}: max err/bound {(err / bound).max():.3f}"
@@ -75,7 +79,7 @@ def test_errors_within_the_derived_bound(recipe):
         assert (err / bound).max() > 0.05, f"{recipe} {what}: bound is loose ({(err / bound).max():.4f})"
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise", "mxfp8"])
 def test_equals_plain_reference_bitwise(recipe):
     x, w, dy = _case(1)
     bias = torch.randn(N)
@@ -94,7 +98,7 @@ def test_transposed_quantisation_equals_quantising_the_transpose(dtype):
     for rows, cols in ((48, 208), (37, 300)):  # ragged 128-tiles both ways
         t = (torch.randn(rows, cols, generator=g) * torch.logspace(-3, 3, cols)).to(dtype)
         for fmt in (E4M3, E5M2):
-            for quantize in (quantize_rowwise, quantize_tiles):
+            for quantize in (quantize_rowwise, quantize_tiles, quantize_mx):
                 a, b = quantize(t.t(), fmt), quantize(t, fmt, transposed=True)
                 assert a.data.shape == b.data.shape == (cols, rows) and a.scale_inv.shape == b.scale_inv.shape
                 assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
@@ -286,6 +290,30 @@ def test_tiny_amax_gives_a_finite_scale():
         y = fp8_linear(xx, w, recipe=recipe)
         y.backward(torch.full_like(y, 1e-37))
         assert torch.isfinite(y).all() and torch.isfinite(xx.grad).all(), recipe
+
+
+def test_mx_blocks_have_power_of_two_scales_and_never_saturate():
+    """mxfp8: 1 x 32 blocks along the columns (a ragged last block too), each scale a power of two, the
+    smallest that keeps the block's max within the format: the scaled max lies in (fp8_max / 2, fp8_max]
+    and nothing clips; an all-zero block scales by 1; an exact power-of-two ratio is not rounded up."""
+    g = torch.Generator().manual_seed(5)
+    t = torch.randn(6, 80, generator=g) * torch.logspace(-6, 6, 80)  # 3 blocks: 32, 32, 16 columns
+    t[1, 32:64] = 0.0
+    t[2, :32] = 0.0
+    t[2, 5] = 448.0 * 2.0 ** -10  # ratio exactly 2**-10
+    for fmt in (E4M3, E5M2):
+        q = quantize_mx(t, fmt)
+        assert q.granularity == "mx" and q.scale_inv.shape == (6, 3)
+        mant, _ = torch.frexp(q.scale_inv)
+        assert bool((mant == 0.5).all())  # powers of two
+        assert q.scale_inv[1, 1] == 1.0 and q.scale_inv[2, 0] == 2.0 ** -10 * 448.0 / FP8_MAX[fmt]  # 2**-10, 2**-17
+        vals = q.data.float()
+        for b, (lo, hi) in enumerate(((0, 32), (32, 64), (64, 80))):
+            blk = vals[:, lo:hi].abs().amax(1)
+            nonzero = t[:, lo:hi].abs().amax(1) > 0
+            assert bool((blk[nonzero] > FP8_MAX[fmt] / 2).all() and (blk <= FP8_MAX[fmt]).all()), (fmt, b)
+        rel = ((q.dequantize() - t).abs() / t.abs().clamp(min=1e-30))[t.abs() > t.abs().max() * 1e-3]
+        assert rel.max() <= (2.0 ** -4 if fmt == E4M3 else 2.0 ** -3)
 
 
 def test_blockwise_tiles_and_blocks_have_their_own_scales():

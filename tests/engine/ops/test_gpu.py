@@ -156,7 +156,7 @@ def test_fp8_cast_transpose_grid_cuda_bit_for_bit():
             assert torch.equal(got[2], want[2])
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise", "blockwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"])
 def test_fp8_linear_cuda_matches_the_cpu_path(recipe):
     """fp8_linear on CUDA (cuBLAS / CUTLASS _scaled_mm, torch's sm_90 blockwise kernel where it exists)
     against the same recipe on the CPU: the same fp8 operands (quantisation is elementwise and exact

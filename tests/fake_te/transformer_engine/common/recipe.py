@@ -41,3 +41,11 @@ class Float8BlockScaling:
 
     def __post_init__(self):
         assert self.fp8_format != Format.E5M2, "Pure E5M2 training is not supported."
+
+
+@dataclass
+class MXFP8BlockScaling:
+    fp8_format: Format = Format.E4M3
+
+    def __post_init__(self):
+        assert self.fp8_format != Format.E5M2, "Pure E5M2 training is not supported."

@@ -133,9 +133,10 @@ std::tuple<at::Tensor, py::object, at::Tensor, at::Tensor> cast_transpose_scaled
   return wrap();
 }
 
-// scales_from_amax(amax, e5m2) -> (scale, scale_inv): elementwise scale_from_amax (fp8.h) of a float32 tensor
+// scales_from_amax(amax, e5m2, pow2) -> (scale, scale_inv): elementwise scale_from_amax (or, pow2,
+// pow2_scale_from_amax; fp8.h) of a float32 tensor
 // of amaxes and its reciprocal, both of amax's shape (contiguous): a grid of scales in one call.
-std::tuple<at::Tensor, at::Tensor> scales_from_amax(const at::Tensor& amax, bool e5m2) {
+std::tuple<at::Tensor, at::Tensor> scales_from_amax(const at::Tensor& amax, bool e5m2, bool pow2) {
   if (amax.scalar_type() != at::kFloat) {
     fail(std::string("scales_from_amax: amax must be float32, got ") + c10::toString(amax.scalar_type()));
   }
@@ -146,7 +147,7 @@ std::tuple<at::Tensor, at::Tensor> scales_from_amax(const at::Tensor& amax, bool
   if (a.is_cuda()) {
     const c10::cuda::CUDAGuard guard(a.device());
     check_launch(tessel::fp8::scales_from_amax_cuda(a.data_ptr<float>(), n, scale.data_ptr<float>(),
-                                                    scale_inv.data_ptr<float>(), e5m2,
+                                                    scale_inv.data_ptr<float>(), e5m2, pow2,
                                                     c10::cuda::getCurrentCUDAStream(a.device().index()).stream()),
                  "scales_from_amax");
     return {scale, scale_inv};
@@ -157,7 +158,7 @@ std::tuple<at::Tensor, at::Tensor> scales_from_amax(const at::Tensor& amax, bool
   float* s = scale.data_ptr<float>();
   float* inv = scale_inv.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
-    s[i] = tessel::fp8::scale_from_amax_cpu(in[i], e5m2);
+    s[i] = pow2 ? tessel::fp8::pow2_scale_from_amax_cpu(in[i], e5m2) : tessel::fp8::scale_from_amax_cpu(in[i], e5m2);
     inv[i] = 1.0f / s[i];
   }
   return {scale, scale_inv};
@@ -227,9 +228,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("from_amax") = false, py::arg("e5m2") = false, py::arg("want_out_t") = true,
         "cast_transpose for per-tensor scaling: with from_amax, scale is an amax and the scale is derived "
         "where the cast runs; returns (out, out_t or None, amax, 0-dim scale_inv = 1 / scale).");
-  m.def("scales_from_amax", &scales_from_amax, py::arg("amax"), py::arg("e5m2") = false,
+  m.def("scales_from_amax", &scales_from_amax, py::arg("amax"), py::arg("e5m2") = false, py::arg("pow2") = false,
         "(scale, 1 / scale) of each float32 amax: fp8_max / amax (IEEE), 1 where amax is not positive and "
-        "finite, at most the largest float32.");
+        "finite, at most the largest float32; with pow2, the power-of-two scale of the MX recipe.");
   m.def("cast_transpose_grid", &cast_transpose_grid, py::arg("input"), py::arg("scale"), py::arg("block_rows"),
         py::arg("block_cols"), py::arg("e5m2") = false, py::arg("want_out") = true, py::arg("want_out_t") = true,
         "cast_transpose with a grid of scales: element (r, c) times scale[r / block_rows][c / block_cols]; "

@@ -135,11 +135,22 @@ int launch(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float
   return static_cast<int>(cudaGetLastError());
 }
 
-__global__ void scales_from_amax_kernel(const float* __restrict__ amax, int64_t n, float fp8_max,
+// fp8.h's pow2_scale_from_amax: the ratio rounded to nearest (__fdiv_rn), frexpf exact, the result from bits.
+__device__ __forceinline__ float pow2_scale_from_amax(float amax, float fp8_max) {
+  const float ratio = __fdiv_rn(amax, fp8_max);
+  const unsigned int bits = __float_as_uint(ratio);
+  if (!(bits > 0u && bits < 0x7f800000u)) return 1.0f;  // 0, inf, NaN, < 0
+  int exp = 0;
+  const float mant = frexpf(ratio, &exp);  // ratio = mant * 2**exp, mant in [0.5, 1)
+  const int e = min(max(mant == 0.5f ? exp - 1 : exp, -126), 126);
+  return __uint_as_float(static_cast<unsigned int>(127 - e) << 23);  // 2**-e
+}
+
+__global__ void scales_from_amax_kernel(const float* __restrict__ amax, int64_t n, float fp8_max, bool pow2,
                                         float* __restrict__ scale, float* __restrict__ scale_inv) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) {
-    const float s = scale_from_amax(amax[i], fp8_max);
+    const float s = pow2 ? pow2_scale_from_amax(amax[i], fp8_max) : scale_from_amax(amax[i], fp8_max);
     scale[i] = s;
     scale_inv[i] = __frcp_rn(s);
   }
@@ -147,12 +158,13 @@ __global__ void scales_from_amax_kernel(const float* __restrict__ amax, int64_t 
 
 }  // namespace
 
-int scales_from_amax_cuda(const float* amax, int64_t n, float* scale, float* scale_inv, bool e5m2, void* stream_ptr) {
+int scales_from_amax_cuda(const float* amax, int64_t n, float* scale, float* scale_inv, bool e5m2, bool pow2,
+                          void* stream_ptr) {
   if (n == 0) return 0;
   const int threads = 256;
   scales_from_amax_kernel<<<static_cast<unsigned int>((n + threads - 1) / threads), threads, 0,
-                            static_cast<cudaStream_t>(stream_ptr)>>>(amax, n, e5m2 ? 57344.0f : 448.0f, scale,
-                                                                     scale_inv);
+                            static_cast<cudaStream_t>(stream_ptr)>>>(amax, n, e5m2 ? 57344.0f : 448.0f, pow2,
+                                                                     scale, scale_inv);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -33,6 +33,12 @@ void cast_transpose_grid_cpu(const void* in, bool in_bf16, int64_t rows, int64_t
 // the division rounded to nearest (IEEE); fp8_max 448 (e4m3) or 57344 (e5m2).
 float scale_from_amax_cpu(float amax, bool e5m2);
 
+// Power-of-two (E8M0-style) scale from an amax, as engine.ops.fp8_cast_transpose.pow2_scales: with r =
+// amax / fp8_max (rounded to nearest), 2**-e for e = ceil(log2(r)) (the smallest power of two keeping the
+// block within the format; an exact power of two is not rounded up), e clamped to [-126, 126]; 1 where r
+// is not positive and finite. Exact: built from exponent bits.
+float pow2_scale_from_amax_cpu(float amax, bool e5m2);
+
 // CUDA (fp8.cu). scale and amax are device pointers; stream is a cudaStream_t.
 // Returns a cudaError_t value (0 = success).
 int cast_transpose_cuda(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float* scale,
@@ -46,9 +52,10 @@ int cast_transpose_grid_cuda(const void* in, bool in_bf16, int64_t rows, int64_t
 int cast_transpose_scaled_cuda(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float* scale,
                                bool from_amax, uint8_t* out, uint8_t* out_t, float* amax, float* scale_inv, bool e5m2,
                                void* stream);
-// scale[i] = scale_from_amax(amax[i]) and scale_inv[i] = 1 / scale[i] for n amaxes (device pointers): the
-// row-, tile- and block-wise recipes' grids of scales in one launch.
-int scales_from_amax_cuda(const float* amax, int64_t n, float* scale, float* scale_inv, bool e5m2, void* stream);
+// scale[i] = scale_from_amax(amax[i]) (pow2: the power-of-two scale) and scale_inv[i] = 1 / scale[i] for n
+// amaxes (device pointers): the row-, tile-, block- and MX recipes' grids of scales in one launch.
+int scales_from_amax_cuda(const float* amax, int64_t n, float* scale, float* scale_inv, bool e5m2, bool pow2,
+                          void* stream);
 const char* cuda_error_string(int error);
 
 }  // namespace fp8

@@ -7,6 +7,7 @@
 #include <c10/util/Float8_e5m2.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -95,6 +96,20 @@ float scale_from_amax_cpu(float amax, bool e5m2) {
   const float fp8_max = e5m2 ? 57344.0f : 448.0f;
   const float s = (bits > 0u && bits < 0x7f800000u) ? fp8_max / amax : 1.0f;  // 0, inf, NaN, < 0: 1
   return std::min(s, std::numeric_limits<float>::max());
+}
+
+float pow2_scale_from_amax_cpu(float amax, bool e5m2) {
+  const float ratio = amax / (e5m2 ? 57344.0f : 448.0f);
+  uint32_t bits;
+  std::memcpy(&bits, &ratio, sizeof(bits));
+  if (!(bits > 0u && bits < 0x7f800000u)) return 1.0f;  // 0, inf, NaN, < 0
+  int exp = 0;
+  const float mant = std::frexp(ratio, &exp);  // ratio = mant * 2**exp, mant in [0.5, 1)
+  const int e = std::min(std::max(mant == 0.5f ? exp - 1 : exp, -126), 126);
+  const uint32_t out = static_cast<uint32_t>(127 - e) << 23;  // 2**-e
+  float s;
+  std::memcpy(&s, &out, sizeof(s));
+  return s;
 }
 
 void cast_transpose_cpu(const void* in, bool in_bf16, int64_t rows, int64_t cols, float scale,

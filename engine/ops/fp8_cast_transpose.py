@@ -47,17 +47,36 @@ def scale_from_amax(amax: Tensor, fmt: torch.dtype) -> Tensor:
     return scale.clamp(max=torch.finfo(torch.float32).max)
 
 
-def fp8_scales_from_amax(amax: Tensor, fmt: torch.dtype = torch.float8_e4m3fn, *, backend: str = "auto"
-                         ) -> tuple[Tensor, Tensor]:
+def pow2_scales(amax: Tensor, fmt: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The MX recipe's power-of-two (scale, scale_inv) of each amax (fp32, amax's shape): with ``r = amax /
+    fp8_max`` (rounded to nearest), ``scale_inv = 2**e`` for ``e = ceil(log2(r))``, the smallest power of two
+    with r / 2**e <= 1 (the block fits the format unclipped; an exact power of two is not rounded up), e
+    clamped to [-126, 126] (fp32 normals both ways; E8M0 also has 2**-127); 1 where r is not positive and
+    finite. Built from exponent bits: exact reciprocals. The native :func:`fp8_scales_from_amax` with
+    ``pow2=True`` computes the same, bit for bit."""
+    ratio = amax.float() / FP8_MAX[fmt]
+    ok = (ratio > 0) & (ratio < float("inf"))
+    mant, exp = torch.frexp(torch.where(ok, ratio, 1.0))  # ratio = mant * 2**exp, mant in [0.5, 1)
+    e = torch.where(mant == 0.5, exp - 1, exp)  # an exact power of two needs no rounding up
+    e = torch.where(ok, e, 0).clamp(-126, 126).to(torch.int32)
+    bits = lambda k: ((k + 127) << 23).view(torch.float32)  # 2**k for a normal exponent k
+    return bits(-e), bits(e)
+
+
+def fp8_scales_from_amax(amax: Tensor, fmt: torch.dtype = torch.float8_e4m3fn, *, pow2: bool = False,
+                         backend: str = "auto") -> tuple[Tensor, Tensor]:
     """(:func:`scale_from_amax` of ``amax``, its reciprocal), both of ``amax``'s shape, float32: the row-,
     tile- and block-wise recipes' grids of scales and dequantisation scales in one native call (one
-    launch on a GPU) instead of a dozen elementwise PyTorch ops. Bit for bit the reference."""
+    launch on a GPU) instead of a dozen elementwise PyTorch ops. ``pow2``: the MX recipe's power-of-two
+    scales (:func:`pow2_scales`). Bit for bit the reference."""
     if backend not in _BACKENDS:
         raise ValueError(f"fp8_scales_from_amax: backend={backend!r} is not one of {_BACKENDS}.")
     if fmt not in FP8_MAX:
         raise ValueError(f"fp8_scales_from_amax: fmt={fmt} is not torch.float8_e4m3fn or torch.float8_e5m2.")
     if backend == "native" or (backend == "auto" and _native.available("fp8")):
-        return _native.op("fp8", "scales_from_amax")(amax.float(), e5m2=fmt == torch.float8_e5m2)
+        return _native.op("fp8", "scales_from_amax")(amax.float(), e5m2=fmt == torch.float8_e5m2, pow2=pow2)
+    if pow2:
+        return pow2_scales(amax, fmt)
     scale = scale_from_amax(amax, fmt)
     return scale, 1.0 / scale
 

@@ -226,35 +226,21 @@ def quantize_blocks(t: Tensor, fmt: torch.dtype) -> Quantized:
     return Quantized(q, inv, "block")
 
 
-def _pow2_scales(ratio: Tensor) -> tuple[Tensor, Tensor]:
-    """(scale, scale_inv) for each ``ratio`` = block amax / fp8_max (fp32, ratio's shape): ``scale_inv =
-    2**e`` with ``e = ceil(log2(ratio))``, the smallest power of two with ratio / 2**e <= 1 (the block fits
-    the format unclipped), e clamped to [-126, 126] (fp32 normals both ways; E8M0 reaches 2**-127); 1 where
-    the ratio is 0 or not finite. Built from the exponent bits: exact."""
-    ok = (ratio > 0) & (ratio < float("inf"))
-    mant, exp = torch.frexp(torch.where(ok, ratio, 1.0))  # ratio = mant * 2**exp, mant in [0.5, 1)
-    e = torch.where(mant == 0.5, exp - 1, exp)  # an exact power of two needs no rounding up
-    e = torch.where(ok, e, 0).clamp(-126, 126).to(torch.int32)
-    bits = lambda k: ((k + 127) << 23).view(torch.float32)  # 2**k for a normal exponent k
-    return bits(-e), bits(e)
-
-
 def quantize_mx(t: Tensor, fmt: torch.dtype, *, transposed: bool = False) -> Quantized:
-    """1 x 32 blocks along the columns of ``t`` (rows, cols) with power-of-two scales (mxfp8; a ragged last
-    block has its own). With ``transposed``, the blocks of ``t.T``: 32 x 1 along t's rows, the cast writing
+    """1 x 32 blocks along the columns of ``t`` (rows, cols) with power-of-two scales (mxfp8, engine.ops.
+    fp8_cast_transpose.pow2_scales; a ragged last block has its own). With ``transposed``, the blocks of ``t.T``: 32 x 1 along t's rows, the cast writing
     the transpose."""
     t = t.contiguous()
     rows, cols = t.shape
-    fmax = FP8_MAX[fmt]
     if transposed:
         nb = -(-rows // MX_BLOCK)
         blocks = _padded_to(t, nb * MX_BLOCK, cols).view(nb, MX_BLOCK, cols)
-        scale, inv = _pow2_scales(_absmax(blocks, 1).squeeze(1) / fmax)  # (nb, cols)
+        scale, inv = fp8_scales_from_amax(_absmax(blocks, 1).squeeze(1), fmt, pow2=True)  # (nb, cols)
         _, q_t, _ = _grid_cast(t, scale, (MX_BLOCK, 1), fmt, out=False, out_t=True)  # (cols, rows)
         return Quantized(q_t, torch.empty(cols, nb, device=t.device).copy_(inv.t()), "mx")  # (cols, nb)
     nb = -(-cols // MX_BLOCK)
     blocks = _padded_to(t, rows, nb * MX_BLOCK).view(rows, nb, MX_BLOCK)
-    scale, inv = _pow2_scales(_absmax(blocks, 2).squeeze(2) / fmax)  # (rows, nb)
+    scale, inv = fp8_scales_from_amax(_absmax(blocks, 2).squeeze(2), fmt, pow2=True)  # (rows, nb)
     q, _, _ = _grid_cast(t, scale, (1, MX_BLOCK), fmt)
     return Quantized(q, inv, "mx")
 

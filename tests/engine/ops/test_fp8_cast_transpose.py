@@ -6,7 +6,7 @@ from engine import _native
 from engine.ops.fp8_cast_transpose import (FP8_MAX, fp8_cast_transpose, fp8_cast_transpose_grid,
                                            fp8_cast_transpose_grid_reference, fp8_cast_transpose_reference,
                                            fp8_cast_transpose_scaled, fp8_cast_transpose_scaled_reference,
-                                           fp8_scales_from_amax, scale_from_amax)
+                                           fp8_scales_from_amax, pow2_scales, scale_from_amax)
 
 needs_native = pytest.mark.skipif(not _native.available("fp8"),
                                   reason="engine._fp8 not built (run setup.py build_ext --inplace)")
@@ -239,3 +239,21 @@ def test_an_extension_built_from_older_sources_names_the_rebuild(monkeypatch):
     monkeypatch.setitem(sys.modules, "engine._fp8", types.ModuleType("engine._fp8"))  # no functions at all
     with pytest.raises(ImportError, match=r"built from older sources: it has no 'cast_transpose_scaled'.*tools/install.sh"):
         fp8_cast_transpose_scaled(torch.ones(16, 16), amax=torch.ones(1), backend="native")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_power_of_two_scales_bit_for_bit(backend, fmt):
+    """The MX recipe's scales: powers of two, exact reciprocals, the native call equal to the reference for
+    every kind of amax, including ratios that are exact powers of two (not rounded up) and ones whose
+    exponent is clamped."""
+    m = FP8_MAX[fmt]
+    a = torch.tensor(EDGE_AMAXES + [m * 2.0 ** -10, m * 2.0 ** -10 * 1.0000001, m, m * 1.5, 1e-45, m * 2.0 ** 100])
+    scale, inv = fp8_scales_from_amax(a, fmt, pow2=True, backend=backend)
+    want = pow2_scales(a, fmt)
+    assert torch.equal(scale, want[0]) and torch.equal(inv, want[1])
+    mant, _ = torch.frexp(torch.cat([scale, inv]))
+    assert bool((mant == 0.5).all()) and torch.equal(scale * inv, torch.ones_like(scale))
+    assert inv[9] == 2.0 ** -10 and inv[10] == 2.0 ** -9 and inv[11] == 1.0 and inv[12] == 2.0  # rounded up only past 2**k
+    assert inv[2:5].tolist() == [1.0, 1.0, 1.0] and inv[7] == 1.0  # 0, inf, NaN, negative
+    assert inv[14] == 2.0 ** 100 and inv[13] == 1.0 and inv[5] == 2.0 ** -126  # clamped; 1e-45 / fp8_max underflows to 0: nothing to scale

@@ -133,9 +133,10 @@ def test_fp8_cast_transpose_scaled_cuda_bit_for_bit():
 
     grid = torch.tensor([3.25, 1e-3, 0.0, float("inf"), float("nan"), 1e-40, 1e-38, -2.0, 3e38] * 50).reshape(30, 15)
     for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
-        got = fp8_scales_from_amax(grid.cuda(), fmt, backend="native")
-        want = fp8_scales_from_amax(grid, fmt, backend="reference")
-        assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1]), fmt
+        for pow2 in (False, True):  # the MX recipe's power-of-two scales too
+            got = fp8_scales_from_amax(grid.cuda(), fmt, pow2=pow2, backend="native")
+            want = fp8_scales_from_amax(grid, fmt, pow2=pow2, backend="reference")
+            assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1]), (fmt, pow2)
 
 
 @pytest.mark.skipif(not _native.has_cuda("fp8"), reason="engine._fp8 was built without CUDA")

@@ -431,7 +431,7 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
     from parallel.data_parallel.compression import build_grad_compressor, check_powersgd_rank  # docs/decentralised.md
 
     if o.grad_compression == "powersgd":
-        check_powersgd_rank(chunks, o.powersgd_rank, mesh.world)
+        check_powersgd_rank(chunks, o.powersgd_rank, mesh.world, device=device)
     ddp = DataParallel(chunks, dp_group=mesh.dp_cp, tp_group=mesh.tp,
                        zero_stage=o.zero_stage if o.distributed else 0, bucket_size_mb=o.bucket_size_mb,
                        overlap_grad_reduce=o.overlap_grad_reduce,

@@ -126,24 +126,56 @@ class StepProfiler:
             torch.cuda.memory._record_memory_history(max_entries=100000)
         self._ranges = _Ranges(self.chunks, cuda=cuda)
         # The first stage's embedding sees token ids (no gradient), so torch warns that its range's backward
-        # hook fires on the output gradients instead, once per rank: expected here, and noise in the log.
-        self._warnings = warnings.catch_warnings()
-        self._warnings.__enter__()
+        # hook fires on the output gradients instead, once per rank: expected here, and noise in the log. This
+        # one filter entry is removed when the window ends (other filters added meanwhile stay).
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
                                 "respect to module outputs", category=UserWarning)
+        self._filter = warnings.filters[0]
         self._prof = profile(activities=acts, profile_memory=True, record_shapes=False, with_stack=False)
-        with quiet_stderr():  # Kineto's "profiler_start" line on every rank
+        with self._quiet():  # Kineto's "profiler_start" line on every rank
             self._prof.__enter__()
+
+    def _quiet(self):
+        """stderr silenced around the profiler's start and stop on the CPU (Kineto's lines); on CUDA left
+        alone: CUPTI reports there why a trace has no kernels."""
+        return quiet_stderr() if self.device.type == "cpu" else contextlib.nullcontext()
+
+    def _drop_filter(self) -> None:
+        try:
+            warnings.filters.remove(self._filter)
+        except ValueError:
+            pass
+        mutated = getattr(warnings, "_filters_mutated", None)  # the module's cache of filter lookups
+        if mutated is not None:
+            mutated()
+
+    def _abort(self) -> None:
+        """A profiled step raised: stop the profiler, drop the hooks and the filter, write nothing."""
+        try:
+            with self._quiet():
+                self._prof.__exit__(None, None, None)
+        finally:
+            self._ranges.remove()
+            self._drop_filter()
+            if self.device.type == "cuda":
+                torch.cuda.memory._record_memory_history(enabled=None)
+            self._prof = self._ranges = None
+
+    def covers(self, n: int) -> bool:
+        """Whether step ``n`` runs inside the window."""
+        return self.steps is not None and self.steps[0] <= n <= self.steps[1]
 
     def _finish(self) -> None:
         from engine.memory import cpu_allocation_peak
 
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        with quiet_stderr():  # and its "profiler_stop"
-            self._prof.__exit__(None, None, None)
-        self._warnings.__exit__(None, None, None)
-        self._ranges.remove()
+        try:
+            with self._quiet():  # and its "profiler_stop"
+                self._prof.__exit__(None, None, None)
+        finally:
+            self._drop_filter()
+            self._ranges.remove()
         os.makedirs(self.dir, exist_ok=True)
         self._prof.export_chrome_trace(os.path.join(self.dir, f"trace_rank{self.rank}.json"))
         mem: dict = {"rank": self.rank, "steps": list(self.steps), "device": self.device.type}
@@ -168,13 +200,17 @@ class StepProfiler:
 
     @contextlib.contextmanager
     def step(self, n: int):
-        if self.steps is None or not self.steps[0] <= n <= self.steps[1]:
+        if not self.covers(n):
             yield
             return
         if n == self.steps[0]:
             self._begin()
         self._ranges.new_step()
-        with torch.autograd.profiler.record_function(f"step{n}"):
-            yield
+        try:
+            with torch.autograd.profiler.record_function(f"step{n}"):
+                yield
+        except BaseException:
+            self._abort()
+            raise
         if n == self.steps[1]:
             self._finish()

@@ -373,11 +373,16 @@ class Trainer:
         self._forward_only(micro, self._stage_step(micro, last))
 
     # -- the loop -------------------------------------------------------------------------------------
-    def _install_signal_handlers(self):
+    def _install_signal_handlers(self) -> dict:
+        """SIGTERM/SIGINT set a flag the loop reads; returns the handlers they replace (restored when
+        :meth:`train` returns: a handler left installed would keep this trainer, and its model, alive)."""
         def handler(signum, frame):
             self._stop_signal = signum
+        previous = {}
         for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.getsignal(sig)
             signal.signal(sig, handler)
+        return previous
 
     def _stop_requested(self) -> bool:
         """All ranks agree (max over the world) so they stop after the same step."""
@@ -441,8 +446,15 @@ class Trainer:
     def train(self, train_loader, valid_loader=None, *, on_step: Callable[["Trainer", StepStats], None] | None = None,
               save: Callable[["Trainer"], None] | None = None) -> list[StepStats]:
         """Run until ``train.steps`` (or ``train.max_tokens``) or a stop signal; returns the step stats."""
+        previous = self._install_signal_handlers()
+        try:
+            return self._train(train_loader, valid_loader, on_step=on_step, save=save)
+        finally:
+            for sig, h in previous.items():
+                signal.signal(sig, h)
+
+    def _train(self, train_loader, valid_loader, *, on_step, save) -> list[StepStats]:
         c = self.cfg.train
-        self._install_signal_handlers()
         self.log_start()
         history = []
         skipped = 0  # consecutive steps skipped for a non-finite gradient norm (optim.max_skipped_steps)
@@ -456,7 +468,10 @@ class Trainer:
                                 rank=self.rank, chunks=self.chunks, device=self.device)
         while self.step < max_steps:
             with profiler.step(self.step + 1):
-                st = self._measured_step(train_loader) if self.memory is not None else self.train_step(train_loader)
+                # The memory report's profiler and a profile window's cannot run at once: a resumed run whose
+                # window covers its first step is measured at the first step after the window.
+                measure = self.memory is not None and not profiler.covers(self.step + 1)
+                st = self._measured_step(train_loader) if measure else self.train_step(train_loader)
             history.append(st)
             if self.watchdog is not None:
                 self.watchdog.beat(self.step)

@@ -137,12 +137,13 @@ int launch(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float
 
 // fp8.h's pow2_scale_from_amax: the ratio rounded to nearest (__fdiv_rn), frexpf exact, the result from bits.
 __device__ __forceinline__ float pow2_scale_from_amax(float amax, float fp8_max) {
-  const float ratio = __fdiv_rn(amax, fp8_max);
-  const unsigned int bits = __float_as_uint(ratio);
+  const unsigned int bits = __float_as_uint(amax);
   if (!(bits > 0u && bits < 0x7f800000u)) return 1.0f;  // 0, inf, NaN, < 0
+  const float ratio = __fdiv_rn(amax, fp8_max);
   int exp = 0;
   const float mant = frexpf(ratio, &exp);  // ratio = mant * 2**exp, mant in [0.5, 1)
-  const int e = min(max(mant == 0.5f ? exp - 1 : exp, -126), 126);
+  const int raw = ratio > 0.0f ? (mant == 0.5f ? exp - 1 : exp) : -126;  // underflowed ratio: the smallest
+  const int e = min(max(raw, -126), 126);
   return __uint_as_float(static_cast<unsigned int>(127 - e) << 23);  // 2**-e
 }
 

@@ -35,8 +35,8 @@ float scale_from_amax_cpu(float amax, bool e5m2);
 
 // Power-of-two (E8M0-style) scale from an amax, as engine.ops.fp8_cast_transpose.pow2_scales: with r =
 // amax / fp8_max (rounded to nearest), 2**-e for e = ceil(log2(r)) (the smallest power of two keeping the
-// block within the format; an exact power of two is not rounded up), e clamped to [-126, 126]; 1 where r
-// is not positive and finite. Exact: built from exponent bits.
+// block within the format; an exact power of two is not rounded up), e clamped to [-126, 126] (-126 where a
+// positive amax's r underflows to 0); 1 where the amax is not positive and finite. Exact: from exponent bits.
 float pow2_scale_from_amax_cpu(float amax, bool e5m2);
 
 // CUDA (fp8.cu). scale and amax are device pointers; stream is a cudaStream_t.

@@ -99,13 +99,14 @@ float scale_from_amax_cpu(float amax, bool e5m2) {
 }
 
 float pow2_scale_from_amax_cpu(float amax, bool e5m2) {
-  const float ratio = amax / (e5m2 ? 57344.0f : 448.0f);
   uint32_t bits;
-  std::memcpy(&bits, &ratio, sizeof(bits));
+  std::memcpy(&bits, &amax, sizeof(bits));
   if (!(bits > 0u && bits < 0x7f800000u)) return 1.0f;  // 0, inf, NaN, < 0
+  const float ratio = amax / (e5m2 ? 57344.0f : 448.0f);
   int exp = 0;
   const float mant = std::frexp(ratio, &exp);  // ratio = mant * 2**exp, mant in [0.5, 1)
-  const int e = std::min(std::max(mant == 0.5f ? exp - 1 : exp, -126), 126);
+  const int raw = ratio > 0.0f ? (mant == 0.5f ? exp - 1 : exp) : -126;  // underflowed ratio: the smallest
+  const int e = std::min(std::max(raw, -126), 126);
   const uint32_t out = static_cast<uint32_t>(127 - e) << 23;  // 2**-e
   float s;
   std::memcpy(&s, &out, sizeof(s));

@@ -51,13 +51,15 @@ def pow2_scales(amax: Tensor, fmt: torch.dtype) -> tuple[Tensor, Tensor]:
     """The MX recipe's power-of-two (scale, scale_inv) of each amax (fp32, amax's shape): with ``r = amax /
     fp8_max`` (rounded to nearest), ``scale_inv = 2**e`` for ``e = ceil(log2(r))``, the smallest power of two
     with r / 2**e <= 1 (the block fits the format unclipped; an exact power of two is not rounded up), e
-    clamped to [-126, 126] (fp32 normals both ways; E8M0 also has 2**-127); 1 where r is not positive and
-    finite. Built from exponent bits: exact reciprocals. The native :func:`fp8_scales_from_amax` with
+    clamped to [-126, 126] (fp32 normals both ways; E8M0 also has 2**-127; a positive amax whose r underflows
+    to 0 takes e = -126); 1 where the amax is not positive and finite. Built from exponent bits: exact reciprocals. The native :func:`fp8_scales_from_amax` with
     ``pow2=True`` computes the same, bit for bit."""
-    ratio = amax.float() / FP8_MAX[fmt]
-    ok = (ratio > 0) & (ratio < float("inf"))
-    mant, exp = torch.frexp(torch.where(ok, ratio, 1.0))  # ratio = mant * 2**exp, mant in [0.5, 1)
+    amax = amax.float()
+    ratio = amax / FP8_MAX[fmt]
+    ok = (amax > 0) & (amax < float("inf"))
+    mant, exp = torch.frexp(torch.where(ratio > 0, ratio, 1.0))  # ratio = mant * 2**exp, mant in [0.5, 1)
     e = torch.where(mant == 0.5, exp - 1, exp)  # an exact power of two needs no rounding up
+    e = torch.where(ratio > 0, e, -126)  # a positive amax whose ratio underflows: the smallest scale_inv
     e = torch.where(ok, e, 0).clamp(-126, 126).to(torch.int32)
     bits = lambda k: ((k + 127) << 23).view(torch.float32)  # 2**k for a normal exponent k
     return bits(-e), bits(e)

@@ -598,14 +598,15 @@ def gather_rows(q: Quantized, all_gather: Callable[[Tensor], Tensor]) -> Quantiz
 
 
 # -- the op --------------------------------------------------------------------------------------
-def check_fp8_shapes(in_features: int, out_features: int, *, where: str = _OP) -> None:
-    """K and N multiples of 16 (the forward contracts K, the input gradient N)."""
+def check_fp8_shapes(in_features: int, out_features: int, *, where: str = _OP, multiple: int = ALIGN,
+                     why: str = "16-byte aligned fp8 rows") -> None:
+    """K and N multiples of ``multiple`` (16; the forward contracts K, the input gradient N)."""
     bad = [f"{name}={v}" for name, v in (("in_features (K)", in_features), ("out_features (N)", out_features))
-           if v % ALIGN]
+           if v % multiple]
     if bad:
-        raise ValueError(f"{where}: FP8 GEMMs need K and N multiples of {ALIGN} (16-byte aligned fp8 rows), got "
+        raise ValueError(f"{where}: FP8 GEMMs need K and N multiples of {multiple} ({why}), got "
                          + ", ".join(bad) + "; pad the layer (e.g. ffn_hidden_size or the TP-local size) to a multiple "
-                         f"of {ALIGN}, or leave this linear in high precision (model.fp8_exclude)")
+                         f"of {multiple}, or leave this linear in high precision (model.fp8_exclude)")
 
 
 def _check(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: str, state) -> None:

@@ -222,14 +222,14 @@ class OneBit(GradCompressor):
         return {f"error.{k}": v for k, v in self.error.items()}
 
 
-def check_powersgd_rank(modules, rank: int, world: Group) -> None:
+def check_powersgd_rank(modules, rank: int, world: Group, *, device) -> None:
     """Before the buckets are built: ``rank`` must not exceed any trainable matrix's smaller side on ANY
     rank (pipeline stages and TP shards hold different matrices). The smallest side is agreed with one
     MIN all-reduce over ``world`` (one int), so every rank raises the same error, said once by the launcher
     (``on_every_rank``), instead of the ranks holding a small matrix each printing their own."""
     params = [p for m in modules for p in m.parameters() if p.requires_grad]
     local = min((min(p.shape) for p in params if p.dim() == 2), default=torch.iinfo(torch.int64).max)
-    smallest = torch.tensor([local], dtype=torch.int64, device=params[0].device if params else "cpu")
+    smallest = torch.tensor([local], dtype=torch.int64, device=device)  # the run's device: NCCL takes no CPU tensor
     comm.all_reduce(smallest, world, op="min")
     smallest = int(smallest.item())
     if rank > smallest:

@@ -38,7 +38,8 @@ rule for ``reduce_amax``):
     blockwise   -> Float8BlockScaling(HYBRID): 1x128 activation/gradient and 128x128 weight tiles
                    (TE's defaults; power-of-2 scales unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1).
     mxfp8       -> MXFP8BlockScaling(HYBRID): 1x32 blocks with E8M0 (power-of-2) scales along each GEMM's
-                   contraction; TE runs it on Blackwell (sm_100+) only, so a visible older GPU is refused.
+                   contraction; TE runs it on data-centre Blackwell (sm_100/sm_103) only, so a visible other GPU
+                   is refused, and its quantiser needs the rows and the TP-local K and N multiples of 32.
     rowwise     -> refused: TE has no per-row recipe.
 
 TE versions: ``Float8CurrentScaling`` needs TE >= 2.2, ``Float8BlockScaling`` >= 2.3 (refused with
@@ -71,6 +72,7 @@ INSTALL_HINT = ("pip install --no-build-isolation 'transformer_engine[pytorch]' 
 TE_RECIPES = {"tensorwise": "Float8CurrentScaling", "delayed": "DelayedScaling", "blockwise": "Float8BlockScaling",
               "mxfp8": "MXFP8BlockScaling"}
 TOKEN_MULTIPLE = 16  # TE's FP8 GEMMs need both dimensions of each operand divisible by 16
+MX_TOKEN_MULTIPLE = 32  # and its MXFP8 quantiser by 32 (1x32 blocks along either dimension)
 
 
 def import_te():
@@ -104,11 +106,16 @@ def check_te_backend(*, recipe: str, tp_overlap: str, recompute: str, tokens: in
         raise ValueError("posttrain.method = 'grpo' with model.fp8_backend = 'te': the rollouts run the trained layers "
                          "on any number of rows (prompts, one-token decode steps), which TE's FP8 GEMMs refuse "
                          f"unless a multiple of {TOKEN_MULTIPLE}; use model.fp8_backend = 'tessel' (it pads)")
-    if recipe == "mxfp8" and torch.cuda.is_available() and torch.cuda.get_device_capability() < (10, 0):
+    if recipe == "mxfp8" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 10:
         major, minor = torch.cuda.get_device_capability()
-        raise ValueError(f"model.fp8 = 'mxfp8' with model.fp8_backend = 'te': TE runs MXFP8 on Blackwell (sm_100 or "
-                         f"newer) only, and this GPU is sm_{major}{minor}; use model.fp8 = 'blockwise' (TE's block "
-                         "scaling on Hopper), or model.fp8_backend = 'tessel' (MXFP8 emulated: an fp32 matmul)")
+        raise ValueError(f"model.fp8 = 'mxfp8' with model.fp8_backend = 'te': TE runs MXFP8 on data-centre Blackwell "
+                         f"(sm_100/sm_103) only, and this GPU is sm_{major}{minor}; use model.fp8 = 'blockwise' (TE's "
+                         "block scaling), or model.fp8_backend = 'tessel' (MXFP8 emulated: an fp32 matmul)")
+    if recipe == "mxfp8" and tokens % MX_TOKEN_MULTIPLE:
+        raise ValueError(f"model.fp8 = 'mxfp8' with model.fp8_backend = 'te' needs train.seq_length / parallel.cp x "
+                         f"train.micro_batch_size (= {tokens} rows per FP8 GEMM) to be a multiple of "
+                         f"{MX_TOKEN_MULTIPLE} (TE's MXFP8 blocks run along the rows too); change one of them, or "
+                         "use model.fp8_backend = 'tessel' (it pads)")
     if tokens % TOKEN_MULTIPLE:
         raise ValueError(f"model.fp8_backend = 'te' needs train.seq_length / parallel.cp x train.micro_batch_size "
                          f"(= {tokens} rows per FP8 GEMM) to be a multiple of {TOKEN_MULTIPLE} (TE's FP8 GEMM shape "

@@ -148,7 +148,7 @@ DEFAULT_ROWS: tuple[Row, ...] = (
     Row(L(tp=2, pp=2, sp=True, tp_overlap="ring"), "plain", fp8="delayed", reshard=L(dp=2, tp=2, sp=True)),
 )
 METHODS = ("pretrain", "sft", "dpo", "grpo")
-FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
+FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8")
 
 # Combinations refused at config time: (overrides, the message fragment the refusal must carry).
 REFUSED: tuple[tuple[tuple[str, ...], str], ...] = (
@@ -201,7 +201,7 @@ def full_rows() -> list[Row]:
     # none / selective / full in turn.
     for layout, recipe, dtype in itertools.product([lay for lay in layouts if lay.tp <= 2], FP8_RECIPES,
                                                    ("fp32", "bf16")):
-        opt = "plain" if layout.dp == 1 else ("zero1", "zero2", "overlap_param_gather", "plain")[
+        opt = "plain" if layout.dp == 1 else ("zero1", "zero2", "overlap_param_gather", "plain", "zero1")[
             FP8_RECIPES.index(recipe)]
         rows.append(Row(layout, opt, dtype, False, "llama", reshard=L(dp=4) if layout != L(dp=4) else L(tp=2, pp=2),
                         fp8=recipe,
@@ -210,7 +210,7 @@ def full_rows() -> list[Row]:
     for layout, recipe, dtype in itertools.product([L(dp=2, tp=2, sp=True, tp_overlap="ring"),
                                                     L(tp=2, pp=2, sp=True, tp_overlap="ring")], FP8_RECIPES,
                                                    ("fp32", "bf16")):
-        opt = "plain" if layout.dp == 1 else ("zero1", "zero2", "overlap_param_gather", "plain")[
+        opt = "plain" if layout.dp == 1 else ("zero1", "zero2", "overlap_param_gather", "plain", "zero1")[
             FP8_RECIPES.index(recipe)]
         rows.append(Row(layout, opt, dtype, False, "llama", reshard=L(dp=4), fp8=recipe))
     # Post-training from a converted base: every layout, each method (SFT also with LoRA), fp32, one

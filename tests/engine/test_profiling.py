@@ -75,3 +75,50 @@ def test_profile_steps_on_cuda_record_kernels_ranges_and_allocator_history(tmp_p
         mem = json.load(f)
     assert mem["steps"] == [2, 2] and mem["memory_stats"]["allocated_bytes.all.peak"] > 0
     assert mem["history"]["segments"] and any(trace for trace in mem["history"]["device_traces"])
+
+
+def test_a_resumed_run_whose_window_covers_its_first_step_measures_memory_after_it(tmp_path):
+    """The memory report measures a process's first step under its own profiler; a resumed run whose profile
+    window covers that step would run two profilers at once (it crashed). The measurement moves to the first
+    step after the window; the window's trace is written."""
+    import signal
+
+    from tests.engine.test_memory_report import _build, _cfg
+
+    cfg = _cfg("parallel.tp=1", "parallel.pp=1", "train.steps=3", "logging.memory_report=true",
+               "logging.profile_steps=[2, 2]")
+    run = _build(cfg, world=1, run_dir=str(tmp_path))
+    run.trainer.step = 1  # what a resume from step 1's checkpoint leaves
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    run.trainer.train(run.train_loader)
+    assert run.trainer.step == 3 and run.trainer._memory_measured  # step 3, after the window
+    assert os.path.exists(tmp_path / "profile" / "trace_rank0.json")
+    # train() gives the signal handlers back (its own would keep the trainer and its model alive)
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_a_profiled_step_that_raises_stops_the_profiler_and_keeps_other_filters():
+    """An exception inside the window stops the profiler and removes its hooks and its one warning filter;
+    a filter added by code in the window (or an import) stays after a normal end."""
+    import tempfile
+    import warnings
+
+    import torch
+
+    from engine.profiling import StepProfiler
+
+    chunks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(4, 4))])
+    before = list(warnings.filters)
+    p = StepProfiler((1, 2), run_dir=tempfile.mkdtemp(), rank=0, chunks=chunks, device="cpu")
+    with pytest.raises(RuntimeError, match="boom"):
+        with p.step(1):
+            chunks[0](torch.randn(2, 4)).sum().backward()
+            raise RuntimeError("boom")
+    assert warnings.filters == before and not torch.autograd.profiler._is_profiler_enabled
+    assert not chunks[0]._forward_pre_hooks  # the window's range hooks are gone
+    p = StepProfiler((1, 1), run_dir=tempfile.mkdtemp(), rank=0, chunks=chunks, device="cpu")
+    with p.step(1):
+        chunks[0](torch.randn(2, 4)).sum().backward()
+        warnings.filterwarnings("error", category=DeprecationWarning, module="some_library")
+    assert warnings.filters[0][3] is not None and warnings.filters[0][0] == "error"  # still there
+    warnings.filters.remove(warnings.filters[0])

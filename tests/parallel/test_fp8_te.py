@@ -114,13 +114,28 @@ def test_mxfp8_is_refused_on_a_gpu_before_blackwell(monkeypatch):
     from parallel.tensor_parallel.fp8_te import check_te_backend
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    with fake_te(), pytest.raises(ValueError, match=r"Blackwell \(sm_100 or newer\) only, and this GPU is sm_90; "
-                                                    r"use model.fp8 = 'blockwise'.*model.fp8_backend = 'tessel'"):
-        check_te_backend(recipe="mxfp8", tp_overlap="none", recompute="none", tokens=32)
+    for cap in ((9, 0), (12, 0)):  # Hopper; consumer Blackwell, which TE's MXFP8 does not run on either
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, cap=cap: cap)
+        with fake_te(), pytest.raises(ValueError, match=rf"\(sm_100/sm_103\) only, and this GPU is sm_{cap[0]}0; "
+                                                        r"use model.fp8 = 'blockwise'.*model.fp8_backend = 'tessel'"):
+            check_te_backend(recipe="mxfp8", tp_overlap="none", recompute="none", tokens=32)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
     with fake_te():
         check_te_backend(recipe="mxfp8", tp_overlap="none", recompute="none", tokens=32)  # accepted
+        with pytest.raises(ValueError, match=r"\(= 48 rows per FP8 GEMM\) to be a multiple of 32"):
+            check_te_backend(recipe="mxfp8", tp_overlap="none", recompute="none", tokens=48)
+
+
+def test_mxfp8_on_te_needs_linears_in_multiples_of_32():
+    """TE's MXFP8 quantiser blocks K and N by 32: fc2's TP-local K of 352 / 2 = 176 is refused before any
+    process group (Tessel's own mxfp8 gives a ragged last block its own scale and takes it)."""
+    from engine.config import load_config
+    from models.hook import ModelHook
+
+    sets = ["model.fp8=mxfp8", "parallel.tp=2", "parallel.pp=1"]
+    ModelHook.from_run_config(load_config("tiny_llama_cpu", sets), tokenizer_vocab=None)  # tessel: fine
+    with fake_te(), pytest.raises(ValueError, match=r"mlp.fc2 .*in_features \(K\)=176; .*multiple of 32"):
+        ModelHook.from_run_config(load_config("tiny_llama_cpu", sets + ["model.fp8_backend=te"]), tokenizer_vocab=None)
 
 
 def test_delayed_at_tp1_reduces_no_amax_and_warns_that_checkpoints_lack_te_histories():

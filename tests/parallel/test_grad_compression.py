@@ -150,9 +150,9 @@ def _rank_check():
 
     world = Group(axis="world", ranks=range(2), rank=dist.get_rank(), pg=dist.group.WORLD, ledger=Ledger())
     model = torch.nn.Linear(3, 8) if dist.get_rank() == 0 else torch.nn.Linear(16, 16)
-    check_powersgd_rank([model], 3, world)  # fits everywhere: nothing raised
+    check_powersgd_rank([model], 3, world, device="cpu")  # fits everywhere: nothing raised
     try:
-        check_powersgd_rank([model], 4, world)
+        check_powersgd_rank([model], 4, world, device="cpu")
     except ValueError as e:
         return {"message": str(e), "once": getattr(e, "on_every_rank", False)}
     return {"message": None, "once": False}

@@ -285,7 +285,7 @@ def test_tiny_amax_gives_a_finite_scale():
     x = torch.zeros(16, 32)
     x[0, 0] = 1e-38
     w = torch.randn(16, 32)
-    for recipe in ("tensorwise", "rowwise", "blockwise"):
+    for recipe in ("tensorwise", "rowwise", "blockwise", "mxfp8"):
         xx = x.clone().requires_grad_()
         y = fp8_linear(xx, w, recipe=recipe)
         y.backward(torch.full_like(y, 1e-37))

@@ -186,7 +186,7 @@ def test_fp8_linear_cuda_matches_the_cpu_path(recipe):
         assert rel < 1e-2, f"{recipe} {name}: CUDA vs CPU {rel:.2e}"
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise", "mxfp8"])
 def test_fp8_weight_casts_reused_on_cuda_are_bitwise(recipe):
     """model.fp8_weight_cache on CUDA: two micro-batches with the weight's casts made once give the same
     outputs and gradients, bit for bit, as two calls that cast the weight each time (docs/fp8.md)."""

@@ -497,7 +497,7 @@ def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_samp
                 "token and hidden unit per layer, on top of the plan)" if cfg.parallel.sequence_parallel and p.tp > 1
                 else "")
         notes.append(what + (" (model.fp8_weight_cache: each FP8 weight's casts held for the step, "
-                             "up to 2 bytes per element)" if held else ""))
+                             "up to 2 bytes per element, 2.25 for mxfp8)" if held else ""))
     # The ring's block kernel (parallel/context_parallel/ring.py): flash unless a sliding window cuts blocks or
     # no flash kernel runs the dtype (CUDA: bf16/fp16, head dim a multiple of 8 up to 256). Documents packed
     # in a sequence also cut blocks: data, not config, so not modeled (named below when cp > 1).

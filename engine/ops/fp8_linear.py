@@ -42,8 +42,9 @@ Recipes (where the amax comes from, and its granularity):
   The backward re-quantises x, w and dy along their other axis from the saved high-precision tensors,
   as row-wise does. GEMM: no MX kernel is wired (torch's needs Blackwell), so the fp8 values times their
   scales are multiplied as an fp32 matmul. With power-of-two scales this is the MX GEMM's arithmetic
-  (every dequantised value and every product exact in fp32, sums in fp32), at an fp32 matmul's speed:
-  a numerics recipe here, for speed on Blackwell use the TE backend (docs/fp8.md).
+  (every dequantised value exact in fp32, products too above fp32's normal range, sums in fp32), at an
+  fp32 matmul's speed: a numerics recipe here, for speed on Blackwell use the TE backend (docs/fp8.md).
+  (Rounding the scale up lets a block within ~1.9x of fp32's largest value dequantise to inf, as TE's.)
 
 Shape rules (checked on every backend, so what runs on CPU runs on a GPU): K and N must be
 multiples of 16 (cuBLAS FP8 needs 16-byte aligned rows; the backward contracts over N); M (the
@@ -353,7 +354,7 @@ def scaled_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> Tensor:
         return y.to(out_dtype)
     if a.granularity == "mx" and b.granularity == "mx":
         # No MX kernel wired (torch's needs Blackwell): the MX GEMM's arithmetic as an fp32 matmul of the
-        # dequantised operands (power-of-two scales: every value and product exact in fp32).
+        # dequantised operands (power-of-two scales: every value exact in fp32, products above 2**-126).
         GEMM_PATHS["mxfp8"] = "dequantised fp32 matmul (no MX GEMM wired)"
         return (a.dequantize() @ b.dequantize().t()).to(out_dtype)  # (M, N)
     if a.granularity in ("tile", "block") and b.granularity in ("tile", "block"):

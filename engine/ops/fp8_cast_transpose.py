@@ -52,8 +52,8 @@ def pow2_scales(amax: Tensor, fmt: torch.dtype) -> tuple[Tensor, Tensor]:
     fp8_max`` (rounded to nearest), ``scale_inv = 2**e`` for ``e = ceil(log2(r))``, the smallest power of two
     with r / 2**e <= 1 (the block fits the format unclipped; an exact power of two is not rounded up), e
     clamped to [-126, 126] (fp32 normals both ways; E8M0 also has 2**-127; a positive amax whose r underflows
-    to 0 takes e = -126); 1 where the amax is not positive and finite. Built from exponent bits: exact reciprocals. The native :func:`fp8_scales_from_amax` with
-    ``pow2=True`` computes the same, bit for bit."""
+    to 0 takes e = -126); 1 where the amax is not positive and finite. Built from exponent bits: exact
+    reciprocals. The native :func:`fp8_scales_from_amax` with ``pow2=True`` computes the same, bit for bit."""
     amax = amax.float()
     ratio = amax / FP8_MAX[fmt]
     ok = (amax > 0) & (amax < float("inf"))

@@ -229,8 +229,8 @@ def quantize_blocks(t: Tensor, fmt: torch.dtype) -> Quantized:
 
 def quantize_mx(t: Tensor, fmt: torch.dtype, *, transposed: bool = False) -> Quantized:
     """1 x 32 blocks along the columns of ``t`` (rows, cols) with power-of-two scales (mxfp8, engine.ops.
-    fp8_cast_transpose.pow2_scales; a ragged last block has its own). With ``transposed``, the blocks of ``t.T``: 32 x 1 along t's rows, the cast writing
-    the transpose."""
+    fp8_cast_transpose.pow2_scales; a ragged last block has its own). With ``transposed``, the blocks of
+    ``t.T``: 32 x 1 along t's rows, the cast writing the transpose."""
     t = t.contiguous()
     rows, cols = t.shape
     if transposed:

@@ -116,6 +116,7 @@ class StepProfiler:
         self.device = torch.device(device)
         self._prof = None
         self._ranges = None
+        self._last = None  # the last step run inside the window
 
     def _begin(self) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -178,7 +179,8 @@ class StepProfiler:
             self._ranges.remove()
         os.makedirs(self.dir, exist_ok=True)
         self._prof.export_chrome_trace(os.path.join(self.dir, f"trace_rank{self.rank}.json"))
-        mem: dict = {"rank": self.rank, "steps": list(self.steps), "device": self.device.type}
+        # the steps profiled: the window, cut at the run's last step where training ended inside it
+        mem: dict = {"rank": self.rank, "steps": [self.steps[0], self._last], "device": self.device.type}
         if self.device.type == "cuda":
             mem["memory_stats"] = torch.cuda.memory_stats(self.device)
             mem["history"] = torch.cuda.memory._snapshot()
@@ -205,6 +207,7 @@ class StepProfiler:
             return
         if n == self.steps[0]:
             self._begin()
+        self._last = n
         self._ranges.new_step()
         try:
             with torch.autograd.profiler.record_function(f"step{n}"):

@@ -518,6 +518,9 @@ class Trainer:
                                  + (" (checkpoint saved)" if save is not None else ""))
                 break
         profiler.close()
+        if self.memory is not None and not self._memory_measured and history:
+            self.logger.info("tessel: memory: not measured: every step this process ran was inside "
+                             "logging.profile_steps (the report measures a step outside the window)")
         self.ddp.finish_param_sync()
         self.logger.close()
         return history

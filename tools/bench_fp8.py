@@ -61,13 +61,19 @@ def layer_shapes(name: str) -> dict[str, tuple[int, int]]:
 
 
 def _timer(device: str):
-    """``run(fn, n)`` -> median seconds of ``n`` calls (CUDA events on a GPU, wall clock on the CPU)."""
+    """``run(fn, n)`` -> median seconds of ``n`` calls after one untimed call (the first call of a shape pays
+    for lazy initialisation: kernels, allocator, oneDNN primitives) (CUDA events on a GPU, wall clock on
+    the CPU)."""
     from tools.bench_train_step import _time_cuda
 
     if device == "cuda":
-        return lambda fn, n: statistics.median(_time_cuda(fn, n=n)[1])
+        def run_cuda(fn, n):
+            fn()
+            return statistics.median(_time_cuda(fn, n=n)[1])
+        return run_cuda
 
     def run(fn, n):
+        fn()
         times = []
         for _ in range(n):
             t0 = time.perf_counter()
@@ -342,19 +348,27 @@ def main(argv=None) -> int:
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         p.error("--device cuda: no GPU visible to torch")
+    for flag, val in (("--tokens", args.tokens), ("--ceiling-n", args.ceiling_n), ("--repeats", args.repeats),
+                      ("--steps", args.steps)):
+        if val is not None and val < 1:
+            p.error(f"{flag}={val} must be a positive integer (or leave it out for the default)")
+    if {"gemms", "host", "step"} <= set(args.skip) and not args.profile:
+        p.error("--skip gemms --skip host --skip step leaves nothing to run")
+    if "host" in args.skip and args.host_shape != [16, 16, 16]:
+        p.error("--host-shape applies to the host section, which --skip host leaves out")
     args.recipes = args.recipes or [r for r in RECIPES if not (cuda and r == "mxfp8")]
-    args.tokens = args.tokens or (8192 if cuda else 128)
-    args.ceiling_n = args.ceiling_n or (8192 if cuda else 1024)
-    args.repeats = args.repeats or (20 if cuda else 3)
+    args.tokens = args.tokens if args.tokens is not None else (8192 if cuda else 128)
+    args.ceiling_n = args.ceiling_n if args.ceiling_n is not None else (8192 if cuda else 1024)
+    args.repeats = args.repeats if args.repeats is not None else (20 if cuda else 3)
     args.preset = args.preset or ("gpu-1b" if cuda else "cpu-tiny")
     args.dtype = args.dtype or ("bf16" if cuda else "fp32")
-    args.steps = args.steps or (10 if cuda else 3)
+    args.steps = args.steps if args.steps is not None else (10 if cuda else 3)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.tokens % 16:
         p.error(f"--tokens={args.tokens} must be a multiple of 16 (FP8 GEMM alignment)")
     if any(v < 16 or v % 16 for v in args.host_shape):
-        p.error(f"--host-shape={args.host_shape} must be multiples of 16 (FP8 GEMM alignment)")
+        p.error(f"--host-shape={args.host_shape} must be positive multiples of 16 (FP8 GEMM alignment), e.g. 16 16 16")
     if "step" in args.skip or args.profile:
         for flag, val in (("--micro-batch", args.micro_batch), ("--weight-cache-ab", args.weight_cache_ab)):
             if val:

@@ -461,12 +461,18 @@ def _write_logits(path: str, logits: list[torch.Tensor], *, flat: bool) -> None:
 
 def cli(run, argv: list[str] | None, *, prog: str) -> int:
     """A forward-only tool's exit: ``run(argv)``; errors one line each (exit 2); the process group freed
-    under torchrun."""
+    under torchrun. An error raised before the process group exists (every check of the arguments, the
+    checkpoint and the inputs: every rank raises it alike), or marked ``on_every_rank``, is said once, by
+    rank 0; one raised later names its rank."""
     rank = int(os.environ.get("RANK", "0"))
     try:
         run(argv)
     except (ValueError, CheckpointError, FileNotFoundError) as e:
-        print(f"{prog} (rank {rank}): error: {e}", file=sys.stderr)
+        if not dist.is_initialized() or getattr(e, "on_every_rank", False):
+            if rank == 0:
+                print(f"{prog}: error: {e}", file=sys.stderr)
+        else:
+            print(f"{prog} (rank {rank}): error: {e}", file=sys.stderr)
         return 2
     finally:
         if dist.is_initialized() and "TORCHELASTIC_RUN_ID" in os.environ:

@@ -125,8 +125,17 @@ def build_training(a, model) -> Training:
     optim = preset.get("optim", {})
     if a.zero is None:  # the preset's (its --set overrides included), else the planner's default 1
         a.zero = (optim.get("zero_stage", 1) if optim.get("distributed") else 0) if preset else 1
+    m = preset.get("model", {})
+    if m.get("fp8_backend") == "te" and m.get("fp8", "none") != "none":  # what the trainer would refuse
+        from parallel.tensor_parallel.fp8_te import TE_RECIPES
+
+        if m["fp8"] not in TE_RECIPES:
+            raise ValueError(f"model.fp8 = {m['fp8']!r} has no Transformer Engine recipe (TE maps "
+                             f"{', '.join(TE_RECIPES)}); choose one of those, or model.fp8_backend = 'tessel'")
+        if m["fp8"] == "mxfp8" and a.gpu != "b200":
+            raise ValueError(f"model.fp8 = 'mxfp8' with model.fp8_backend = 'te' runs on Blackwell (sm_100/sm_103) "
+                             f"only, not on --gpu {a.gpu}; plan it with --gpu b200, or use model.fp8 = 'blockwise'")
     if a.precision is None:
-        m = preset.get("model", {})
         if m.get("fp8") == "mxfp8" and m.get("fp8_backend", "tessel") == "tessel":
             raise ValueError("model.fp8 = 'mxfp8' on the tessel backend runs its GEMMs as fp32 matmuls (emulated, "
                              "docs/fp8.md): no FP8 peak applies; give --precision bf16 or fp8 to plan the layout "

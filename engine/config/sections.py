@@ -302,8 +302,8 @@ class ParallelConfig(Section):
                                  "parallel.schedule='zb-h1' (one chunk per rank)")
         elif self.vp > 1 and self.schedule != "interleaved":
             raise ValueError(f"parallel.vp={self.vp} needs parallel.schedule='interleaved' (got "
-                             f"'{self.schedule}'); set parallel.schedule=interleaved or "
-                             "parallel.vp=1")
+                             f"'{self.schedule}'); set parallel.schedule=interleaved (or, at vp=2, zbv or "
+                             "dualpipev: two chunks per rank in a V), or parallel.vp=1")
         if self.schedule == "interleaved" and self.vp == 1:
             raise ValueError("parallel.schedule='interleaved' needs parallel.vp > 1 virtual "
                              "stages per rank; set parallel.vp (e.g. 2) or parallel.schedule=1f1b")

@@ -93,6 +93,8 @@ def test_a_resumed_run_whose_window_covers_its_first_step_measures_memory_after_
     run.trainer.train(run.train_loader)
     assert run.trainer.step == 3 and run.trainer._memory_measured  # step 3, after the window
     assert os.path.exists(tmp_path / "profile" / "trace_rank0.json")
+    with open(tmp_path / "profile" / "memory_rank0.json") as f:
+        assert json.load(f)["steps"] == [2, 2]
     # train() gives the signal handlers back (its own would keep the trainer and its model alive)
     assert {s: signal.getsignal(s) for s in before} == before
 
@@ -122,3 +124,25 @@ def test_a_profiled_step_that_raises_stops_the_profiler_and_keeps_other_filters(
         warnings.filterwarnings("error", category=DeprecationWarning, module="some_library")
     assert warnings.filters[0][3] is not None and warnings.filters[0][0] == "error"  # still there
     warnings.filters.remove(warnings.filters[0])
+
+
+def test_a_window_past_the_last_step_records_the_steps_profiled_and_says_memory_was_not_measured(tmp_path):
+    """A window [2, 5] in a 2-step resumed run: the files name steps [2, 2] (what was profiled), and the log
+    says why the memory report measured nothing (no step of this process ran outside the window)."""
+    import io
+
+    from tests.engine.test_memory_report import _cfg
+    from engine.assembly import build_run
+    from models.hook import ModelHook
+    from tests.engine.test_memory_report import _Tokens
+
+    cfg = _cfg("parallel.tp=1", "parallel.pp=1", "train.steps=2", "logging.memory_report=true",
+               "logging.profile_steps=[2, 5]")
+    log = io.StringIO()
+    run = build_run(cfg, model=ModelHook.from_run_config(cfg, tokenizer_vocab=None), train_data=_Tokens(32),
+                    checkpoints=False, world=1, run_dir=str(tmp_path), log_stream=log)
+    run.trainer.step = 1
+    run.trainer.train(run.train_loader)
+    with open(tmp_path / "profile" / "memory_rank0.json") as f:
+        assert json.load(f)["steps"] == [2, 2]
+    assert "memory: not measured: every step this process ran was inside logging.profile_steps" in log.getvalue()

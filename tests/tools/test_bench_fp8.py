@@ -58,7 +58,11 @@ def test_bench_fp8_profile_lists_each_sides_kernels(tmp_path):
                                          (["--profile", "8b"], "give MODEL:LINEAR"),
                                          (["--skip", "step", "--weight-cache-ab"], "applies to the train step"),
                                          (["--micro-batch", "3"], "must divide the cpu-tiny preset's batch"),
-                                         (["--host-shape", "16", "24", "16"], "must be multiples of 16")])
+                                         (["--host-shape", "16", "24", "16"], "must be positive multiples of 16"),
+                                         (["--host-shape", "0", "16", "16"], "must be positive multiples of 16"),
+                                         (["--tokens", "0"], "--tokens=0 must be a positive integer"),
+                                         (["--skip", "gemms", "--skip", "host", "--skip", "step"], "nothing to run"),
+                                         (["--skip", "host", "--host-shape", "32", "32", "32"], "which --skip host leaves out")])
 def test_bench_fp8_profile_flags_are_checked(argv, match, capsys):
     with pytest.raises(SystemExit):
         bench_fp8.main(argv)

@@ -45,6 +45,12 @@ def test_bad_input_exits_2_naming_the_fix(capsys):
     assert "runs its GEMMs as fp32 matmuls" in capsys.readouterr().err
     assert main(["--config", "tiny_llama_cpu", "--set", "model.fp8=mxfp8", "--precision", "bf16", "--json",
                  os.devnull]) == 0
+    te = ["--config", "tiny_llama_cpu", "--set", "model.fp8_backend=te"]  # what the trainer refuses is not planned
+    assert main(te + ["--set", "model.fp8=rowwise"]) == 2
+    assert "has no Transformer Engine recipe" in capsys.readouterr().err
+    assert main(te + ["--set", "model.fp8=mxfp8"]) == 2
+    assert "not on --gpu h100-sxm; plan it with --gpu b200" in capsys.readouterr().err
+    assert main(te + ["--set", "model.fp8=mxfp8", "--gpu", "b200", "--json", os.devnull]) == 0
 
 
 def test_moe_plan_lists_ep_at_every_zero_stage(tmp_path, capsys):

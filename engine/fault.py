@@ -45,6 +45,19 @@ class RunStopped(RuntimeError):
     non-finite steps). Raised on every rank at the same step; the message is one line."""
 
 
+SAY_ONCE_GRACE_S = 2.0  # how long a rank that leaves an error to rank 0 waits before it exits
+
+
+def leave_it_to_rank0(rank: int) -> None:
+    """A rank that does not print an error every rank raised alike (rank 0 says it once) waits a moment
+    before it exits with the error's status: torchrun stops the other workers as soon as the first one
+    fails, which could cut rank 0 off before its line is out."""
+    if rank != 0:
+        import time
+
+        time.sleep(SAY_ONCE_GRACE_S)
+
+
 class NothingToTrain(Exception):
     """The run directory's newest checkpoint is already at ``train.steps``: the launch has nothing to do
     (found before any process group; the launcher says so once and exits 0)."""

@@ -47,6 +47,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from engine.checkpoint import (CheckpointError, ShardingContext, load_checkpoint, module_sharded_tensors,  # noqa: E402
                                read_metadata, resolve_checkpoint)
+from engine.fault import leave_it_to_rank0  # noqa: E402
 from parallel import comm  # noqa: E402
 from parallel.context_parallel import zigzag_shard, zigzag_unshard  # noqa: E402
 from parallel.mesh import Mesh, ParallelDims, init_distributed  # noqa: E402
@@ -471,6 +472,7 @@ def cli(run, argv: list[str] | None, *, prog: str) -> int:
         if not dist.is_initialized() or getattr(e, "on_every_rank", False):
             if rank == 0:
                 print(f"{prog}: error: {e}", file=sys.stderr)
+            leave_it_to_rank0(rank)
         else:
             print(f"{prog} (rank {rank}): error: {e}", file=sys.stderr)
         return 2

@@ -48,11 +48,15 @@ class RunStopped(RuntimeError):
 SAY_ONCE_GRACE_S = 2.0  # how long a rank that leaves an error to rank 0 waits before it exits
 
 
-def leave_it_to_rank0(rank: int) -> None:
-    """A rank that does not print an error every rank raised alike (rank 0 says it once) waits a moment
-    before it exits with the error's status: torchrun stops the other workers as soon as the first one
-    fails, which could cut rank 0 off before its line is out."""
-    if rank != 0:
+def say_once(line: str, rank: int) -> None:
+    """An error every rank raised alike, said once: rank 0 prints ``line`` to stderr; the others wait a moment
+    before they exit with the error's status, since torchrun stops the other workers as soon as the first
+    one fails, which could cut rank 0 off before its line is out."""
+    if rank == 0:
+        import sys
+
+        print(line, file=sys.stderr)
+    else:
         import time
 
         time.sleep(SAY_ONCE_GRACE_S)

@@ -47,7 +47,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from engine.checkpoint import (CheckpointError, ShardingContext, load_checkpoint, module_sharded_tensors,  # noqa: E402
                                read_metadata, resolve_checkpoint)
-from engine.fault import leave_it_to_rank0  # noqa: E402
+from engine.fault import say_once  # noqa: E402
 from parallel import comm  # noqa: E402
 from parallel.context_parallel import zigzag_shard, zigzag_unshard  # noqa: E402
 from parallel.mesh import Mesh, ParallelDims, init_distributed  # noqa: E402
@@ -470,9 +470,7 @@ def cli(run, argv: list[str] | None, *, prog: str) -> int:
         run(argv)
     except (ValueError, CheckpointError, FileNotFoundError) as e:
         if not dist.is_initialized() or getattr(e, "on_every_rank", False):
-            if rank == 0:
-                print(f"{prog}: error: {e}", file=sys.stderr)
-            leave_it_to_rank0(rank)
+            say_once(f"{prog}: error: {e}", rank)
         else:
             print(f"{prog} (rank {rank}): error: {e}", file=sys.stderr)
         return 2

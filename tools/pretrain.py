@@ -92,7 +92,7 @@ def launch(prog: str, prepare: Callable[[], Any], run: Callable[[Any, int], Any]
     ``on_every_rank``, is said once by rank 0); 0 when ``prepare`` finds nothing to train (``NothingToTrain``);
     3 (``EXIT_STOPPED``) when the run stopped itself on every rank (it diverged: ``RunStopped``,
     ``NonFiniteGradError``), said once by rank 0."""
-    from engine.fault import EXIT_STOPPED, NothingToTrain, RunStopped, leave_it_to_rank0
+    from engine.fault import EXIT_STOPPED, NothingToTrain, RunStopped, say_once
     from engine.optim import NonFiniteGradError
 
     try:
@@ -102,25 +102,21 @@ def launch(prog: str, prepare: Callable[[], Any], run: Callable[[Any, int], Any]
             print(f"{prog}: {e}", file=sys.stderr)
         return 0
     except (ValueError, FileNotFoundError) as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"{prog}: {e}", file=sys.stderr)
-        leave_it_to_rank0(int(os.environ.get("RANK", "0")))
+        say_once(f"{prog}: {e}", int(os.environ.get("RANK", "0")))
         return 2
     try:
         rank, world = init_distributed(timeout_s=timeout_s(prepared))
     except ValueError as e:  # a launch that cannot restart safely (parallel.mesh.attempt_store), before any rendezvous
-        if os.environ.get("RANK", "0") == "0":
-            print(f"{prog}: {e}", file=sys.stderr)
-        leave_it_to_rank0(int(os.environ.get("RANK", "0")))
+        say_once(f"{prog}: {e}", int(os.environ.get("RANK", "0")))
         return 2
     try:
         run(prepared, world)
         return 0
     except ValueError as e:
-        if rank == 0 or not getattr(e, "on_every_rank", False):  # one line for an error every rank raised
-            print(f"{prog}{'' if getattr(e, 'on_every_rank', False) else f' (rank {rank})'}: {e}", file=sys.stderr)
+        if getattr(e, "on_every_rank", False):  # one line for an error every rank raised
+            say_once(f"{prog}: {e}", rank)
         else:
-            leave_it_to_rank0(rank)
+            print(f"{prog} (rank {rank}): {e}", file=sys.stderr)
         return 2
     except (RunStopped, NonFiniteGradError) as e:  # raised on every rank at the same step: one line, from rank 0
         if rank == 0:

@@ -197,23 +197,31 @@ def quantize_rowwise(t: Tensor, fmt: torch.dtype, *, transposed: bool = False) -
     return Quantized(q, inv, "row")
 
 
-def quantize_tiles(t: Tensor, fmt: torch.dtype, *, transposed: bool = False) -> Quantized:
-    """1 x 128 tiles along the columns of ``t`` (rows, cols); a ragged last tile has its own scale.
-    With ``transposed``, the tiles of ``t.T``: 128 x 1 along t's rows, the cast writing the transpose."""
+def _quantize_runs(t: Tensor, fmt: torch.dtype, *, edge: int, pow2: bool, granularity: str,
+                   transposed: bool) -> Quantized:
+    """1 x ``edge`` runs along the columns of ``t`` (rows, cols), each with its own scale (a ragged last run
+    too; power-of-two scales with ``pow2``). With ``transposed``, the runs of ``t.T``: ``edge`` x 1 along t's
+    rows, the cast writing the transpose. scale_inv: (rows of the result, ceil(contraction / edge))."""
     t = t.contiguous()
     rows, cols = t.shape
     if transposed:
-        nb = -(-rows // BLOCK)
-        tiles = _padded_to(t, nb * BLOCK, cols).view(nb, BLOCK, cols)
-        scale, inv = fp8_scales_from_amax(_absmax(tiles, 1).squeeze(1), fmt)  # (nb, cols)
-        _, q_t, _ = _grid_cast(t, scale, (BLOCK, 1), fmt, out=False, out_t=True)  # (cols, rows)
+        nb = -(-rows // edge)
+        runs = _padded_to(t, nb * edge, cols).view(nb, edge, cols)
+        scale, inv = fp8_scales_from_amax(_absmax(runs, 1).squeeze(1), fmt, pow2=pow2)  # (nb, cols)
+        _, q_t, _ = _grid_cast(t, scale, (edge, 1), fmt, out=False, out_t=True)  # (cols, rows)
         inv = torch.empty(cols, nb, device=t.device).copy_(inv.t())  # (cols, nb), unit strides
-        return Quantized(q_t, inv, "tile")
-    nb = -(-cols // BLOCK)
-    tiles = _padded_to(t, rows, nb * BLOCK).view(rows, nb, BLOCK)
-    scale, inv = fp8_scales_from_amax(_absmax(tiles, 2).squeeze(2), fmt)  # (rows, nb)
-    q, _, _ = _grid_cast(t, scale, (1, BLOCK), fmt)
-    return Quantized(q, inv, "tile")
+        return Quantized(q_t, inv, granularity)
+    nb = -(-cols // edge)
+    runs = _padded_to(t, rows, nb * edge).view(rows, nb, edge)
+    scale, inv = fp8_scales_from_amax(_absmax(runs, 2).squeeze(2), fmt, pow2=pow2)  # (rows, nb)
+    q, _, _ = _grid_cast(t, scale, (1, edge), fmt)
+    return Quantized(q, inv, granularity)
+
+
+def quantize_tiles(t: Tensor, fmt: torch.dtype, *, transposed: bool = False) -> Quantized:
+    """1 x 128 tiles along the columns of ``t`` (rows, cols); a ragged last tile has its own scale.
+    With ``transposed``, the tiles of ``t.T``: 128 x 1 along t's rows, the cast writing the transpose."""
+    return _quantize_runs(t, fmt, edge=BLOCK, pow2=False, granularity="tile", transposed=transposed)
 
 
 def quantize_blocks(t: Tensor, fmt: torch.dtype) -> Quantized:
@@ -231,19 +239,7 @@ def quantize_mx(t: Tensor, fmt: torch.dtype, *, transposed: bool = False) -> Qua
     """1 x 32 blocks along the columns of ``t`` (rows, cols) with power-of-two scales (mxfp8, engine.ops.
     fp8_cast_transpose.pow2_scales; a ragged last block has its own). With ``transposed``, the blocks of
     ``t.T``: 32 x 1 along t's rows, the cast writing the transpose."""
-    t = t.contiguous()
-    rows, cols = t.shape
-    if transposed:
-        nb = -(-rows // MX_BLOCK)
-        blocks = _padded_to(t, nb * MX_BLOCK, cols).view(nb, MX_BLOCK, cols)
-        scale, inv = fp8_scales_from_amax(_absmax(blocks, 1).squeeze(1), fmt, pow2=True)  # (nb, cols)
-        _, q_t, _ = _grid_cast(t, scale, (MX_BLOCK, 1), fmt, out=False, out_t=True)  # (cols, rows)
-        return Quantized(q_t, torch.empty(cols, nb, device=t.device).copy_(inv.t()), "mx")  # (cols, nb)
-    nb = -(-cols // MX_BLOCK)
-    blocks = _padded_to(t, rows, nb * MX_BLOCK).view(rows, nb, MX_BLOCK)
-    scale, inv = fp8_scales_from_amax(_absmax(blocks, 2).squeeze(2), fmt, pow2=True)  # (rows, nb)
-    q, _, _ = _grid_cast(t, scale, (1, MX_BLOCK), fmt)
-    return Quantized(q, inv, "mx")
+    return _quantize_runs(t, fmt, edge=MX_BLOCK, pow2=True, granularity="mx", transposed=transposed)
 
 
 # -- GEMMs ----------------------------------------------------------------------------------------

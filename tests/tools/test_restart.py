@@ -303,9 +303,12 @@ def test_peer_replica_config_errors_are_clear_and_before_communication(corpus, t
 
 
 def resumed_steps(out) -> list[int]:
+    # Read through a file description of our own: ``out`` is the workers' stdout, and seeking it would move the
+    # offset they write at (one shared description), so a line written meanwhile could land at the start.
     out.flush()
-    out.seek(0)
-    return [int(x.rsplit(" ", 1)[1]) for x in out.read().splitlines() if x.startswith("tessel: resumed from ")]
+    with open(out.name) as f:
+        text = f.read()
+    return [int(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith("tessel: resumed from ")]
 
 
 def out_resumes(out) -> int:

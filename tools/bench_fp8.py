@@ -286,6 +286,8 @@ def bench_step(args) -> dict:
             # printed at once: a session's time box may stop the run before the table at the end
             print(f"  (measured) model.fp8={name}: {sides[name]['step_s'] * 1e3:.1f} ms, "
                   f"peak {sides[name]['peak_mem_gib']:.1f} GiB", flush=True)
+            if args.profile_step:
+                sides[name].update(_profile_side(args, trainer, loader, name, sides[name]["step_s"]))
             del trainer
     if args.device == "cuda":
         times = sides
@@ -314,8 +316,21 @@ def _time_side(args, trainer, loader, base: int) -> dict:
     torch.cuda.reset_peak_memory_stats()
     losses = []
     _, times = _time_cuda(lambda: losses.append(trainer.train_step(loader).loss), n=args.steps)
-    return {"step_s": statistics.median(times), "last_loss": losses[-1],
+    return {"step_s": statistics.median(times), "last_loss": losses[-1], "losses": losses,
             "peak_mem_gib": (torch.cuda.max_memory_allocated() - base) / 2 ** 30}
+
+
+def _profile_side(args, trainer, loader, name: str, step_s: float) -> dict:
+    """``--profile-step``: the kernels of 2 more steps of one side (tools/kernel_profile.py). Their summed
+    device time per step against the side's median step time says how long the GPU sat idle, waiting for
+    the host to issue work (the host gaps do not show in a kernel's time)."""
+    from tools.kernel_profile import kernel_table, print_kernel_table
+
+    table = kernel_table(lambda: trainer.train_step(loader), device="cuda", repeats=2, warmup=0)
+    busy = table["total_us"] / 1e6
+    print_kernel_table(f"  model.fp8={name}: kernels per step ({busy / step_s:.1%} of the {step_s * 1e3:.1f} ms "
+                       f"step busy)", table, top=args.profile_top)
+    return {"device_busy_s": busy, "kernels": table["kernels"][:args.profile_top]}
 
 
 def main(argv=None) -> int:
@@ -342,7 +357,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--profile", default=None, metavar="MODEL:LINEAR",
                    help="only profile one linear's forward + backward per recipe, kernel by kernel (e.g. 8b:qkv)")
-    p.add_argument("--profile-top", type=int, default=None, help="kernels listed per side with --profile (default 15)")
+    p.add_argument("--profile-top", type=int, default=None,
+                   help="kernels listed per side with --profile or --profile-step (default 15)")
+    p.add_argument("--profile-step", action="store_true",
+                   help="CUDA: after each side's timed steps, its kernels over 2 more steps, and the share of the "
+                        "step the GPU was busy")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
@@ -382,7 +401,9 @@ def main(argv=None) -> int:
            "machine": torch.cuda.get_device_name(0) if cuda else f"CPU, {torch.get_num_threads()} threads",
            "command": "python3 tools/bench_fp8.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     run = _timer(args.device)
-    if args.profile is None and args.profile_top is not None:
+    if args.profile_step and (args.device != "cuda" or "step" in args.skip or args.profile):
+        p.error("--profile-step profiles the train step on CUDA: give --device cuda, without --skip step or --profile")
+    if args.profile is None and not args.profile_step and args.profile_top is not None:
         p.error("--profile-top is read with --profile only")
     args.profile_top = args.profile_top if args.profile_top is not None else 15
     if args.profile:

@@ -16,7 +16,9 @@
    ratio is the FP8 step speed-up (goal on an H100: 1.3x or more at gpu-1b), beside the computing aten ops
    one step dispatches (each a kernel launch on a GPU, issued from Python). ``--micro-batch`` splits
    the batch into micro-batches; ``--weight-cache-ab`` adds, per recipe, a side with
-   ``model.fp8_weight_cache=false`` (each weight cast per micro-batch instead of once per step).
+   ``model.fp8_weight_cache=false`` (each weight cast per micro-batch instead of once per step);
+   ``--profile-step`` (CUDA) lists each side's kernels over 2 more steps and the share of its step the GPU
+   was busy (the rest it waited for the host to issue work).
 
     python3 tools/bench_fp8.py --device cuda --json OUT/bench_fp8.json         (a lent GPU)
     .venv/bin/python tools/bench_fp8.py --threads 1 --models 8b --tokens 128 --repeats 2 --steps 3
@@ -404,7 +406,7 @@ def main(argv=None) -> int:
     if args.profile_step and (args.device != "cuda" or "step" in args.skip or args.profile):
         p.error("--profile-step profiles the train step on CUDA: give --device cuda, without --skip step or --profile")
     if args.profile is None and not args.profile_step and args.profile_top is not None:
-        p.error("--profile-top is read with --profile only")
+        p.error("--profile-top is read with --profile or --profile-step only")
     args.profile_top = args.profile_top if args.profile_top is not None else 15
     if args.profile:
         model, _, lin = args.profile.partition(":")

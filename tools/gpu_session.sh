@@ -22,7 +22,8 @@
 #                      results at the end of the same file
 #   bench_fp8.log      tools/bench_fp8.py --device cuda: FP8 vs bf16 GEMMs (8B/70B layers), the host time to
 #                      issue one linear per recipe, and the gpu-1b train step per recipe; its JSON results at the end of the same file; then one linear's
-#                      kernel profile, and the gpu-1b step in 4 micro-batches with and without the weight cache
+#                      kernel profile, and the gpu-1b step in 4 micro-batches with and without the weight cache,
+#                      each side's kernels per step against its step time (--profile-step)
 #   bench_parallel.log four steps, one after another, each with its JSON at its end:
 #                      overlap: tools/bench_overlap.py --gemm-overhead --device cuda: the ring's chunk GEMMs vs
 #                      one GEMM at 8B shapes (one GPU: no multi-rank overlap; issue 17);
@@ -142,9 +143,10 @@ EOF
         # where one linear's time goes, kernel by kernel (docs/fp8.md, "Where the time goes")
         run_json_step fp8_profile 30 "$OUT/bench_fp8.log" "$PY" tools/bench_fp8.py --device cuda --profile 8b:qkv \
             --repeats 5
-        # each weight cast once per step vs once per micro-batch (model.fp8_weight_cache), gpu-1b in 4 micro-batches
+        # each weight cast once per step vs once per micro-batch (model.fp8_weight_cache), gpu-1b in 4 micro-batches,
+        # each side's kernels per step against its step time (--profile-step: how long the GPU waited for the host)
         run_json_step fp8_cache 60 "$OUT/bench_fp8.log" "$PY" tools/bench_fp8.py --device cuda --skip gemms \
-            --recipes tensorwise --micro-batch 1 --weight-cache-ab --steps 5
+            --recipes tensorwise --micro-batch 1 --weight-cache-ab --steps 5 --profile-step --profile-top 8
     fi
     if wanted overlap; then
         run_json_step overlap 40 "$OUT/bench_parallel.log" "$PY" tools/bench_overlap.py --gemm-overhead --device cuda

@@ -641,7 +641,7 @@ def weight_grad_requantized(recipe: str, gemm, g: Tensor, x: Tensor, w_dtype: to
     quantize = act_quantizer(recipe)
     gt = quantize(pad_rows(g), E5M2, transposed=True)  # (N, M')
     xt = quantize(pad_rows(x), E4M3, transposed=True)  # (K, M')
-    return gemm(gt, xt, torch.float32).to(w_dtype)
+    return gemm(gt, xt, w_dtype)  # in the weight's dtype from the GEMM itself: no fp32 (N, K) copy
 
 
 def _amax(t: Tensor) -> Tensor:
@@ -765,7 +765,7 @@ def wgrad_from_transposes(gemm, gq_t: Quantized, xq_t: Quantized, w_dtype: torch
         pad = lambda q: Quantized(torch.nn.functional.pad(q.data.view(torch.uint8), (0, extra)).view(q.data.dtype),
                                   q.scale_inv, q.granularity)
         gq_t, xq_t = pad(gq_t), pad(xq_t)
-    return gemm(gq_t, xq_t, torch.float32).to(w_dtype)
+    return gemm(gq_t, xq_t, w_dtype)  # the weight's dtype from the GEMM's epilogue (no fp32 copy)
 
 
 def fp8_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, recipe: str = "tensorwise",

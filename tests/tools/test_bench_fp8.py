@@ -54,7 +54,8 @@ def test_bench_fp8_profile_lists_each_sides_kernels(tmp_path):
     assert any("_scaled_mm" in k["name"] for k in prof["sides"]["tensorwise"]["kernels"])
 
 
-@pytest.mark.parametrize("argv, match", [(["--profile-top", "3"], "read with --profile only"),
+@pytest.mark.parametrize("argv, match", [(["--profile-top", "3"], "read with --profile or --profile-step only"),
+                                         (["--profile-step"], "profiles the train step on CUDA"),
                                          (["--profile", "8b"], "give MODEL:LINEAR"),
                                          (["--skip", "step", "--weight-cache-ab"], "applies to the train step"),
                                          (["--micro-batch", "3"], "must divide the cpu-tiny preset's batch"),

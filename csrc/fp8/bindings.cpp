@@ -84,14 +84,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& 
   return {out, out_t, amax};
 }
 
-// cast_transpose_scaled(input, scale, from_amax, e5m2, want_out_t) -> (out, out_t or None, amax, scale_inv):
-// cast_transpose for per-tensor scaling in one call. With from_amax, scale holds an amax (max |x| of the
+// cast_transpose_scaled(input, scale, from_amax, e5m2, want_out_t, want_amax) -> (out, out_t or None, amax or
+// None, scale_inv): cast_transpose for per-tensor scaling in one call. With from_amax, scale holds an amax (max |x| of the
 // tensor the scale is for, e.g. all-reduced over a TP group) and the scale is scale_from_amax of it
 // (fp8.h), computed where the cast runs (no host sync on a GPU); scale_inv is a 0-dim fp32 1 / scale.
-std::tuple<at::Tensor, py::object, at::Tensor, at::Tensor> cast_transpose_scaled(const at::Tensor& input,
+std::tuple<at::Tensor, py::object, py::object, at::Tensor> cast_transpose_scaled(const at::Tensor& input,
                                                                                  const at::Tensor& scale,
                                                                                  bool from_amax, bool e5m2,
-                                                                                 bool want_out_t) {
+                                                                                 bool want_out_t, bool want_amax) {
   check_input(input);
   if (scale.scalar_type() != at::kFloat || scale.numel() != 1 || scale.device() != input.device()) {
     fail(std::string(from_amax ? "amax" : "scale") + " must be a one-element float32 tensor on the input's device, "
@@ -102,13 +102,14 @@ std::tuple<at::Tensor, py::object, at::Tensor, at::Tensor> cast_transpose_scaled
   const auto fp8 = input.options().dtype(e5m2 ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn);
   at::Tensor out = at::empty({rows, cols}, fp8);
   at::Tensor out_t = want_out_t ? at::empty({cols, rows}, fp8) : at::Tensor();  // (cols, rows): the transpose
-  at::Tensor amax = at::empty({1}, input.options().dtype(at::kFloat));
+  at::Tensor amax = want_amax ? at::empty({1}, input.options().dtype(at::kFloat)) : at::Tensor();
   at::Tensor scale_inv = at::empty({}, input.options().dtype(at::kFloat));
   const bool bf16 = input.scalar_type() == at::kBFloat16;
   auto* out_ptr = reinterpret_cast<uint8_t*>(out.data_ptr());
   auto* out_t_ptr = want_out_t ? reinterpret_cast<uint8_t*>(out_t.data_ptr()) : nullptr;
-  auto wrap = [&]() -> std::tuple<at::Tensor, py::object, at::Tensor, at::Tensor> {
-    return {out, want_out_t ? py::cast(out_t) : py::none(), amax, scale_inv};
+  float* amax_ptr = want_amax ? amax.data_ptr<float>() : nullptr;  // null: no amax pass (and no memset)
+  auto wrap = [&]() -> std::tuple<at::Tensor, py::object, py::object, at::Tensor> {
+    return {out, want_out_t ? py::cast(out_t) : py::none(), want_amax ? py::cast(amax) : py::none(), scale_inv};
   };
 #ifdef TESSEL_WITH_CUDA
   if (input.is_cuda()) {
@@ -116,7 +117,7 @@ std::tuple<at::Tensor, py::object, at::Tensor, at::Tensor> cast_transpose_scaled
     const at::Tensor scale_c = scale.contiguous();
     check_launch(tessel::fp8::cast_transpose_scaled_cuda(
                      input.data_ptr(), bf16, rows, cols, scale_c.data_ptr<float>(), from_amax, out_ptr, out_t_ptr,
-                     amax.data_ptr<float>(), scale_inv.data_ptr<float>(), e5m2,
+                     amax_ptr, scale_inv.data_ptr<float>(), e5m2,
                      c10::cuda::getCurrentCUDAStream(input.device().index()).stream()),
                  "cast_transpose_scaled");
     return wrap();
@@ -127,8 +128,7 @@ std::tuple<at::Tensor, py::object, at::Tensor, at::Tensor> cast_transpose_scaled
   *scale_inv.data_ptr<float>() = 1.0f / s;
   {
     py::gil_scoped_release release;
-    tessel::fp8::cast_transpose_cpu(input.data_ptr(), bf16, rows, cols, s, out_ptr, out_t_ptr,
-                                    amax.data_ptr<float>(), e5m2);
+    tessel::fp8::cast_transpose_cpu(input.data_ptr(), bf16, rows, cols, s, out_ptr, out_t_ptr, amax_ptr, e5m2);
   }
   return wrap();
 }
@@ -164,12 +164,13 @@ std::tuple<at::Tensor, at::Tensor> scales_from_amax(const at::Tensor& amax, bool
   return {scale, scale_inv};
 }
 
-// cast_transpose_grid(input, scale, block_rows, block_cols, e5m2, want_out, want_out_t) -> (out or None,
-// out_t or None, amax): as cast_transpose, element (r, c) scaled by scale[r / block_rows][c / block_cols];
+// cast_transpose_grid(input, scale, block_rows, block_cols, e5m2, want_out, want_out_t, want_amax) -> (out or
+// None, out_t or None, amax or None): as cast_transpose, element (r, c) scaled by scale[r / block_rows][c / block_cols];
 // scale a contiguous fp32 (ceil(rows / block_rows), ceil(cols / block_cols)) grid on the input's device.
-std::tuple<py::object, py::object, at::Tensor> cast_transpose_grid(const at::Tensor& input, const at::Tensor& scale,
+std::tuple<py::object, py::object, py::object> cast_transpose_grid(const at::Tensor& input, const at::Tensor& scale,
                                                                     int64_t block_rows, int64_t block_cols,
-                                                                    bool e5m2, bool want_out, bool want_out_t) {
+                                                                    bool e5m2, bool want_out, bool want_out_t,
+                                                                    bool want_amax) {
   check_input(input);
   if (block_rows < 1 || block_cols < 1) fail("block_rows and block_cols must be >= 1");
   if (!want_out && !want_out_t) fail("nothing to write: want_out and want_out_t are both False");
@@ -185,19 +186,21 @@ std::tuple<py::object, py::object, at::Tensor> cast_transpose_grid(const at::Ten
   const auto fp8 = input.options().dtype(e5m2 ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn);
   at::Tensor out = want_out ? at::empty({rows, cols}, fp8) : at::Tensor();
   at::Tensor out_t = want_out_t ? at::empty({cols, rows}, fp8) : at::Tensor();
-  at::Tensor amax = at::empty({1}, input.options().dtype(at::kFloat));
+  at::Tensor amax = want_amax ? at::empty({1}, input.options().dtype(at::kFloat)) : at::Tensor();
   const bool bf16 = input.scalar_type() == at::kBFloat16;
   auto* out_ptr = want_out ? reinterpret_cast<uint8_t*>(out.data_ptr()) : nullptr;
   auto* out_t_ptr = want_out_t ? reinterpret_cast<uint8_t*>(out_t.data_ptr()) : nullptr;
-  auto wrap = [&]() -> std::tuple<py::object, py::object, at::Tensor> {
-    return {want_out ? py::cast(out) : py::none(), want_out_t ? py::cast(out_t) : py::none(), amax};
+  float* amax_ptr = want_amax ? amax.data_ptr<float>() : nullptr;
+  auto wrap = [&]() -> std::tuple<py::object, py::object, py::object> {
+    return {want_out ? py::cast(out) : py::none(), want_out_t ? py::cast(out_t) : py::none(),
+            want_amax ? py::cast(amax) : py::none()};
   };
 #ifdef TESSEL_WITH_CUDA
   if (input.is_cuda()) {
     const c10::cuda::CUDAGuard guard(input.device());
     check_launch(tessel::fp8::cast_transpose_grid_cuda(
                      input.data_ptr(), bf16, rows, cols, scale.data_ptr<float>(), block_rows, block_cols, out_ptr,
-                     out_t_ptr, amax.data_ptr<float>(), e5m2,
+                     out_t_ptr, amax_ptr, e5m2,
                      c10::cuda::getCurrentCUDAStream(input.device().index()).stream()),
                  "cast_transpose_grid");
     return wrap();
@@ -206,7 +209,7 @@ std::tuple<py::object, py::object, at::Tensor> cast_transpose_grid(const at::Ten
   {
     py::gil_scoped_release release;
     tessel::fp8::cast_transpose_grid_cpu(input.data_ptr(), bf16, rows, cols, scale.data_ptr<float>(), block_rows,
-                                         block_cols, out_ptr, out_t_ptr, amax.data_ptr<float>(), e5m2);
+                                         block_cols, out_ptr, out_t_ptr, amax_ptr, e5m2);
   }
   return wrap();
 }
@@ -226,13 +229,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "saturating, NaN-propagating amax.");
   m.def("cast_transpose_scaled", &cast_transpose_scaled, py::arg("input"), py::arg("scale"),
         py::arg("from_amax") = false, py::arg("e5m2") = false, py::arg("want_out_t") = true,
+        py::arg("want_amax") = true,
         "cast_transpose for per-tensor scaling: with from_amax, scale is an amax and the scale is derived "
-        "where the cast runs; returns (out, out_t or None, amax, 0-dim scale_inv = 1 / scale).");
+        "where the cast runs; returns (out, out_t or None, amax or None (want_amax=False: not computed), "
+        "0-dim scale_inv = 1 / scale).");
   m.def("scales_from_amax", &scales_from_amax, py::arg("amax"), py::arg("e5m2") = false, py::arg("pow2") = false,
         "(scale, 1 / scale) of each float32 amax: fp8_max / amax (IEEE), 1 where amax is not positive and "
         "finite, at most the largest float32; with pow2, the power-of-two scale of the MX recipe.");
   m.def("cast_transpose_grid", &cast_transpose_grid, py::arg("input"), py::arg("scale"), py::arg("block_rows"),
         py::arg("block_cols"), py::arg("e5m2") = false, py::arg("want_out") = true, py::arg("want_out_t") = true,
+        py::arg("want_amax") = true,
         "cast_transpose with a grid of scales: element (r, c) times scale[r / block_rows][c / block_cols]; "
-        "outputs not wanted come back as None.");
+        "outputs not wanted (amax included) come back as None.");
 }

@@ -3,7 +3,8 @@
 // For a row-major (rows, cols) input x (fp32 or bf16) and a device-resident fp32 scale s:
 //   out   (rows, cols) fp8 = sat(x * s)       row-major, for the forward GEMM
 //   out_t (cols, rows) fp8 = sat(x * s)^T     for the backward GEMMs (FP8 GEMMs want K-major)
-//   amax  fp32 scalar      = max |x|          of the unscaled input, for the next scale
+//   amax  fp32 scalar      = max |x|          of the unscaled input, for the next scale (amax may be
+//                                             null: not computed, e.g. the scale's own amax was given)
 // fp8 is e4m3 (activations, weights) or, with e5m2 = true, e5m2 (output gradients).
 // sat(): round to nearest even, saturating to +-448 (e4m3) or +-57344 (e5m2), inf too; NaN stays
 // NaN - the semantics of CUDA's __NV_SATFINITE conversion, and of torch's .to(float8) after a clamp

@@ -112,22 +112,23 @@ def fp8_cast_transpose(x: Tensor, scale: Tensor, *, fmt: torch.dtype = torch.flo
 
 
 def fp8_cast_transpose_scaled_reference(x: Tensor, *, scale: Tensor | None = None, amax: Tensor | None = None,
-                                        fmt: torch.dtype = torch.float8_e4m3fn, want_out_t: bool = True
-                                        ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+                                        fmt: torch.dtype = torch.float8_e4m3fn, want_out_t: bool = True,
+                                        want_amax: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
     """Plain-PyTorch version of :func:`fp8_cast_transpose_scaled` (same promises, bit for bit)."""
     s = scale_from_amax(amax, fmt) if scale is None else scale.float()
     q, q_t, x_amax = fp8_cast_transpose_reference(x, s.reshape(1), fmt=fmt)
-    return q, (q_t if want_out_t else None), x_amax, (1.0 / s).reshape(())
+    return q, (q_t if want_out_t else None), (x_amax if want_amax else None), (1.0 / s).reshape(())
 
 
 def fp8_cast_transpose_scaled(x: Tensor, *, scale: Tensor | None = None, amax: Tensor | None = None,
-                              fmt: torch.dtype = torch.float8_e4m3fn, want_out_t: bool = True,
-                              backend: str = "auto") -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+                              fmt: torch.dtype = torch.float8_e4m3fn, want_out_t: bool = True, want_amax: bool = True,
+                              backend: str = "auto") -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
     """:func:`fp8_cast_transpose` for per-tensor scaling, in one call: given ``scale``, or ``amax`` (the
     current amax of the tensor the scale is for, e.g. all-reduced over a TP group; the scale is then
     :func:`scale_from_amax` of it, computed on x's device with no host sync). Returns (out, out_t or
-    None (``want_out_t=False``), amax of x (1,), the 0-dim dequantisation scale ``1 / scale``): what
-    an FP8 GEMM takes, with no scale arithmetic left to launch from Python."""
+    None (``want_out_t=False``), amax of x (1,) or None (``want_amax=False``: not computed, and on a GPU
+    no memset launched for it), the 0-dim dequantisation scale ``1 / scale``): what an FP8 GEMM takes,
+    with no scale arithmetic left to launch from Python."""
     _check_common(f"{_OP}_scaled", x, fmt, backend)
     if (scale is None) == (amax is None):
         raise ValueError(f"{_OP}_scaled: give exactly one of scale= and amax=")
@@ -137,13 +138,16 @@ def fp8_cast_transpose_scaled(x: Tensor, *, scale: Tensor | None = None, amax: T
                          f"tensor on {x.device}, got {given.dtype} with {given.numel()} elements on {given.device}.")
     if backend == "native" or (backend == "auto" and _native.available("fp8")):
         return _native.op("fp8", "cast_transpose_scaled")(x.contiguous(), given, from_amax=amax is not None,
-                                                         e5m2=fmt == torch.float8_e5m2, want_out_t=want_out_t)
-    return fp8_cast_transpose_scaled_reference(x, scale=scale, amax=amax, fmt=fmt, want_out_t=want_out_t)
+                                                         e5m2=fmt == torch.float8_e5m2, want_out_t=want_out_t,
+                                                         want_amax=want_amax)
+    return fp8_cast_transpose_scaled_reference(x, scale=scale, amax=amax, fmt=fmt, want_out_t=want_out_t,
+                                               want_amax=want_amax)
 
 
 def fp8_cast_transpose_grid_reference(x: Tensor, scale: Tensor, block: tuple[int, int], *,
                                       fmt: torch.dtype = torch.float8_e4m3fn, want_out: bool = True,
-                                      want_out_t: bool = True) -> tuple[Tensor | None, Tensor | None, Tensor]:
+                                      want_out_t: bool = True, want_amax: bool = True
+                                      ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Plain-PyTorch version of :func:`fp8_cast_transpose_grid` (same promises, bit for bit)."""
     rows, cols = x.shape
     br, bc = block
@@ -158,19 +162,23 @@ def fp8_cast_transpose_grid_reference(x: Tensor, scale: Tensor, block: tuple[int
     # by itself, its CUDA one (torch 2.11) turns overflow into NaN, e5m2 into inf. clamp keeps NaN.
     q = (xf * s).clamp(-m, m).to(fmt)  # (rows, cols)
     # NaN-propagating amax: torch.amax propagates NaN like the native bit-pattern maximum.
-    amax = xf.abs().amax().reshape(1) if x.numel() else x.new_zeros(1, dtype=torch.float32)
+    amax = None
+    if want_amax:
+        amax = xf.abs().amax().reshape(1) if x.numel() else x.new_zeros(1, dtype=torch.float32)
     return (q if want_out else None), (q.t().contiguous() if want_out_t else None), amax
 
 
 def fp8_cast_transpose_grid(x: Tensor, scale: Tensor, block: tuple[int, int], *,
                             fmt: torch.dtype = torch.float8_e4m3fn, want_out: bool = True, want_out_t: bool = True,
-                            backend: str = "auto") -> tuple[Tensor | None, Tensor | None, Tensor]:
+                            want_amax: bool = True, backend: str = "auto"
+                            ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """:func:`fp8_cast_transpose` with a grid of scales, for the row-, tile- and block-wise recipes:
     element (r, c) of ``x`` (rows, cols) is multiplied by ``scale[r // block[0], c // block[1]]``, ``scale``
     a float32 (ceil(rows / block[0]), ceil(cols / block[1])) tensor on x's device. E.g. block (1, cols):
     a scale per row; (rows, 1): per column; (1, 128): 1 x 128 tiles; (128, 128): blocks. Returns (out or
     None, out_t or None, amax of x): ``want_out`` / ``want_out_t`` say which of the fp8 (rows, cols) and
-    its (cols, rows) transpose to write (one pass over x either way)."""
+    its (cols, rows) transpose to write (one pass over x either way); ``want_amax=False``: the amax is
+    not computed (None)."""
     _check_common(f"{_OP}_grid", x, fmt, backend)
     br, bc = block
     if br < 1 or bc < 1:
@@ -184,5 +192,6 @@ def fp8_cast_transpose_grid(x: Tensor, scale: Tensor, block: tuple[int, int], *,
     if backend == "native" or (backend == "auto" and _native.available("fp8")):
         return _native.op("fp8", "cast_transpose_grid")(x.contiguous(), scale.contiguous(), br, bc,
                                                        e5m2=fmt == torch.float8_e5m2, want_out=want_out,
-                                                       want_out_t=want_out_t)
-    return fp8_cast_transpose_grid_reference(x, scale, block, fmt=fmt, want_out=want_out, want_out_t=want_out_t)
+                                                       want_out_t=want_out_t, want_amax=want_amax)
+    return fp8_cast_transpose_grid_reference(x, scale, block, fmt=fmt, want_out=want_out, want_out_t=want_out_t,
+                                             want_amax=want_amax)

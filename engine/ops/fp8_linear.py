@@ -113,15 +113,18 @@ def amax_to_scale(amax: Tensor, fmt: torch.dtype, *, margin: int = 0) -> Tensor:
 
 
 def _grid_cast(t: Tensor, scale: Tensor, block: tuple[int, int], fmt: torch.dtype, *, out: bool = True,
-               out_t: bool = False) -> tuple[Optional[Tensor], Optional[Tensor], Tensor]:
+               out_t: bool = False) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """One pass over ``t`` (rows, cols): fp8(t * scale[r // block[0], c // block[1]]) clamped to the format's
-    range, and/or its transpose, and max |t| (engine.ops.fp8_cast_transpose_grid: csrc/fp8 when built)."""
-    if not t.numel():  # (0, cols) or (rows, 0): empty outputs, amax 0
+    range, and/or its transpose (engine.ops.fp8_cast_transpose_grid: csrc/fp8 when built). The scales came
+    from their own amaxes, so the cast computes none."""
+    if not t.numel():  # (0, cols) or (rows, 0): empty outputs
         rows, cols = t.shape
         return (t.new_empty((rows, cols), dtype=fmt) if out else None,
-                t.new_empty((cols, rows), dtype=fmt) if out_t else None, t.new_zeros(1, dtype=torch.float32))
-    return fp8_cast_transpose_grid(t.contiguous(), scale.float().contiguous(), (max(block[0], 1), max(block[1], 1)),
-                                   fmt=fmt, want_out=out, want_out_t=out_t)
+                t.new_empty((cols, rows), dtype=fmt) if out_t else None)
+    q, q_t, _ = fp8_cast_transpose_grid(t.contiguous(), scale.float().contiguous(),
+                                        (max(block[0], 1), max(block[1], 1)), fmt=fmt, want_out=out,
+                                        want_out_t=out_t, want_amax=False)
+    return q, q_t
 
 
 def _padded_to(t: Tensor, rows: int, cols: int) -> Tensor:
@@ -165,16 +168,19 @@ class Quantized:
 
 
 def quantize_tensorwise(t: Tensor, fmt: torch.dtype, scale: Optional[Tensor] = None, *,
-                        amax: Optional[Tensor] = None, transpose: bool = False
-                        ) -> tuple[Quantized, Optional[Quantized], Tensor]:
+                        amax: Optional[Tensor] = None, transpose: bool = False, want_amax: bool = True
+                        ) -> tuple[Quantized, Optional[Quantized], Optional[Tensor]]:
     """``t`` (rows, cols) with one scale, given as ``scale`` or as the ``amax`` it derives from
-    (:func:`amax_to_scale`, margin 0): (q, q.T or None, amax of t). One call of the fused
+    (:func:`amax_to_scale`, margin 0): (q, q.T or None, amax of t, or None with ``want_amax=False``:
+    only delayed scaling keeps it, and skipping it saves the cast's reduction and, on a GPU, a memset
+    launch). One call of the fused
     cast-transpose-amax (engine.ops.fp8_cast_transpose_scaled, e4m3 or e5m2; bitwise equal to its
     reference), which also derives the scale from an amax and returns 1 / scale, so a cast launches
     no scale arithmetic of its own (host time per linear: docs/fp8.md)."""
     if scale is not None:
         scale = scale.reshape(1).float()
-    q, q_t, t_amax, inv = fp8_cast_transpose_scaled(t, scale=scale, amax=amax, fmt=fmt, want_out_t=transpose)
+    q, q_t, t_amax, inv = fp8_cast_transpose_scaled(t, scale=scale, amax=amax, fmt=fmt, want_out_t=transpose,
+                                                    want_amax=want_amax)
     return Quantized(q, inv, "tensor"), (Quantized(q_t, inv, "tensor") if transpose else None), t_amax
 
 
@@ -190,10 +196,10 @@ def quantize_rowwise(t: Tensor, fmt: torch.dtype, *, transposed: bool = False) -
     rows, cols = t.shape
     if transposed:
         scale, inv = fp8_scales_from_amax(_absmax(t, 0), fmt)  # (1, cols): one per row of t.T
-        _, q_t, _ = _grid_cast(t, scale, (rows, 1), fmt, out=False, out_t=True)  # (cols, rows)
+        _, q_t = _grid_cast(t, scale, (rows, 1), fmt, out=False, out_t=True)  # (cols, rows)
         return Quantized(q_t, inv.reshape(-1, 1), "row")  # (cols, 1), unit strides
     scale, inv = fp8_scales_from_amax(_absmax(t, 1), fmt)  # (rows, 1)
-    q, _, _ = _grid_cast(t, scale, (1, cols), fmt)
+    q, _ = _grid_cast(t, scale, (1, cols), fmt)
     return Quantized(q, inv, "row")
 
 
@@ -208,13 +214,13 @@ def _quantize_runs(t: Tensor, fmt: torch.dtype, *, edge: int, pow2: bool, granul
         nb = -(-rows // edge)
         runs = _padded_to(t, nb * edge, cols).view(nb, edge, cols)
         scale, inv = fp8_scales_from_amax(_absmax(runs, 1).squeeze(1), fmt, pow2=pow2)  # (nb, cols)
-        _, q_t, _ = _grid_cast(t, scale, (edge, 1), fmt, out=False, out_t=True)  # (cols, rows)
+        _, q_t = _grid_cast(t, scale, (edge, 1), fmt, out=False, out_t=True)  # (cols, rows)
         inv = torch.empty(cols, nb, device=t.device).copy_(inv.t())  # (cols, nb), unit strides
         return Quantized(q_t, inv, granularity)
     nb = -(-cols // edge)
     runs = _padded_to(t, rows, nb * edge).view(rows, nb, edge)
     scale, inv = fp8_scales_from_amax(_absmax(runs, 2).squeeze(2), fmt, pow2=pow2)  # (rows, nb)
-    q, _, _ = _grid_cast(t, scale, (1, edge), fmt)
+    q, _ = _grid_cast(t, scale, (1, edge), fmt)
     return Quantized(q, inv, granularity)
 
 
@@ -231,7 +237,7 @@ def quantize_blocks(t: Tensor, fmt: torch.dtype) -> Quantized:
     rb, cb = -(-rows // BLOCK), -(-cols // BLOCK)
     tiles = _padded_to(t, rb * BLOCK, cb * BLOCK).view(rb, BLOCK, cb, BLOCK)  # (rb, 128, cb, 128)
     scale, inv = fp8_scales_from_amax(_absmax(tiles, (1, 3)).reshape(rb, cb), fmt)  # (rb, cb)
-    q, _, _ = _grid_cast(t, scale, (BLOCK, BLOCK), fmt)
+    q, _ = _grid_cast(t, scale, (BLOCK, BLOCK), fmt)
     return Quantized(q, inv, "block")
 
 
@@ -526,8 +532,11 @@ def weight_tensorwise(weight: Tensor, scaler: "Scaler", casts: Optional[WeightCa
     """The per-tensor e4m3 weight and its transpose (N, K), (K, N); its amax recorded for delayed
     scaling. ``scale``: the weight's :meth:`Scaler.scale` if the caller already has it (a stacked
     reduction)."""
+    # want_amax: a delayed state's cast keeps its amax even outside recording (a cast cached in
+    # evaluation may be reused by a training call)
     wq, wq_t, amax = _cast(casts, "tensor", weight, lambda: quantize_tensorwise(
-        weight, E4M3, **(scaler.scale("weight", weight) if scale is None else scale), transpose=True))
+        weight, E4M3, **(scaler.scale("weight", weight) if scale is None else scale), transpose=True,
+        want_amax=scaler.state is not None))
     scaler.record("weight", amax)
     return wq, wq_t
 
@@ -585,7 +594,7 @@ def shard_cast(t: Tensor, role: str, scaler: "Scaler", amax_max: AmaxReduce, *, 
     if weight is not None and not (casts is not None and casts.has("tensor")):
         items.append(("weight", weight))
     scales = scaler.scales(items, amax_max)
-    q, _, amax = quantize_tensorwise(t, _FORMAT[role], **scales[0])
+    q, _, amax = quantize_tensorwise(t, _FORMAT[role], **scales[0], want_amax=scaler.keeps_amax)
     return q, amax, (scales[1] if len(scales) > 1 else None)
 
 
@@ -679,9 +688,23 @@ class Scaler:
         amax = reduce(amax)
         return [{"amax": amax[i:i + 1]} for i in range(len(items))]
 
-    def record(self, role: str, amax: Tensor) -> None:
-        if self.state is not None and self.recording:
+    @property
+    def keeps_amax(self) -> bool:
+        """Whether :meth:`record` keeps an amax (a delayed state, while recording); where it does not, the
+        casts do not compute one."""
+        return self.state is not None and self.recording
+
+    def record(self, role: str, amax: Optional[Tensor]) -> None:
+        if self.keeps_amax:
             self.state.record(role, amax)
+
+    def cast(self, role: str, t: Tensor, *, transpose: bool = False) -> tuple[Quantized, Optional[Quantized]]:
+        """``t`` (rows, cols) cast per tensor in ``role``'s format with :meth:`scale`, and (q.T or None); its
+        amax recorded (and computed) only where :attr:`keeps_amax`."""
+        q, q_t, amax = quantize_tensorwise(t, _FORMAT[role], **self.scale(role, t), transpose=transpose,
+                                           want_amax=self.keeps_amax)
+        self.record(role, amax)
+        return q, q_t
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -697,11 +720,11 @@ class _Fp8Linear(torch.autograd.Function):
                 xq, x_amax, s_w = shard_cast(x, "input", scaler, gather.amax_max, weight=weight, casts=casts)
                 xq = gather_rows(xq, gather.all_gather)  # (M, K)
                 xq_t = xq.t()  # (K, M)
+                scaler.record("input", x_amax)
             else:
-                xq, xq_t, x_amax = quantize_tensorwise(x, E4M3, **scaler.scale("input", x), transpose=True)
+                xq, xq_t = scaler.cast("input", x, transpose=True)
                 s_w = None
             wq, wq_t = weight_tensorwise(weight, scaler, casts, scale=s_w)
-            scaler.record("input", x_amax)
             y = gemm(xq, wq, out_dtype)
             ctx.save_for_backward(xq_t.data, xq_t.scale_inv, wq_t.data, wq_t.scale_inv)
         elif recipe in REQUANTISED:
@@ -730,9 +753,9 @@ class _Fp8Linear(torch.autograd.Function):
                 gq, g_amax, _ = shard_cast(g, "grad_output", scaler, ctx.scatter.amax_max)
                 gq = gather_rows(gq, ctx.scatter.all_gather)  # (M, N)
                 gq_t = gq.t() if need_w else None  # (N, M)
+                scaler.record("grad_output", g_amax)
             else:  # (M, N) and, for the weight gradient, its (N, M) transpose, from one pass over g
-                gq, gq_t, g_amax = quantize_tensorwise(g, E5M2, **scaler.scale("grad_output", g), transpose=need_w)
-            scaler.record("grad_output", g_amax)
+                gq, gq_t = scaler.cast("grad_output", g, transpose=need_w)
             if need_x:
                 grad_x = gemm(gq, Quantized(wt_data, wt_inv, "tensor"), ctx.out_dtype)  # (M, K)
                 if ctx.gather is not None:  # the gather's backward: sum over ranks, this rank's rows

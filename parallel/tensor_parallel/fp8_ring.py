@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from engine.ops.fp8_linear import (E4M3, E5M2, PER_TENSOR, REQUANTISED, Quantized, Scaler, WeightCasts,
-                                   act_quantizer, quantize_tensorwise, scaled_gemm, shard_cast,
+                                   act_quantizer, scaled_gemm, shard_cast,
                                    weight_grad_requantized, weight_quantizer, weight_tensorwise,
                                    wgrad_from_transposes)
 from parallel import comm
@@ -134,8 +134,7 @@ class _Fp8RingColumn(torch.autograd.Function):
             xt_data, xt_inv, wt_data, wt_inv = ctx.saved_tensors
             scaler = ctx.scaler
             # (M, N) and its (N, M) transpose for the weight gradient, from one pass over g
-            gq, gq_t, g_amax = quantize_tensorwise(g, E5M2, **scaler.scale("grad_output", g), transpose=need_w)
-            scaler.record("grad_output", g_amax)
+            gq, gq_t = scaler.cast("grad_output", g, transpose=need_w)
             wt = Quantized(wt_data, wt_inv, "tensor")  # (K, N)
 
             def partial(c):
@@ -177,9 +176,8 @@ class _Fp8RingRow(torch.autograd.Function):
         ctx.out_dtype, ctx.w_dtype = out_dtype, weight.dtype
         if recipe in PER_TENSOR:
             # x and W are sharded along K: each amax all-reduced over tp, as the non-ring path does.
-            xq, xq_t, x_amax = quantize_tensorwise(x2d, E4M3, **scaler.scale("input", x2d), transpose=True)
+            xq, xq_t = scaler.cast("input", x2d, transpose=True)
             wq, wq_t = weight_tensorwise(weight, scaler, casts)
-            scaler.record("input", x_amax)
             ctx.save_for_backward(xq_t.data, xq_t.scale_inv, wq_t.data, wq_t.scale_inv)
 
             def partial(c):

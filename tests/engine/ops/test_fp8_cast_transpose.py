@@ -112,15 +112,19 @@ def test_grid_scales_bit_for_bit(backend, dtype, fmt):
         full = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
         m = 448.0 if fmt == torch.float8_e4m3fn else 57344.0
         want = (x.float() * full).clamp(-m, m).to(fmt)
-        for w_out, w_t in ((True, True), (True, False), (False, True)):
+        for w_out, w_t, w_amax in ((True, True, True), (True, False, True), (False, True, True),
+                                   (True, True, False)):
             out, out_t, amax = fp8_cast_transpose_grid(x, scale, block, fmt=fmt, want_out=w_out, want_out_t=w_t,
-                                                       backend=backend)
+                                                       want_amax=w_amax, backend=backend)
             assert (out is None) == (not w_out) and (out_t is None) == (not w_t)
             if w_out:
                 assert out.dtype == fmt and torch.equal(_bits(out), _bits(want)), block
             if w_t:
                 assert out_t.is_contiguous() and torch.equal(_bits(out_t), _bits(want.t().contiguous())), block
-            assert torch.isnan(amax).all()  # x holds a NaN
+            if w_amax:
+                assert torch.isnan(amax).all()  # x holds a NaN
+            else:
+                assert amax is None  # not computed: the same bytes without the reduction
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -194,6 +198,13 @@ def test_scaled_cast_from_amax_bit_for_bit(backend, fmt, dtype):
     out, out_t, _, inv = fp8_cast_transpose_scaled(x, scale=scale, fmt=fmt, want_out_t=False, backend=backend)
     assert out_t is None and torch.equal(_bits(out), _bits(fp8_cast_transpose_reference(x, scale, fmt=fmt)[0]))
     assert torch.equal(inv, (1.0 / scale).reshape(()))
+    # no amax wanted (only delayed scaling keeps one): None, the same bytes and 1 / scale
+    got = fp8_cast_transpose_scaled(x, amax=torch.tensor([3.0]), fmt=fmt, want_amax=False, backend=backend)
+    full = fp8_cast_transpose_scaled(x, amax=torch.tensor([3.0]), fmt=fmt, backend=backend)
+    assert got[2] is None and torch.equal(got[3], full[3])
+    assert torch.equal(_bits(got[0]), _bits(full[0])) and torch.equal(_bits(got[1]), _bits(full[1]))
+    assert fp8_cast_transpose_scaled(x[:0], amax=torch.tensor([2.0]), fmt=fmt, want_amax=False,
+                                     backend=backend)[2] is None
     empty = fp8_cast_transpose_scaled(x[:0], amax=torch.tensor([2.0]), fmt=fmt, backend=backend)
     assert empty[0].shape == (0, 129) and empty[1].shape == (129, 0) and empty[2].item() == 0.0
     assert empty[3] == 1.0 / scale_from_amax(torch.tensor(2.0), fmt)

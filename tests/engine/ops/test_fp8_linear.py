@@ -269,6 +269,36 @@ def test_per_tensor_linear_launches_no_scale_arithmetic():
         "engine._fp8.cast_transpose_scaled": 3, "maximum": 3, "_scaled_mm": 3, "add_": 2}
 
 
+def test_casts_compute_an_amax_only_where_delayed_scaling_keeps_it(monkeypatch):
+    """An amax the cast computes is kept only by a delayed state while recording: elsewhere the casts skip
+    it (want_amax=False: no reduction in the kernel and, on a GPU, no memset launch). The delayed weight
+    cast keeps its amax even in evaluation, since a cast cached there may serve a training call. The grid
+    casts (row, tile, block, MX) derive their scales from their own amaxes and never want one."""
+    import engine.ops.fp8_linear as fl
+
+    seen = {"scaled": [], "grid": []}
+    for name, key in (("fp8_cast_transpose_scaled", "scaled"), ("fp8_cast_transpose_grid", "grid")):
+        real = getattr(fl, name)
+        monkeypatch.setattr(fl, name, lambda *a, _real=real, _key=key, **kw: (
+            seen[_key].append(kw["want_amax"]), _real(*a, **kw))[1])
+    x = torch.randn(32, 64, requires_grad=True)
+    w = torch.randn(48, 64, requires_grad=True)
+    dy = torch.randn(32, 48)
+    fp8_linear(x, w).backward(dy)
+    assert seen["scaled"] == [False, False, False]  # x, w, dy
+    seen["scaled"].clear()
+    st = DelayedScaling()
+    fp8_linear(x, w, recipe="delayed", state=st).backward(dy)
+    assert seen["scaled"] == [True, True, True] and (st.pending > 0).all()
+    seen["scaled"].clear()
+    with torch.no_grad():
+        fp8_linear(x, w, recipe="delayed", state=st)
+    assert seen["scaled"] == [False, True]  # evaluation: x's amax is not recorded, the weight's is kept
+    for recipe in ("rowwise", "blockwise", "mxfp8"):
+        fp8_linear(x, w, recipe=recipe).backward(dy)
+    assert seen["grid"] and not any(seen["grid"])
+
+
 def test_nonfinite_amax_is_not_pushed():
     st = DelayedScaling(history_len=3)
     for a in (10.0, 2.0, 3.0):

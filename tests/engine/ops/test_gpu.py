@@ -127,6 +127,9 @@ def test_fp8_cast_transpose_scaled_cuda_bit_for_bit():
             assert torch.equal(got[0].view(torch.uint8).cpu(), want[0].view(torch.uint8)), (dtype, fmt, a)
             assert torch.equal(got[1].view(torch.uint8).cpu(), want[1].view(torch.uint8)), (dtype, fmt, a)
             assert torch.equal(got[2].cpu(), want[2]) and torch.equal(got[3].cpu(), want[3]), (dtype, fmt, a)
+        # no amax wanted: the kernel skips its reduction and the launch its memset; the same bytes
+        lean = fp8_cast_transpose_scaled(xd, amax=amax, fmt=fmt, want_amax=False, backend="native")
+        assert lean[2] is None and all(torch.equal(lean[i].view(torch.uint8), got[i].view(torch.uint8)) for i in (0, 1))
         got = fp8_cast_transpose_scaled(xd[:0], amax=torch.tensor([2.0], device="cuda"), fmt=fmt, backend="native")
         assert got[3].item() == fp8_cast_transpose_scaled_reference(xd[:0].cpu(), amax=torch.tensor([2.0]), fmt=fmt)[3]
     from engine.ops.fp8_cast_transpose import fp8_scales_from_amax
@@ -155,6 +158,8 @@ def test_fp8_cast_transpose_grid_cuda_bit_for_bit():
             assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)), (dtype, fmt, block)
             assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8)), (dtype, fmt, block)
             assert torch.equal(got[2], want[2])
+            lean = fp8_cast_transpose_grid(x, scale, block, fmt=fmt, want_amax=False, backend="native")
+            assert lean[2] is None and torch.equal(lean[0].view(torch.uint8), got[0].view(torch.uint8))
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"])

@@ -1,8 +1,11 @@
 // FP8 (e4m3 or e5m2) cast + transpose + amax, CUDA kernel and launcher (no torch headers).
 //
-// One 32x32 tile per block (32x8 threads, 4 rows each): the tile is read once, coalesced; its
-// scaled fp8 bytes are written row-major directly and transposed through shared memory; the
-// block's max |x| (as bit patterns, so NaN wins) goes to amax with one atomicMax. One scale for
+// Two kernels compute the same bytes. The wide one, for inputs whose rows and columns are multiples of 8
+// (every FP8 GEMM operand but a ragged token count): one 64x64 tile per block of 256 threads, each thread
+// loading 8 consecutive elements with 16-byte loads and storing 8 fp8 bytes at once, row-major and
+// (through shared memory) transposed. The narrow one, for any shape: one 32x32 tile per block (32x8
+// threads, 4 rows each), one element per load and one byte per store. In both, the tile is read once;
+// the block's max |x| (as bit patterns, so NaN wins) goes to amax with one atomicMax. One scale for
 // the tensor, or (the _grid launcher) a grid of scales looked up per element. The one-scale kernel
 // may instead be handed an amax and derive the scale itself (scale_from_amax, fp8.h), and writes the
 // dequantisation scale 1 / scale: per-tensor current scaling is then one launch after the amax.
@@ -38,6 +41,132 @@ __device__ __forceinline__ float load_float<__nv_bfloat16>(const __nv_bfloat16* 
   return __bfloat162float(*p);
 }
 
+// The block's max |x| bits into amax_bits (one atomicMax), from each thread's local_max; all threads of
+// the block call it (it has a barrier), kThreads of them.
+template <int kThreads>
+__device__ __forceinline__ void block_amax(unsigned int local_max, unsigned int* amax_bits, unsigned int* warp_max,
+                                           int thread) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    local_max = max(local_max, __shfl_xor_sync(0xffffffffu, local_max, offset));
+  }
+  const int lane = thread % 32, warp = thread / 32;
+  if (lane == 0) warp_max[warp] = local_max;
+  __syncthreads();
+  if (warp == 0) {
+    unsigned int m = lane < kThreads / 32 ? warp_max[lane] : 0u;
+    for (int offset = 16; offset > 0; offset /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    if (lane == 0) atomicMax(amax_bits, m);
+  }
+}
+
+// -- the wide kernel: 8 elements per load and per store -----------------------------------------------
+constexpr int kWideTile = 64;                 // a 64x64 tile per block
+constexpr int kWideThreads = 256;             // 8 threads per tile row (8 elements each), 32 rows per pass
+constexpr int kWidePitch = kWideTile + 4;     // shared row pitch: 4-byte aligned, 2-way conflicts at most
+
+// 8 consecutive elements as floats (exact for bf16), from a 16-byte aligned address.
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&x)[8]) {
+  const uint4 v = *reinterpret_cast<const uint4*>(p);  // 8 bf16
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    x[2 * i] = f.x;
+    x[2 * i + 1] = f.y;
+  }
+}
+__device__ __forceinline__ void load8(const float* p, float (&x)[8]) {
+  const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+  x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+  x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+}
+
+// Preconditions (launch checks them): rows and cols multiples of 8; in 16-byte and out / out_t 8-byte
+// aligned. Then every 8-element run of a row lies wholly inside or outside the input, and so does every
+// 8-element run of out_t's rows.
+template <typename T, __nv_fp8_interpretation_t kFormat, bool kGrid>
+__global__ void __launch_bounds__(kWideThreads)
+cast_transpose_wide_kernel(const T* __restrict__ in, int64_t rows, int64_t cols, const float* __restrict__ scale,
+                           int64_t block_rows, int64_t block_cols, int64_t scale_cols,
+                           uint8_t* __restrict__ out, uint8_t* __restrict__ out_t,
+                           unsigned int* __restrict__ amax_bits, bool from_amax, float fp8_max,
+                           float* __restrict__ scale_inv) {
+  __shared__ __align__(16) uint8_t tile[kWideTile][kWidePitch];
+  __shared__ unsigned int warp_max[kWideThreads / 32];
+  const float s0 = kGrid ? 0.0f : (from_amax ? scale_from_amax(*scale, fp8_max) : *scale);
+  if (!kGrid && scale_inv != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+    *scale_inv = __frcp_rn(s0);
+  }
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kWideTile;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kWideTile;
+  const int run = threadIdx.x % 8;                 // this thread's 8 columns of the tile: 8 * run ...
+  const int64_t col = col0 + 8 * run;
+  unsigned int local_max = 0;
+  float x[2][8];
+  bool ok[2];
+#pragma unroll
+  for (int p = 0; p < 2; ++p) {                    // both loads in flight before any conversion
+    const int64_t row = row0 + threadIdx.x / 8 + 32 * p;
+    ok[p] = row < rows && col < cols;
+    if (ok[p]) load8(in + row * cols + col, x[p]);
+  }
+#pragma unroll
+  for (int p = 0; p < 2; ++p) {
+    if (!ok[p]) continue;
+    const int r = threadIdx.x / 8 + 32 * p;       // row of the tile
+    const int64_t row = row0 + r;
+    float s[8];
+    if (kGrid) {
+      const float* srow = scale + (row / block_rows) * scale_cols;
+      const int64_t first = col / block_cols;
+      if (block_cols == 1) {                      // a scale per column (a row-wise cast of x.T)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s[i] = srow[col + i];
+      } else if (first == (col + 7) / block_cols) {  // one scale for the run (blocks of 8 columns or more)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s[i] = srow[first];
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s[i] = srow[(col + i) / block_cols];
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s[i] = s0;
+    }
+    unsigned int lo = 0u, hi = 0u;                // fp8 bytes 0-3 and 4-7, little-endian
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      local_max = max(local_max, __float_as_uint(x[p][i]) & 0x7fffffffu);
+      const unsigned int q =
+          static_cast<uint8_t>(__nv_cvt_float_to_fp8(x[p][i] * s[i], __NV_SATFINITE, kFormat));
+      if (i < 4) lo |= q << (8 * i); else hi |= q << (8 * (i - 4));
+    }
+    if (out != nullptr) *reinterpret_cast<uint2*>(out + row * cols + col) = make_uint2(lo, hi);
+    *reinterpret_cast<unsigned int*>(&tile[r][8 * run]) = lo;
+    *reinterpret_cast<unsigned int*>(&tile[r][8 * run + 4]) = hi;
+  }
+  __syncthreads();
+  if (out_t != nullptr) {
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const int c = threadIdx.x / 8 + 32 * p;      // column of the tile: a row of out_t
+      const int64_t t_row = col0 + c, t_col = row0 + 8 * run;  // out_t (cols, rows)
+      if (t_row < cols && t_col < rows) {
+        unsigned int lo = 0u, hi = 0u;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          lo |= static_cast<unsigned int>(tile[8 * run + k][c]) << (8 * k);
+          hi |= static_cast<unsigned int>(tile[8 * run + 4 + k][c]) << (8 * k);
+        }
+        *reinterpret_cast<uint2*>(out_t + t_row * rows + t_col) = make_uint2(lo, hi);
+      }
+    }
+  }
+  if (amax_bits == nullptr) return;  // amax not wanted (the same for the whole grid: no divergent barrier)
+  block_amax<kWideThreads>(local_max, amax_bits, warp_max, threadIdx.x);
+}
+
+// -- the narrow kernel: any shape --------------------------------------------------------------------
 // kGrid: scale is a grid (see fp8.h), looked up per element; else one scale for the tensor.
 // out / out_t may be null (grid launches only): that output is not written.
 template <typename T, __nv_fp8_interpretation_t kFormat, bool kGrid>
@@ -78,18 +207,7 @@ cast_transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t cols, cons
     }
   }
   if (amax_bits == nullptr) return;  // amax not wanted (the same for the whole grid: no divergent barrier)
-  for (int offset = 16; offset > 0; offset /= 2) {
-    local_max = max(local_max, __shfl_xor_sync(0xffffffffu, local_max, offset));
-  }
-  const int lane = (threadIdx.y * kTile + threadIdx.x) % 32;
-  const int warp = (threadIdx.y * kTile + threadIdx.x) / 32;
-  if (lane == 0) warp_max[warp] = local_max;
-  __syncthreads();
-  if (warp == 0) {
-    unsigned int m = lane < kTile * kTile / kRowsPerThread / 32 ? warp_max[lane] : 0u;
-    for (int offset = 16; offset > 0; offset /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
-    if (lane == 0) atomicMax(amax_bits, m);
-  }
+  block_amax<kTile * kTile / kRowsPerThread>(local_max, amax_bits, warp_max, threadIdx.y * kTile + threadIdx.x);
 }
 
 // An empty input's dequantisation scale (the cast kernel has no block to write it from).
@@ -114,17 +232,27 @@ int launch(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float
     }
     return 0;
   }
-  const dim3 block(kTile, kTile / kRowsPerThread);
-  const dim3 grid(static_cast<unsigned int>((cols + kTile - 1) / kTile),
-                  static_cast<unsigned int>((rows + kTile - 1) / kTile));
   unsigned int* amax_bits = reinterpret_cast<unsigned int*>(amax);
   const int64_t scale_cols = (cols + block_cols - 1) / block_cols;
   const auto* in_bf = static_cast<const __nv_bfloat16*>(in);
   const auto* in_f = static_cast<const float*>(in);
-#define TESSEL_FP8_LAUNCH(T, FMT, IN)                                                                     \
-  cast_transpose_kernel<T, FMT, kGrid><<<grid, block, 0, stream>>>(IN, rows, cols, scale, block_rows,     \
-                                                                   block_cols, scale_cols, out, out_t, amax_bits, \
-                                                                   from_amax, fp8_max, scale_inv)
+  const auto aligned = [](const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; };
+  const bool wide = rows % 8 == 0 && cols % 8 == 0 && aligned(in, 16) && (out == nullptr || aligned(out, 8)) &&
+                    (out_t == nullptr || aligned(out_t, 8)) && (rows + kWideTile - 1) / kWideTile <= 65535;
+  const dim3 block = wide ? dim3(kWideThreads) : dim3(kTile, kTile / kRowsPerThread);
+  const int64_t edge = wide ? kWideTile : kTile;
+  const dim3 grid(static_cast<unsigned int>((cols + edge - 1) / edge), static_cast<unsigned int>((rows + edge - 1) / edge));
+#define TESSEL_FP8_LAUNCH(T, FMT, IN)                                                                          \
+  if (wide) {                                                                                                  \
+    cast_transpose_wide_kernel<T, FMT, kGrid><<<grid, block, 0, stream>>>(IN, rows, cols, scale, block_rows,   \
+                                                                          block_cols, scale_cols, out, out_t,  \
+                                                                          amax_bits, from_amax, fp8_max,       \
+                                                                          scale_inv);                          \
+  } else {                                                                                                     \
+    cast_transpose_kernel<T, FMT, kGrid><<<grid, block, 0, stream>>>(IN, rows, cols, scale, block_rows,        \
+                                                                     block_cols, scale_cols, out, out_t,       \
+                                                                     amax_bits, from_amax, fp8_max, scale_inv); \
+  }
   if (in_bf16 && e5m2) {
     TESSEL_FP8_LAUNCH(__nv_bfloat16, __NV_E5M2, in_bf);
   } else if (in_bf16) {

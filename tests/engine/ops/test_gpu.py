@@ -95,19 +95,40 @@ def test_fused_adamw_cuda_matches_cpu_bits_and_torch():
         assert torch.equal(o, g.bfloat16())
 
 
+# csrc/fp8 has two cast kernels with the same bytes: the wide one (rows and columns multiples of 8, aligned
+# pointers: 16-byte loads, 8-byte stores, 64x64 tiles) and the narrow one (any shape). The checks run both:
+# (4099, 1031) takes the narrow one; (1000, 1032) the wide one, with ragged 64x64 tiles both ways;
+# (2048, 4096) the wide one with whole tiles; a (1000, 1032) view 3 elements into its storage the narrow one
+# (its pointer is not 16-byte aligned).
+CAST_SHAPES = ((4099, 1031), (1000, 1032), (2048, 4096))
+
+
+def _misaligned_rows(rows: int, cols: int, dtype) -> torch.Tensor:
+    """A contiguous (rows, cols) view starting 3 elements into its storage: never 16-byte aligned, so the
+    narrow kernel runs even where the shape alone would take the wide one."""
+    base = torch.randn(rows * cols + 3, device="cuda").mul_(100).to(dtype)
+    return base[3:].view(rows, cols)
+
+
 @pytest.mark.skipif(not _native.has_cuda("fp8"), reason="engine._fp8 was built without CUDA")
 def test_fp8_cast_transpose_cuda_bit_for_bit():
     from engine.ops.fp8_cast_transpose import fp8_cast_transpose, fp8_cast_transpose_reference
 
-    for dtype, fmt in [(d, f) for d in (torch.float32, torch.bfloat16) for f in (torch.float8_e4m3fn, torch.float8_e5m2)]:
-        x = (torch.randn(4099, 1031, device="cuda") * 100).to(dtype)  # ragged tiles both ways
+    cases = [(d, f, shape) for d in (torch.float32, torch.bfloat16) for f in (torch.float8_e4m3fn, torch.float8_e5m2)
+             for shape in CAST_SHAPES + ("misaligned",)]
+    for dtype, fmt, shape in cases:
+        if shape == "misaligned":
+            x = _misaligned_rows(1000, 1032, dtype)
+        else:
+            x = (torch.randn(*shape, device="cuda") * 100).to(dtype)
         x[0, 0] = 1e9 if fmt == torch.float8_e5m2 else x[0, 0]  # past e5m2's 57344 too
+        x[-1, -1] = float("inf") if shape == (1000, 1032) else x[-1, -1]  # the amax from the last (ragged) tile
         scale = torch.tensor([2.5], device="cuda")
         got = fp8_cast_transpose(x, scale, fmt=fmt, backend="native")
         want = fp8_cast_transpose_reference(x, scale, fmt=fmt)
-        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
-        assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))
-        assert torch.equal(got[2], want[2])
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)), (dtype, fmt, shape)
+        assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8)), (dtype, fmt, shape)
+        assert torch.equal(got[2], want[2]), (dtype, fmt, shape)
 
 
 @pytest.mark.skipif(not _native.has_cuda("fp8"), reason="engine._fp8 was built without CUDA")
@@ -117,16 +138,18 @@ def test_fp8_cast_transpose_scaled_cuda_bit_for_bit():
     kind of amax (0, inf, NaN, subnormal, negative: tests/engine/ops/test_fp8_cast_transpose.py)."""
     from engine.ops.fp8_cast_transpose import fp8_cast_transpose_scaled, fp8_cast_transpose_scaled_reference
 
-    x = torch.randn(4099, 1031, device="cuda") * 100  # ragged tiles both ways
-    for dtype, fmt in [(d, f) for d in (torch.float32, torch.bfloat16) for f in (torch.float8_e4m3fn, torch.float8_e5m2)]:
-        xd = x.to(dtype)
-        for a in (3.25, 1e-3, 0.0, float("inf"), float("nan"), 1e-40, 1e-38, -2.0, 3e38, 417.1):
+    every_kind = (3.25, 1e-3, 0.0, float("inf"), float("nan"), 1e-40, 1e-38, -2.0, 3e38, 417.1)
+    cases = [(d, f, shape) for d in (torch.float32, torch.bfloat16) for f in (torch.float8_e4m3fn, torch.float8_e5m2)
+             for shape in CAST_SHAPES]  # the narrow kernel (every kind of amax), then the wide one (a few)
+    for dtype, fmt, shape in cases:
+        xd = (torch.randn(*shape, device="cuda") * 100).to(dtype)
+        for a in (every_kind if shape == CAST_SHAPES[0] else (3.25, float("nan"), 417.1)):
             amax = torch.tensor([a], device="cuda")
             got = fp8_cast_transpose_scaled(xd, amax=amax, fmt=fmt, backend="native")
             want = fp8_cast_transpose_scaled_reference(xd.cpu(), amax=amax.cpu(), fmt=fmt)
-            assert torch.equal(got[0].view(torch.uint8).cpu(), want[0].view(torch.uint8)), (dtype, fmt, a)
-            assert torch.equal(got[1].view(torch.uint8).cpu(), want[1].view(torch.uint8)), (dtype, fmt, a)
-            assert torch.equal(got[2].cpu(), want[2]) and torch.equal(got[3].cpu(), want[3]), (dtype, fmt, a)
+            assert torch.equal(got[0].view(torch.uint8).cpu(), want[0].view(torch.uint8)), (dtype, fmt, shape, a)
+            assert torch.equal(got[1].view(torch.uint8).cpu(), want[1].view(torch.uint8)), (dtype, fmt, shape, a)
+            assert torch.equal(got[2].cpu(), want[2]) and torch.equal(got[3].cpu(), want[3]), (dtype, fmt, shape, a)
         # no amax wanted: the kernel skips its reduction and the launch its memset; the same bytes
         lean = fp8_cast_transpose_scaled(xd, amax=amax, fmt=fmt, want_amax=False, backend="native")
         assert lean[2] is None and all(torch.equal(lean[i].view(torch.uint8), got[i].view(torch.uint8)) for i in (0, 1))
@@ -147,16 +170,19 @@ def test_fp8_cast_transpose_grid_cuda_bit_for_bit():
     """The row-, column-, tile- and block-scaled casts (the row- and block-wise recipes' quantisation)."""
     from engine.ops.fp8_cast_transpose import fp8_cast_transpose_grid, fp8_cast_transpose_grid_reference
 
-    rows, cols = 4099, 1031
-    for dtype, fmt in [(d, f) for d in (torch.float32, torch.bfloat16) for f in (torch.float8_e4m3fn, torch.float8_e5m2)]:
+    cases = [(d, f, shape) for d in (torch.float32, torch.bfloat16) for f in (torch.float8_e4m3fn, torch.float8_e5m2)
+             for shape in CAST_SHAPES[:2]]  # the narrow kernel, then the wide one
+    for dtype, fmt, (rows, cols) in cases:
         x = (torch.randn(rows, cols, device="cuda") * 100).to(dtype)
-        for block in ((1, cols), (rows, 1), (1, 128), (128, 1), (128, 128)):
+        # per row, per column, 1 x 128 and 128 x 1 tiles, blocks; MX's 1 x 32 and 32 x 1; runs of 12 straddle
+        # the wide kernel's 8-element runs (a scale change inside a run)
+        for block in ((1, cols), (rows, 1), (1, 128), (128, 1), (128, 128), (1, 32), (32, 1), (1, 12)):
             grid = (-(-rows // block[0]), -(-cols // block[1]))
             scale = torch.rand(grid, device="cuda") * 4
             got = fp8_cast_transpose_grid(x, scale, block, fmt=fmt, backend="native")
             want = fp8_cast_transpose_grid_reference(x, scale, block, fmt=fmt)
-            assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)), (dtype, fmt, block)
-            assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8)), (dtype, fmt, block)
+            assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)), (dtype, fmt, rows, block)
+            assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8)), (dtype, fmt, rows, block)
             assert torch.equal(got[2], want[2])
             lean = fp8_cast_transpose_grid(x, scale, block, fmt=fmt, want_amax=False, backend="native")
             assert lean[2] is None and torch.equal(lean[0].view(torch.uint8), got[0].view(torch.uint8))

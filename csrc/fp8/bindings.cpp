@@ -10,6 +10,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
+#include <cstdint>
+#include <cstring>
 #include <string>
 #include <tuple>
 
@@ -84,19 +86,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& 
   return {out, out_t, amax};
 }
 
-// cast_transpose_scaled(input, scale, from_amax, e5m2, want_out_t, want_amax) -> (out, out_t or None, amax or
-// None, scale_inv): cast_transpose for per-tensor scaling in one call. With from_amax, scale holds an amax (max |x| of the
+// cast_transpose_scaled(input, scale, from_amax, e5m2, want_out_t, want_amax, amax_into) -> (out, out_t or None,
+// amax or None, scale_inv): cast_transpose for per-tensor scaling in one call. amax_into: a one-element float32
+// tensor holding a running maximum (a delayed-scaling state's pending amax: non-negative or NaN) that max |x|
+// is folded into where the cast runs; the returned amax is then None. With from_amax, scale holds an amax (max |x| of the
 // tensor the scale is for, e.g. all-reduced over a TP group) and the scale is scale_from_amax of it
 // (fp8.h), computed where the cast runs (no host sync on a GPU); scale_inv is a 0-dim fp32 1 / scale.
 std::tuple<at::Tensor, py::object, py::object, at::Tensor> cast_transpose_scaled(const at::Tensor& input,
                                                                                  const at::Tensor& scale,
                                                                                  bool from_amax, bool e5m2,
-                                                                                 bool want_out_t, bool want_amax) {
+                                                                                 bool want_out_t, bool want_amax,
+                                                                                 const py::object& amax_into) {
   check_input(input);
   if (scale.scalar_type() != at::kFloat || scale.numel() != 1 || scale.device() != input.device()) {
     fail(std::string(from_amax ? "amax" : "scale") + " must be a one-element float32 tensor on the input's device, "
          "got " + std::string(c10::toString(scale.scalar_type())) + " with " + std::to_string(scale.numel()) +
          " elements on " + scale.device().str());
+  }
+  at::Tensor into;
+  if (!amax_into.is_none()) {
+    into = amax_into.cast<at::Tensor>();
+    if (into.scalar_type() != at::kFloat || into.numel() != 1 || into.device() != input.device() ||
+        !into.is_contiguous()) {
+      fail("amax_into must be a contiguous one-element float32 tensor on the input's device (a running maximum), "
+           "got " + std::string(c10::toString(into.scalar_type())) + " with " + std::to_string(into.numel()) +
+           " elements on " + into.device().str());
+    }
+    if (want_amax) fail("amax_into folds max |x| into a running maximum: give it with want_amax=False");
+    if (into.data_ptr() == scale.data_ptr()) {
+      fail("amax_into is the scale (or amax) tensor itself: the cast would read it while folding into it");
+    }
   }
   const int64_t rows = input.size(0), cols = input.size(1);
   const auto fp8 = input.options().dtype(e5m2 ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn);
@@ -107,7 +126,7 @@ std::tuple<at::Tensor, py::object, py::object, at::Tensor> cast_transpose_scaled
   const bool bf16 = input.scalar_type() == at::kBFloat16;
   auto* out_ptr = reinterpret_cast<uint8_t*>(out.data_ptr());
   auto* out_t_ptr = want_out_t ? reinterpret_cast<uint8_t*>(out_t.data_ptr()) : nullptr;
-  float* amax_ptr = want_amax ? amax.data_ptr<float>() : nullptr;  // null: no amax pass (and no memset)
+  float* amax_ptr = want_amax ? amax.data_ptr<float>() : (into.defined() ? into.data_ptr<float>() : nullptr);
   auto wrap = [&]() -> std::tuple<at::Tensor, py::object, py::object, at::Tensor> {
     return {out, want_out_t ? py::cast(out_t) : py::none(), want_amax ? py::cast(amax) : py::none(), scale_inv};
   };
@@ -118,7 +137,7 @@ std::tuple<at::Tensor, py::object, py::object, at::Tensor> cast_transpose_scaled
     check_launch(tessel::fp8::cast_transpose_scaled_cuda(
                      input.data_ptr(), bf16, rows, cols, scale_c.data_ptr<float>(), from_amax, out_ptr, out_t_ptr,
                      amax_ptr, scale_inv.data_ptr<float>(), e5m2,
-                     c10::cuda::getCurrentCUDAStream(input.device().index()).stream()),
+                     c10::cuda::getCurrentCUDAStream(input.device().index()).stream(), into.defined()),
                  "cast_transpose_scaled");
     return wrap();
   }
@@ -128,7 +147,15 @@ std::tuple<at::Tensor, py::object, py::object, at::Tensor> cast_transpose_scaled
   *scale_inv.data_ptr<float>() = 1.0f / s;
   {
     py::gil_scoped_release release;
-    tessel::fp8::cast_transpose_cpu(input.data_ptr(), bf16, rows, cols, s, out_ptr, out_t_ptr, amax_ptr, e5m2);
+    float local = 0.0f;  // this input's amax, folded into the running maximum below (amax_into)
+    tessel::fp8::cast_transpose_cpu(input.data_ptr(), bf16, rows, cols, s, out_ptr, out_t_ptr,
+                                    into.defined() ? &local : amax_ptr, e5m2);
+    if (into.defined()) {  // max over bit patterns, as the CUDA kernel's atomicMax: NaN wins
+      uint32_t a = 0, b = 0;
+      std::memcpy(&a, amax_ptr, sizeof(a));
+      std::memcpy(&b, &local, sizeof(b));
+      if (b > a) std::memcpy(amax_ptr, &b, sizeof(b));
+    }
   }
   return wrap();
 }
@@ -229,10 +256,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "saturating, NaN-propagating amax.");
   m.def("cast_transpose_scaled", &cast_transpose_scaled, py::arg("input"), py::arg("scale"),
         py::arg("from_amax") = false, py::arg("e5m2") = false, py::arg("want_out_t") = true,
-        py::arg("want_amax") = true,
+        py::arg("want_amax") = true, py::arg("amax_into") = py::none(),
         "cast_transpose for per-tensor scaling: with from_amax, scale is an amax and the scale is derived "
-        "where the cast runs; returns (out, out_t or None, amax or None (want_amax=False: not computed), "
-        "0-dim scale_inv = 1 / scale).");
+        "where the cast runs; returns (out, out_t or None, amax or None (want_amax=False: not computed; "
+        "amax_into: folded into that running maximum), 0-dim scale_inv = 1 / scale).");
   m.def("scales_from_amax", &scales_from_amax, py::arg("amax"), py::arg("e5m2") = false, py::arg("pow2") = false,
         "(scale, 1 / scale) of each float32 amax: fp8_max / amax (IEEE), 1 where amax is not positive and "
         "finite, at most the largest float32; with pow2, the power-of-two scale of the MX recipe.");

@@ -218,9 +218,10 @@ __global__ void scale_inv_kernel(const float* scale, bool from_amax, float fp8_m
 template <bool kGrid>
 int launch(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float* scale, int64_t block_rows,
            int64_t block_cols, uint8_t* out, uint8_t* out_t, float* amax, bool e5m2, cudaStream_t stream,
-           bool from_amax = false, float* scale_inv = nullptr) {
-  // amax is a max over bit patterns of |x|: start from +0. Null: not wanted, no memset (one launch fewer).
-  if (amax != nullptr) {
+           bool from_amax = false, float* scale_inv = nullptr, bool accumulate = false) {
+  // amax is a max over bit patterns of |x|: start from +0, or (accumulate) from the running maximum it
+  // holds. Null: not wanted. Either way no memset (one launch fewer).
+  if (amax != nullptr && !accumulate) {
     const cudaError_t err = cudaMemsetAsync(amax, 0, sizeof(float), stream);
     if (err != cudaSuccess) return static_cast<int>(err);
   }
@@ -302,9 +303,9 @@ int scales_from_amax_cuda(const float* amax, int64_t n, float* scale, float* sca
 
 int cast_transpose_scaled_cuda(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float* scale,
                                bool from_amax, uint8_t* out, uint8_t* out_t, float* amax, float* scale_inv, bool e5m2,
-                               void* stream_ptr) {
+                               void* stream_ptr, bool accumulate) {
   return launch<false>(in, in_bf16, rows, cols, scale, rows > 0 ? rows : 1, cols > 0 ? cols : 1, out, out_t, amax,
-                       e5m2, static_cast<cudaStream_t>(stream_ptr), from_amax, scale_inv);
+                       e5m2, static_cast<cudaStream_t>(stream_ptr), from_amax, scale_inv, accumulate);
 }
 
 int cast_transpose_cuda(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float* scale,

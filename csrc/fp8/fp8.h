@@ -49,10 +49,11 @@ int cast_transpose_grid_cuda(const void* in, bool in_bf16, int64_t rows, int64_t
                              bool e5m2, void* stream);
 // cast_transpose_cuda with scale_inv = 1 / scale written (device pointer, may be null) and, with
 // from_amax, the scale derived on the device from *scale read as an amax (scale_from_amax). out_t may
-// be null (not written).
+// be null (not written). accumulate: amax is a running maximum (it holds a non-negative value or NaN,
+// e.g. a delayed-scaling state's pending amax) that max |x| is folded into, instead of overwritten.
 int cast_transpose_scaled_cuda(const void* in, bool in_bf16, int64_t rows, int64_t cols, const float* scale,
                                bool from_amax, uint8_t* out, uint8_t* out_t, float* amax, float* scale_inv, bool e5m2,
-                               void* stream);
+                               void* stream, bool accumulate = false);
 // scale[i] = scale_from_amax(amax[i]) (pow2: the power-of-two scale) and scale_inv[i] = 1 / scale[i] for n
 // amaxes (device pointers): the row-, tile-, block- and MX recipes' grids of scales in one launch.
 int scales_from_amax_cuda(const float* amax, int64_t n, float* scale, float* scale_inv, bool e5m2, bool pow2,

@@ -113,22 +113,28 @@ def fp8_cast_transpose(x: Tensor, scale: Tensor, *, fmt: torch.dtype = torch.flo
 
 def fp8_cast_transpose_scaled_reference(x: Tensor, *, scale: Tensor | None = None, amax: Tensor | None = None,
                                         fmt: torch.dtype = torch.float8_e4m3fn, want_out_t: bool = True,
-                                        want_amax: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
+                                        want_amax: bool = True, amax_into: Tensor | None = None
+                                        ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
     """Plain-PyTorch version of :func:`fp8_cast_transpose_scaled` (same promises, bit for bit)."""
     s = scale_from_amax(amax, fmt) if scale is None else scale.float()
     q, q_t, x_amax = fp8_cast_transpose_reference(x, s.reshape(1), fmt=fmt)
+    if amax_into is not None:
+        torch.maximum(amax_into, x_amax.reshape(amax_into.shape), out=amax_into)
     return q, (q_t if want_out_t else None), (x_amax if want_amax else None), (1.0 / s).reshape(())
 
 
 def fp8_cast_transpose_scaled(x: Tensor, *, scale: Tensor | None = None, amax: Tensor | None = None,
                               fmt: torch.dtype = torch.float8_e4m3fn, want_out_t: bool = True, want_amax: bool = True,
-                              backend: str = "auto") -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
+                              amax_into: Tensor | None = None, backend: str = "auto"
+                              ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
     """:func:`fp8_cast_transpose` for per-tensor scaling, in one call: given ``scale``, or ``amax`` (the
     current amax of the tensor the scale is for, e.g. all-reduced over a TP group; the scale is then
     :func:`scale_from_amax` of it, computed on x's device with no host sync). Returns (out, out_t or
     None (``want_out_t=False``), amax of x (1,) or None (``want_amax=False``: not computed, and on a GPU
     no memset launched for it), the 0-dim dequantisation scale ``1 / scale``): what an FP8 GEMM takes,
-    with no scale arithmetic left to launch from Python."""
+    with no scale arithmetic left to launch from Python. ``amax_into`` (with ``want_amax=False``): a
+    one-element float32 running maximum on x's device (a delayed-scaling state's pending amax, so
+    non-negative or NaN) that max |x| is folded into by the cast itself, with no op of its own."""
     _check_common(f"{_OP}_scaled", x, fmt, backend)
     if (scale is None) == (amax is None):
         raise ValueError(f"{_OP}_scaled: give exactly one of scale= and amax=")
@@ -136,12 +142,23 @@ def fp8_cast_transpose_scaled(x: Tensor, *, scale: Tensor | None = None, amax: T
     if given.dtype != torch.float32 or given.numel() != 1 or given.device != x.device:
         raise ValueError(f"{_OP}_scaled: {'scale' if amax is None else 'amax'} must be a one-element float32 "
                          f"tensor on {x.device}, got {given.dtype} with {given.numel()} elements on {given.device}.")
+    if amax_into is not None:
+        if want_amax:
+            raise ValueError(f"{_OP}_scaled: amax_into folds max |x| into a running maximum and returns no amax; "
+                             "pass want_amax=False with it")
+        if (amax_into.dtype != torch.float32 or amax_into.numel() != 1 or amax_into.device != x.device
+                or not amax_into.is_contiguous()):
+            raise ValueError(f"{_OP}_scaled: amax_into must be a contiguous one-element float32 tensor on {x.device}, "
+                             f"got {amax_into.dtype} with {amax_into.numel()} elements on {amax_into.device}.")
+        if amax_into.data_ptr() == given.data_ptr():
+            raise ValueError(f"{_OP}_scaled: amax_into is the {'scale' if amax is None else 'amax'} tensor itself: "
+                             "the cast would read it while folding into it; give a separate running maximum")
     if backend == "native" or (backend == "auto" and _native.available("fp8")):
         return _native.op("fp8", "cast_transpose_scaled")(x.contiguous(), given, from_amax=amax is not None,
                                                          e5m2=fmt == torch.float8_e5m2, want_out_t=want_out_t,
-                                                         want_amax=want_amax)
+                                                         want_amax=want_amax, amax_into=amax_into)
     return fp8_cast_transpose_scaled_reference(x, scale=scale, amax=amax, fmt=fmt, want_out_t=want_out_t,
-                                               want_amax=want_amax)
+                                               want_amax=want_amax, amax_into=amax_into)
 
 
 def fp8_cast_transpose_grid_reference(x: Tensor, scale: Tensor, block: tuple[int, int], *,

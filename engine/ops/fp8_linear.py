@@ -168,19 +168,20 @@ class Quantized:
 
 
 def quantize_tensorwise(t: Tensor, fmt: torch.dtype, scale: Optional[Tensor] = None, *,
-                        amax: Optional[Tensor] = None, transpose: bool = False, want_amax: bool = True
-                        ) -> tuple[Quantized, Optional[Quantized], Optional[Tensor]]:
+                        amax: Optional[Tensor] = None, transpose: bool = False, want_amax: bool = True,
+                        amax_into: Optional[Tensor] = None) -> tuple[Quantized, Optional[Quantized], Optional[Tensor]]:
     """``t`` (rows, cols) with one scale, given as ``scale`` or as the ``amax`` it derives from
     (:func:`amax_to_scale`, margin 0): (q, q.T or None, amax of t, or None with ``want_amax=False``:
     only delayed scaling keeps it, and skipping it saves the cast's reduction and, on a GPU, a memset
-    launch). One call of the fused
+    launch; ``amax_into``: a delayed state's pending slot the cast folds the amax into itself). One call
+    of the fused
     cast-transpose-amax (engine.ops.fp8_cast_transpose_scaled, e4m3 or e5m2; bitwise equal to its
     reference), which also derives the scale from an amax and returns 1 / scale, so a cast launches
     no scale arithmetic of its own (host time per linear: docs/fp8.md)."""
     if scale is not None:
         scale = scale.reshape(1).float()
     q, q_t, t_amax, inv = fp8_cast_transpose_scaled(t, scale=scale, amax=amax, fmt=fmt, want_out_t=transpose,
-                                                    want_amax=want_amax)
+                                                    want_amax=want_amax, amax_into=amax_into)
     return Quantized(q, inv, "tensor"), (Quantized(q_t, inv, "tensor") if transpose else None), t_amax
 
 
@@ -537,6 +538,10 @@ def weight_tensorwise(weight: Tensor, scaler: "Scaler", casts: Optional[WeightCa
     wq, wq_t, amax = _cast(casts, "tensor", weight, lambda: quantize_tensorwise(
         weight, E4M3, **(scaler.scale("weight", weight) if scale is None else scale), transpose=True,
         want_amax=scaler.state is not None))
+    if amax is None and scaler.keeps_amax:
+        raise RuntimeError(f"{_OP}: this linear's WeightCasts holds a weight cast made without an amax (a recipe "
+                           "with no delayed state) and a delayed-scaling call needs one; each linear, with its one "
+                           "recipe, needs its own WeightCasts")
     scaler.record("weight", amax)
     return wq, wq_t
 
@@ -700,9 +705,15 @@ class Scaler:
 
     def cast(self, role: str, t: Tensor, *, transpose: bool = False) -> tuple[Quantized, Optional[Quantized]]:
         """``t`` (rows, cols) cast per tensor in ``role``'s format with :meth:`scale`, and (q.T or None); its
-        amax recorded (and computed) only where :attr:`keeps_amax`."""
-        q, q_t, amax = quantize_tensorwise(t, _FORMAT[role], **self.scale(role, t), transpose=transpose,
-                                           want_amax=self.keeps_amax)
+        amax recorded (and computed) only where :attr:`keeps_amax`: folded by the cast itself into the
+        state's pending maximum (no op of its own) where the state lives on t's device."""
+        scale = self.scale(role, t)
+        if self.keeps_amax and self.state.pending.device == t.device:
+            i = ROLES.index(role)
+            q, q_t, _ = quantize_tensorwise(t, _FORMAT[role], **scale, transpose=transpose, want_amax=False,
+                                            amax_into=self.state.pending[i:i + 1])
+            return q, q_t
+        q, q_t, amax = quantize_tensorwise(t, _FORMAT[role], **scale, transpose=transpose, want_amax=self.keeps_amax)
         self.record(role, amax)
         return q, q_t
 

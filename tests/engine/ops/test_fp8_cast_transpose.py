@@ -210,6 +210,30 @@ def test_scaled_cast_from_amax_bit_for_bit(backend, fmt, dtype):
     assert empty[3] == 1.0 / scale_from_amax(torch.tensor(2.0), fmt)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scaled_cast_folds_its_amax_into_a_running_maximum(backend):
+    """amax_into: the cast folds max |x| into a delayed state's pending slot itself (as bit patterns: NaN
+    wins), leaving a larger value alone; the same bytes as without it."""
+    x = torch.randn(37, 129) * 3
+    pending = torch.tensor([0.0, 1e9, 0.0])
+    full = fp8_cast_transpose_scaled(x, amax=torch.tensor([4.0]), backend=backend)
+    for i, want in ((0, full[2]), (1, torch.tensor([1e9]))):
+        got = fp8_cast_transpose_scaled(x, amax=torch.tensor([4.0]), want_amax=False, amax_into=pending[i:i + 1],
+                                        backend=backend)
+        assert got[2] is None and torch.equal(_bits(got[0]), _bits(full[0])) and torch.equal(_bits(got[1]), _bits(full[1]))
+        assert torch.equal(pending[i:i + 1], want)
+    x[5, 7] = float("nan")
+    fp8_cast_transpose_scaled(x, scale=torch.tensor([1.0]), want_amax=False, amax_into=pending[1:2], backend=backend)
+    assert torch.isnan(pending[1]) and pending[2] == 0.0  # NaN wins; the neighbouring slot is untouched
+    with pytest.raises(ValueError, match="pass want_amax=False with it|give it with want_amax=False"):
+        fp8_cast_transpose_scaled(x, amax=torch.tensor([4.0]), amax_into=pending[:1], backend=backend)
+    same = torch.tensor([4.0])
+    with pytest.raises(ValueError, match="itself"):
+        fp8_cast_transpose_scaled(x, amax=same, want_amax=False, amax_into=same, backend=backend)
+    with pytest.raises(ValueError, match="contiguous one-element float32"):
+        fp8_cast_transpose_scaled(x, amax=same, want_amax=False, amax_into=pending[:2], backend=backend)
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(), "exactly one of scale= and amax="),
     (dict(scale=torch.ones(1), amax=torch.ones(1)), "exactly one of scale= and amax="),

@@ -153,6 +153,12 @@ def test_fp8_cast_transpose_scaled_cuda_bit_for_bit():
         # no amax wanted: the kernel skips its reduction and the launch its memset; the same bytes
         lean = fp8_cast_transpose_scaled(xd, amax=amax, fmt=fmt, want_amax=False, backend="native")
         assert lean[2] is None and all(torch.equal(lean[i].view(torch.uint8), got[i].view(torch.uint8)) for i in (0, 1))
+        # folded into a running maximum (a delayed state's pending slot) by the kernel itself: no memset
+        pending = torch.tensor([0.0, 1e9, 0.5], device="cuda")
+        for i in (0, 1, 2):
+            fp8_cast_transpose_scaled(xd, amax=amax, fmt=fmt, want_amax=False, amax_into=pending[i:i + 1],
+                                      backend="native")
+        assert torch.equal(pending.cpu(), torch.stack([got[2].cpu()[0], torch.tensor(1e9), got[2].cpu()[0]])), shape
         got = fp8_cast_transpose_scaled(xd[:0], amax=torch.tensor([2.0], device="cuda"), fmt=fmt, backend="native")
         assert got[3].item() == fp8_cast_transpose_scaled_reference(xd[:0].cpu(), amax=torch.tensor([2.0]), fmt=fmt)[3]
     from engine.ops.fp8_cast_transpose import fp8_scales_from_amax
@@ -186,6 +192,9 @@ def test_fp8_cast_transpose_grid_cuda_bit_for_bit():
             assert torch.equal(got[2], want[2])
             lean = fp8_cast_transpose_grid(x, scale, block, fmt=fmt, want_amax=False, backend="native")
             assert lean[2] is None and torch.equal(lean[0].view(torch.uint8), got[0].view(torch.uint8))
+            # the transpose alone (the row-wise cast of x.T, the 128 x 1 tiles): out not written
+            only_t = fp8_cast_transpose_grid(x, scale, block, fmt=fmt, want_out=False, want_amax=False, backend="native")
+            assert only_t[0] is None and torch.equal(only_t[1].view(torch.uint8), got[1].view(torch.uint8))
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"])

@@ -305,6 +305,18 @@ def test_casts_compute_an_amax_only_where_delayed_scaling_keeps_it(monkeypatch):
     assert seen["grid"] and not any(seen["grid"])
 
 
+def test_weight_casts_shared_across_recipes_is_refused():
+    """A WeightCasts filled by a tensorwise call holds no weight amax; a delayed call handed it is refused
+    with the fix, instead of failing inside the state's record."""
+    from engine.ops.fp8_linear import WeightCasts
+
+    x, w = torch.randn(16, 32, requires_grad=True), torch.randn(16, 32, requires_grad=True)
+    casts = WeightCasts()
+    fp8_linear(x, w, weight_casts=casts)
+    with pytest.raises(RuntimeError, match="needs its own WeightCasts"):
+        fp8_linear(x, w, recipe="delayed", state=DelayedScaling(), weight_casts=casts)
+
+
 def test_nonfinite_amax_is_not_pushed():
     st = DelayedScaling(history_len=3)
     for a in (10.0, 2.0, 3.0):

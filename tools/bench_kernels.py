@@ -65,10 +65,41 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class QueueAhead:
+    """``--timing queued``: keeps the GPU busy (``torch.cuda._sleep``) while the host issues a timed call,
+    so the CUDA events around it measure the call's kernels back to back: device time, not the host's
+    time to launch them. From an idle GPU a short op's events measure the host instead. The GPU
+    machines here are virtual machines that took 45-100 us per launch (docs/fp8.md), against 0.1-0.5 ms
+    for a whole fused op at these sizes. The sleep lasts twice the longest host issue time seen so far,
+    plus 0.5 ms; it runs before the start event, outside the timed region."""
+
+    def __init__(self, device: torch.device):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)  # first call: its own overhead outside the calibration
+        start.record()
+        torch.cuda._sleep(10 ** 7)
+        end.record()
+        end.synchronize()
+        self.cycles_per_ms = 10 ** 7 / start.elapsed_time(end)
+        self.host_ms = 2.0  # until a call has been seen
+        self.short = 0  # timed calls whose host issue took longer than the sleep queued ahead of them
+
+    def ahead(self) -> float:
+        """Queue the sleep; returns its length (ms)."""
+        ms = 2 * self.host_ms + 0.5
+        torch.cuda._sleep(int(self.cycles_per_ms * ms))
+        return ms
+
+    def seen(self, host_ms: float, slept_ms: float) -> None:
+        self.host_ms = max(self.host_ms, host_ms)
+        self.short += host_ms > slept_ms
+
+
 def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int, reps: int,
-            setup: Optional[Callable[[], object]] = None) -> float:
+            setup: Optional[Callable[[], object]] = None, queue: Optional[QueueAhead] = None) -> float:
     """Median time of ``fn(setup())`` in milliseconds, ``setup`` excluded. Without ``setup``,
-    ``fn()`` is timed. GPU: CUDA events (wall time of the stream). CPU: CPU time of the calling
+    ``fn()`` is timed. GPU: CUDA events (the stream's time; with ``queue``, queued behind a sleep:
+    the kernels' own time, see :class:`QueueAhead`). CPU: CPU time of the calling
     thread (``time.thread_time``) - the CPU mode runs torch with one intra-op thread, so this is all
     the work, and other processes on a shared machine do not inflate it as they do wall time."""
     def once():
@@ -76,9 +107,13 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int, reps
         _sync(device)
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            slept = queue.ahead() if queue is not None else 0.0
+            t0 = time.perf_counter()
             start.record()
             fn(arg) if setup is not None else fn()
             end.record()
+            if queue is not None:
+                queue.seen((time.perf_counter() - t0) * 1e3, slept)
             end.synchronize()
             return start.elapsed_time(end)
         t0 = time.thread_time()
@@ -91,7 +126,7 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int, reps
 
 
 def time_fwd_bwd(fwd: Callable[[], object], bwd: Callable[[object], object], device: torch.device, *,
-                 warmup: int, reps: int) -> tuple[float, float, float]:
+                 warmup: int, reps: int, queue: Optional[QueueAhead] = None) -> tuple[float, float, float]:
     """Medians (ms) of the forward, the backward and their sum, all timed in the SAME repetitions, so
     ``total >= fwd`` and ``total >= bwd`` always hold (each repetition's sum dominates its parts, and
     medians keep that order). Timing as :func:`time_ms`."""
@@ -99,11 +134,15 @@ def time_fwd_bwd(fwd: Callable[[], object], bwd: Callable[[object], object], dev
         _sync(device)
         if device.type == "cuda":
             events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            slept = queue.ahead() if queue is not None else 0.0
+            t0 = time.perf_counter()
             events[0].record()
             outs = fwd()
             events[1].record()
             bwd(outs)
             events[2].record()
+            if queue is not None:
+                queue.seen((time.perf_counter() - t0) * 1e3, slept)
             events[2].synchronize()
             return events[0].elapsed_time(events[1]), events[1].elapsed_time(events[2])
         t0 = time.thread_time()
@@ -120,17 +159,18 @@ def time_fwd_bwd(fwd: Callable[[], object], bwd: Callable[[object], object], dev
             statistics.median(f + b for f, b in samples))
 
 
-def measure_ceilings(device: torch.device, *, reps: int, dtype: str = "bf16") -> dict:
+def measure_ceilings(device: torch.device, *, reps: int, dtype: str = "bf16",
+                     queue: Optional[QueueAhead] = None) -> dict:
     """Copy bandwidth (GB/s, read + write) and the matmul rate (TFLOP/s) in ``dtype`` (a DTYPES
     key: the dtype of the run's ops) of this device."""
     numel = (1 << 28) if device.type == "cuda" else (1 << 25)  # 1 GiB / 128 MiB of fp32
     src = torch.randn(numel, device=device)
     dst = torch.empty_like(src)
-    copy_ms = time_ms(lambda: dst.copy_(src), device, warmup=2, reps=reps)
+    copy_ms = time_ms(lambda: dst.copy_(src), device, warmup=2, reps=reps, queue=queue)
     n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
     b = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
-    mm_ms = time_ms(lambda: a @ b, device, warmup=2, reps=reps)
+    mm_ms = time_ms(lambda: a @ b, device, warmup=2, reps=reps, queue=queue)
     return {"copy_GBps": 2 * numel * 4 / copy_ms / 1e6, "copy_bytes": 2 * numel * 4,
             f"matmul_{dtype}_TFLOPs": 2 * n ** 3 / mm_ms / 1e9, "matmul_n": n, "matmul_dtype": dtype}
 
@@ -305,7 +345,7 @@ def peak_extra_bytes(fwd_bwd: Callable[[], None], leaves: list, device: torch.de
     return mem.peak_bytes
 
 
-def run_impl(case: Case, fn, device, *, warmup, reps) -> dict:
+def run_impl(case: Case, fn, device, *, warmup, reps, queue: Optional[QueueAhead] = None) -> dict:
     leaves = [t.detach().requires_grad_() for t in case.inputs]
 
     def fwd():
@@ -319,7 +359,7 @@ def run_impl(case: Case, fn, device, *, warmup, reps) -> dict:
     def fwd_bwd():
         bwd(fwd())
 
-    fwd_ms, bwd_ms, total_ms = time_fwd_bwd(fwd, bwd, device, warmup=warmup, reps=reps)
+    fwd_ms, bwd_ms, total_ms = time_fwd_bwd(fwd, bwd, device, warmup=warmup, reps=reps, queue=queue)
     peak = peak_extra_bytes(fwd_bwd, leaves, device)
     return {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "total_ms": total_ms,
             "peak_extra_bytes": peak, "peak_extra_MiB": peak / 2 ** 20}
@@ -340,7 +380,8 @@ def add_rates(row: dict, case: Case, ceilings: dict) -> None:
         row[f"{phase}_pct_ceiling"] = None if rate is None else 100 * rate / ceilings[ceiling]
 
 
-def run_case(case: Case, device, ceilings, *, warmup, reps, use_compile) -> list[dict]:
+def run_case(case: Case, device, ceilings, *, warmup, reps, use_compile,
+             queue: Optional[QueueAhead] = None) -> list[dict]:
     impls = dict(case.impls)
     if use_compile:
         impls["compile"] = torch.compile(case.impls["eager"])
@@ -354,7 +395,7 @@ def run_case(case: Case, device, ceilings, *, warmup, reps, use_compile) -> list
                 t0 = time.perf_counter()
                 run_impl(case, fn, device, warmup=0, reps=1)
                 row["compile_s"] = time.perf_counter() - t0
-            row.update(run_impl(case, fn, device, warmup=warmup, reps=reps))
+            row.update(run_impl(case, fn, device, warmup=warmup, reps=reps, queue=queue))
             add_rates(row, case, ceilings)
         except Exception as err:  # noqa: BLE001 - a failing baseline is reported, not fatal
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
@@ -448,8 +489,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=_non_negative, default=None,
                    help="untimed repetitions before timing (default 3 GPU, 1 CPU)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    p.add_argument("--timing", choices=("queued", "idle"), default=None,
+                   help="GPU only: 'queued' (default) times each call queued behind a GPU sleep, so the events "
+                        "measure its kernels back to back (device time); 'idle' starts each call on an idle "
+                        "GPU, so a short op's time includes the host's launches (what the first GPU sessions "
+                        "measured)")
     p.add_argument("--json", type=str, default=None, help="write the results as JSON to this path")
     args = p.parse_args(argv)
+    if args.timing is not None and (args.cpu or not torch.cuda.is_available()):
+        p.error(f"--timing {args.timing} chooses how CUDA events time a GPU run; the CPU mode times thread CPU "
+                "time. Leave --timing out on the CPU")
+    args.timing = args.timing or "queued"
     if args.json is not None:  # fail now, not after minutes of benchmarking
         folder = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(folder):
@@ -468,7 +518,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if not gpu:
         torch.set_num_threads(1)  # thread CPU time then measures all of the op's work
     torch.manual_seed(0)
-    ceilings = measure_ceilings(device, reps=reps, dtype=args.dtype)
+    queue = QueueAhead(device) if gpu and args.timing == "queued" else None
+    ceilings = measure_ceilings(device, reps=reps, dtype=args.dtype, queue=queue)
     device_name = torch.cuda.get_device_name(device) if gpu else platform.processor() or "cpu"
     print(f"device: {device_name} ({'GPU' if gpu else 'CPU reduced mode'}), torch {torch.__version__}, "
           f"tokens {tokens}, dtype {args.dtype}")
@@ -481,9 +532,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
             case = BUILDERS[op](MODELS[model], tokens, device, gpu, vocab=args.vocab, ce_chunk=args.ce_chunk,
                                 dtype=DTYPES[args.dtype])
             case.size = model
-            rows += run_case(case, device, ceilings, warmup=warmup, reps=reps, use_compile=not args.no_compile)
+            rows += run_case(case, device, ceilings, warmup=warmup, reps=reps, use_compile=not args.no_compile,
+                             queue=queue)
             del case
     print_table(rows)
+    if queue is not None:
+        print(f"\ntiming: each call queued behind a GPU sleep (device time, launches hidden)"
+              + (f"; {queue.short} timed calls took the host longer to issue than the sleep ahead of them, so "
+                 "their times include launch gaps" if queue.short else ""))
     checks = goals(rows, gpu)
     if checks:
         print()
@@ -498,7 +554,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "mode": "gpu" if gpu else "cpu-reduced", "device": device_name, "cpu_count": os.cpu_count(),
         "load_average_1_5_15": list(os.getloadavg()), "torch": torch.__version__, "tokens": tokens,
         "dtype": args.dtype, "reps": reps, "warmup": warmup,
-        "timing": "CUDA events" if gpu else "thread CPU time, 1 torch thread",
+        "timing": ("thread CPU time, 1 torch thread" if not gpu else
+                   "CUDA events, each call queued behind a GPU sleep (device time)" if queue is not None else
+                   "CUDA events from an idle GPU (host launch time included)"),
+        "queue_short_calls": queue.short if queue is not None else None,
         "peak_memory": ("torch.cuda.max_memory_allocated - allocated before" if gpu else
                         "profiler CPU allocator events (CPUMemoryPeak)"),
         "ceilings": ceilings, "liger_available": _liger() is not None, "rows": rows, "goals": checks,

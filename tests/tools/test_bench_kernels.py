@@ -103,12 +103,43 @@ def test_printed_table_lists_every_op(tiny_run):
     (["--models", "405b"], "argument --models: invalid choice: '405b'"),
     (["--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
     (["--json", "/nonexistent-dir/k.json"], "folder /nonexistent-dir does not exist"),
+    (["--cpu", "--timing", "idle"], "Leave --timing out on the CPU"),
 ])
 def test_bad_arguments_fail_clearly(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench_kernels.parse_args(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_queue_ahead_sleeps_past_the_hosts_issue_time(monkeypatch):
+    """--timing queued: the sleep queued before each timed call lasts twice the longest host issue time
+    seen, plus 0.5 ms, and calls whose issue outlasted their sleep are counted (their times then include
+    launch gaps). CUDA's sleep and events are stood in for: 1000 cycles per ms."""
+    slept = []
+
+    class Event:
+        def __init__(self, enable_timing=True):
+            self.t = 0.0
+
+        def record(self):
+            self.t = sum(slept) / 1000  # ms of sleep queued so far
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: slept.append(cycles))
+    q = bench_kernels.QueueAhead(torch.device("cuda"))
+    assert q.cycles_per_ms == pytest.approx(1000)
+    assert q.ahead() == pytest.approx(4.5) and slept[-1] == 4500  # 2 x the first guess of 2 ms, + 0.5
+    q.seen(1.0, 4.5)
+    assert q.short == 0 and q.ahead() == pytest.approx(4.5)  # shorter issue times keep the longest seen
+    q.seen(6.0, 4.5)
+    assert q.short == 1 and q.ahead() == pytest.approx(12.5)
 
 
 def test_cpu_memory_peak_counts_allocations_and_frees_exactly():

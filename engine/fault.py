@@ -15,6 +15,7 @@ docs/fault_tolerance.md says what each mechanism promises and what is not built.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -60,6 +61,16 @@ def say_once(line: str, rank: int) -> None:
         import time
 
         time.sleep(SAY_ONCE_GRACE_S)
+
+
+class OnceArgumentParser(argparse.ArgumentParser):
+    """An ``argparse.ArgumentParser`` for the torchrun tools: every rank parses the same command line, so a
+    usage error is said once (:func:`say_once`, by rank 0, ``RANK`` from the launcher's environment) and
+    every rank exits with argparse's status 2."""
+
+    def error(self, message: str):
+        say_once(f"{self.format_usage().rstrip()}\n{self.prog}: error: {message}", int(os.environ.get("RANK", "0")))
+        raise SystemExit(2)
 
 
 class NothingToTrain(Exception):

@@ -47,7 +47,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from engine.checkpoint import (CheckpointError, ShardingContext, load_checkpoint, module_sharded_tensors,  # noqa: E402
                                read_metadata, resolve_checkpoint)
-from engine.fault import say_once  # noqa: E402
+from engine.fault import OnceArgumentParser, say_once  # noqa: E402
 from parallel import comm  # noqa: E402
 from parallel.context_parallel import zigzag_shard, zigzag_unshard  # noqa: E402
 from parallel.mesh import Mesh, ParallelDims, init_distributed  # noqa: E402
@@ -66,7 +66,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OnceArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="checkpoint root (newest complete step) or step directory")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--text", help="UTF-8 text file to score")

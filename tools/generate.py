@@ -32,6 +32,7 @@ if ROOT not in sys.path:  # runnable from a checkout without installing
     sys.path.insert(0, ROOT)
 
 
+from engine.fault import OnceArgumentParser  # noqa: E402
 from engine.posttrain.generate import check_generate_args, generate  # noqa: E402
 from parallel import comm  # noqa: E402
 from tools.evaluate import (DTYPES, build_stage, check_heads, checkpoint_model_config, cli, launch_mesh,  # noqa: E402
@@ -39,7 +40,7 @@ from tools.evaluate import (DTYPES, build_stage, check_heads, checkpoint_model_c
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OnceArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="checkpoint root (newest complete step) or step directory")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--tokens", help="JSON file: a list of token-id lists (or one flat list)")

@@ -29,6 +29,7 @@ if ROOT not in sys.path:  # runnable from a checkout without installing
     sys.path.insert(0, ROOT)
 
 from engine.config import add_config_args, load_config  # noqa: E402
+from engine.fault import OnceArgumentParser  # noqa: E402
 
 HF_SUBDIR = "hf"
 
@@ -251,7 +252,7 @@ def posttrain_from_config(cfg, run_dir: str | None, *, world: int):
 def main(argv=None) -> int:
     from tools.pretrain import launch
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OnceArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(parser)
     parser.add_argument("--run-dir", default=None, help="run directory (default: train.run_dir)")
     args = parser.parse_args(argv)

@@ -25,11 +25,12 @@ if ROOT not in sys.path:  # runnable from a checkout without installing
 import torch  # noqa: E402
 
 from engine.config import add_config_args, load_config  # noqa: E402
+from engine.fault import OnceArgumentParser  # noqa: E402
 from parallel.mesh import init_distributed  # noqa: E402
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OnceArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(parser)
     parser.add_argument("--run-dir", default=None, help="run directory (default: train.run_dir)")
     args = parser.parse_args(argv)

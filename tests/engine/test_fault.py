@@ -268,3 +268,27 @@ def test_keep_every_keeps_milestones_beside_keep_last(tmp_path):
         CheckpointConfig(interval=10, keep_last=2, keep_every=25)
     with pytest.raises(ValueError, match=r"checkpoint.keep_every=100 without checkpoint.keep_last"):
         CheckpointConfig(interval=10, keep_every=100)
+
+
+@pytest.mark.parametrize("tool", ["pretrain", "posttrain", "evaluate", "generate"])
+def test_a_usage_error_is_said_once_under_torchrun(tool, monkeypatch, capsys):
+    """Every rank parses the same command line: rank 0 prints argparse's usage and error, the others
+    print nothing, and all exit 2 (the torchrun tools' parsers are OnceArgumentParser)."""
+    import importlib
+
+    import engine.fault as fault
+
+    monkeypatch.setattr(fault, "SAY_ONCE_GRACE_S", 0.0)
+    parser = importlib.import_module(f"tools.{tool}").build_parser() if tool in ("evaluate", "generate") else None
+    for rank, says in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as info:
+            if parser is not None:
+                parser.parse_args(["--no-such-flag"])
+            else:
+                importlib.import_module(f"tools.{tool}").main(["--no-such-flag"])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert ("error: " in err and "usage:" in err) == says, (rank, err)
+        if not says:
+            assert err == ""

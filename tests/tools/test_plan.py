@@ -51,6 +51,11 @@ def test_bad_input_exits_2_naming_the_fix(capsys):
     assert main(te + ["--set", "model.fp8=mxfp8"]) == 2
     assert "not on --gpu h100-sxm; plan it with --gpu b200" in capsys.readouterr().err
     assert main(te + ["--set", "model.fp8=mxfp8", "--gpu", "b200", "--json", os.devnull]) == 0
+    # FP8 implied by the preset on a GPU without FP8 tensor cores: the message says where fp8 came from
+    assert main(["--config", "tiny_llama_cpu", "--set", "model.fp8=tensorwise", "--gpu", "a100-80gb"]) == 2
+    assert "the preset sets model.fp8 = 'tensorwise'" in capsys.readouterr().err
+    assert main(["--config", "tiny_llama_cpu", "--set", "model.fp8=tensorwise", "--gpu", "a100-80gb",
+                 "--precision", "bf16", "--json", os.devnull]) == 0
 
 
 def test_moe_plan_lists_ep_at_every_zero_stage(tmp_path, capsys):

@@ -5,9 +5,9 @@
 #
 # STEP: info build test fp8 overlap attention moe train kernels (default: all, in that order: the issues'
 # GPU checks first, the long benchmarks last). Each step is time-boxed, a failing step does not stop the next ones,
-# and the whole script keeps within $GPU_SESSION_BUDGET_S (default 450 s). A session has 15 minutes of
+# and the whole script keeps within $GPU_SESSION_BUDGET_S (default 480 s). A session has 15 minutes of
 # device time in all, machine starts (a minute or more each) included, and no machine starts with under
-# 4 minutes left: 450 s plus a start leaves room for one shorter rerun of the steps that failed
+# 4 minutes left: 480 s plus a start (about 40 s) leaves room for one shorter rerun of the steps that failed
 # (`bash tools/gpu_session.sh build test`). A step gets min(its cap, time left) and is skipped when less
 # than 20 s are left. The benchmark with no bound of its own (bench_kernels: torch.compile baselines of
 # four ops at two sizes) runs last, with what is left, and without its torch.compile baselines when
@@ -47,7 +47,7 @@ fi
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 mkdir -p "$OUT" || exit 2
 PY=${PYTHON:-python3}
-BUDGET=${GPU_SESSION_BUDGET_S:-450}
+BUDGET=${GPU_SESSION_BUDGET_S:-480}
 TAIL_LINES=${TAIL_LINES:-40}
 ALL_STEPS=(info build test fp8 overlap attention moe train kernels)
 STEPS=("$@")

@@ -69,7 +69,7 @@ class OnceArgumentParser(argparse.ArgumentParser):
     every rank exits with argparse's status 2."""
 
     def error(self, message: str):
-        say_once(f"{self.format_usage().rstrip()}\n{self.prog}: error: {message}", int(os.environ.get("RANK", "0")))
+        say_once(f"{self.format_usage().rstrip()}\n{self.prog}: error: {message}", int(os.environ.get("RANK") or 0))
         raise SystemExit(2)
 
 

@@ -70,8 +70,12 @@ class QueueAhead:
     so the CUDA events around it measure the call's kernels back to back: device time, not the host's
     time to launch them. From an idle GPU a short op's events measure the host instead. The GPU
     machines here are virtual machines that took 45-100 us per launch (docs/fp8.md), against 0.1-0.5 ms
-    for a whole fused op at these sizes. The sleep lasts twice the longest host issue time seen so far,
-    plus 0.5 ms; it runs before the start event, outside the timed region."""
+    for a whole fused op at these sizes. The sleep lasts twice the host's issue time of the previous call
+    of the same op (:meth:`begin` starts an op), plus 0.5 ms, at most ``MAX_MS``: a first call that
+    compiles (Triton, cuBLAS handles) does not lengthen every later sleep. It runs before the start
+    event, outside the timed region."""
+
+    MAX_MS = 50.0  # a call the host needs longer to issue is host-bound at any sleep
 
     def __init__(self, device: torch.device):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -81,18 +85,24 @@ class QueueAhead:
         end.record()
         end.synchronize()
         self.cycles_per_ms = 10 ** 7 / start.elapsed_time(end)
-        self.host_ms = 2.0  # until a call has been seen
+        self.host_ms = 2.0  # the previous call's issue time; a guess until one is seen
         self.short = 0  # timed calls whose host issue took longer than the sleep queued ahead of them
+
+    def begin(self) -> None:
+        """A new op: forget the previous op's issue time."""
+        self.host_ms = 2.0
 
     def ahead(self) -> float:
         """Queue the sleep; returns its length (ms)."""
-        ms = 2 * self.host_ms + 0.5
+        ms = min(2 * self.host_ms + 0.5, self.MAX_MS)
         torch.cuda._sleep(int(self.cycles_per_ms * ms))
         return ms
 
-    def seen(self, host_ms: float, slept_ms: float) -> None:
-        self.host_ms = max(self.host_ms, host_ms)
-        self.short += host_ms > slept_ms
+    def seen(self, host_ms: float, slept_ms: float, *, timed: bool) -> None:
+        """A call took the host ``host_ms`` to issue behind a ``slept_ms`` sleep; ``timed``: a timed
+        repetition (a warm-up's is only the next sleep's guide)."""
+        self.host_ms = host_ms
+        self.short += timed and host_ms > slept_ms
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int, reps: int,
@@ -102,7 +112,7 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int, reps
     the kernels' own time, see :class:`QueueAhead`). CPU: CPU time of the calling
     thread (``time.thread_time``) - the CPU mode runs torch with one intra-op thread, so this is all
     the work, and other processes on a shared machine do not inflate it as they do wall time."""
-    def once():
+    def once(timed: bool = True):
         arg = setup() if setup is not None else None
         _sync(device)
         if device.type == "cuda":
@@ -113,15 +123,17 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int, reps
             fn(arg) if setup is not None else fn()
             end.record()
             if queue is not None:
-                queue.seen((time.perf_counter() - t0) * 1e3, slept)
+                queue.seen((time.perf_counter() - t0) * 1e3, slept, timed=timed)
             end.synchronize()
             return start.elapsed_time(end)
         t0 = time.thread_time()
         fn(arg) if setup is not None else fn()
         return (time.thread_time() - t0) * 1e3
 
+    if queue is not None:
+        queue.begin()
     for _ in range(warmup):
-        once()
+        once(timed=False)
     return statistics.median(once() for _ in range(reps))
 
 
@@ -130,7 +142,7 @@ def time_fwd_bwd(fwd: Callable[[], object], bwd: Callable[[object], object], dev
     """Medians (ms) of the forward, the backward and their sum, all timed in the SAME repetitions, so
     ``total >= fwd`` and ``total >= bwd`` always hold (each repetition's sum dominates its parts, and
     medians keep that order). Timing as :func:`time_ms`."""
-    def once() -> tuple[float, float]:
+    def once(timed: bool = True) -> tuple[float, float]:
         _sync(device)
         if device.type == "cuda":
             events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
@@ -142,7 +154,7 @@ def time_fwd_bwd(fwd: Callable[[], object], bwd: Callable[[object], object], dev
             bwd(outs)
             events[2].record()
             if queue is not None:
-                queue.seen((time.perf_counter() - t0) * 1e3, slept)
+                queue.seen((time.perf_counter() - t0) * 1e3, slept, timed=timed)
             events[2].synchronize()
             return events[0].elapsed_time(events[1]), events[1].elapsed_time(events[2])
         t0 = time.thread_time()
@@ -152,8 +164,10 @@ def time_fwd_bwd(fwd: Callable[[], object], bwd: Callable[[object], object], dev
         t2 = time.thread_time()
         return (t1 - t0) * 1e3, (t2 - t1) * 1e3
 
+    if queue is not None:
+        queue.begin()
     for _ in range(warmup):
-        once()
+        once(timed=False)
     samples = [once() for _ in range(reps)]
     return (statistics.median(f for f, _ in samples), statistics.median(b for _, b in samples),
             statistics.median(f + b for f, b in samples))

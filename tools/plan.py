@@ -141,10 +141,11 @@ def build_training(a, model) -> Training:
                              "docs/fp8.md): no FP8 peak applies; give --precision bf16 or fp8 to plan the layout "
                              "anyway, or set model.fp8_backend = 'te' (TE's MXFP8 on Blackwell)")
         a.precision = "fp8" if m.get("fp8", "none") != "none" else "bf16"
-        if a.precision == "fp8" and gpu(a.gpu).fp8_tflops is None:  # implied by the preset: say so
-            raise ValueError(f"the preset sets model.fp8 = {m['fp8']!r}, so the plan is at FP8 precision, and the "
+        if a.precision == "fp8" and gpu(a.gpu).fp8_tflops is None:  # implied by model.fp8: say so
+            capable = ", ".join(name for name, g in GPUS.items() if g.fp8_tflops is not None)
+            raise ValueError(f"model.fp8 = {m['fp8']!r} (the preset's, or --set) plans at FP8 precision, and the "
                              f"{gpu(a.gpu).name} has no FP8 tensor cores; give --precision bf16 to plan it in bf16, "
-                             "or an fp8-capable --gpu (h100-sxm, h200, b200)")
+                             f"or an fp8-capable --gpu ({capable})")
     overlap = a.tp_overlap or preset.get("parallel", {}).get("tp_overlap") or "none"
     if overlap not in ("none", "ring"):
         raise ValueError(f"parallel.tp_overlap={overlap!r} (the preset's) is not planned: use --tp-overlap none or ring")

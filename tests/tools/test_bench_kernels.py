@@ -113,9 +113,10 @@ def test_bad_arguments_fail_clearly(argv, message, capsys):
 
 
 def test_queue_ahead_sleeps_past_the_hosts_issue_time(monkeypatch):
-    """--timing queued: the sleep queued before each timed call lasts twice the longest host issue time
-    seen, plus 0.5 ms, and calls whose issue outlasted their sleep are counted (their times then include
-    launch gaps). CUDA's sleep and events are stood in for: 1000 cycles per ms."""
+    """--timing queued: the sleep queued before each call lasts twice the previous call's host issue time,
+    plus 0.5 ms, at most 50 ms (a compiling first call does not stretch later sleeps); timed calls whose
+    issue outlasted their sleep are counted (their times then include launch gaps), warm-ups are not.
+    CUDA's sleep and events are stood in for: 1000 cycles per ms."""
     slept = []
 
     class Event:
@@ -136,10 +137,14 @@ def test_queue_ahead_sleeps_past_the_hosts_issue_time(monkeypatch):
     q = bench_kernels.QueueAhead(torch.device("cuda"))
     assert q.cycles_per_ms == pytest.approx(1000)
     assert q.ahead() == pytest.approx(4.5) and slept[-1] == 4500  # 2 x the first guess of 2 ms, + 0.5
-    q.seen(1.0, 4.5)
-    assert q.short == 0 and q.ahead() == pytest.approx(4.5)  # shorter issue times keep the longest seen
-    q.seen(6.0, 4.5)
+    q.seen(3000.0, 4.5, timed=False)  # a warm-up that compiled: not counted, and the next sleep is capped
+    assert q.short == 0 and q.ahead() == pytest.approx(50.0)
+    q.seen(1.0, 50.0, timed=True)
+    assert q.short == 0 and q.ahead() == pytest.approx(2.5)  # the previous call's issue time
+    q.seen(6.0, 2.5, timed=True)
     assert q.short == 1 and q.ahead() == pytest.approx(12.5)
+    q.begin()  # the next op starts from the guess again
+    assert q.ahead() == pytest.approx(4.5)
 
 
 def test_cpu_memory_peak_counts_allocations_and_frees_exactly():

@@ -419,7 +419,8 @@ def main(argv=None) -> int:
         res["gemms"] = bench_gemms(args, run)
         from engine.ops.fp8_linear import GEMM_PATHS
         res["gemms"]["paths"] = dict(GEMM_PATHS)  # blockwise: torch's native kernel or the per-slice loop
-        print(f"blockwise GEMM path: {GEMM_PATHS.get('blockwise', 'not run')}")
+        print("blockwise GEMM paths: " + ("; ".join(f"{k}: {v}" for k, v in GEMM_PATHS.items() if k.startswith("blockwise"))
+                                           or "not run"))
         c = res["gemms"]["ceilings"]
         hpn = res["gemms"]["baseline_dtype"]
         print(f"ceilings ({args.ceiling_n}^3): {hpn} matmul {c['hp_matmul_tflops']:.3f} TFLOP/s, "

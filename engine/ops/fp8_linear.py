@@ -272,45 +272,75 @@ def blockwise_scale_layouts(a: Quantized, b: Quantized) -> tuple[Tensor, Tensor]
 
 
 def _native_blockwise(a: Quantized, b: Quantized) -> Optional[Tensor]:
-    """torch's sm_90 blockwise kernel (1x128 x 128x128, or 1x128 x 1x128 for the weight gradient), fp32
-    out, or None where this torch/GPU has none (the reason recorded in GEMM_PATHS). The first result in a
-    process is checked against the per-slice loop; a kernel that disagrees is not used again."""
+    """torch's sm_90 blockwise kernel (1x128 x 128x128 for the forward and the input gradient, 1x128 x
+    1x128 for the weight gradient), fp32 out, or None where this torch/GPU has none. Each pair is tried
+    on its own, in the scale layouts :func:`blockwise_scale_layouts` gives, and, for a 1x128 right-hand
+    operand, with those scales transposed as well (torch's own tests hand ``scale_b`` over transposed).
+    A pair's first result in a process is checked against the per-slice loop; a layout the kernel
+    refuses or computes differently is not used again. GEMM_PATHS records per pair the layout in use, or
+    "off" and why (``blockwise_native_error[<pair>]``)."""
     if a.data.device.type != "cuda" or a.granularity != "tile" or b.granularity not in ("tile", "block"):
         return None
     if a.data.shape[1] % BLOCK or (b.granularity == "block" and b.data.shape[0] % BLOCK):
         return None
-    if GEMM_PATHS.get("blockwise_native") == "off":
+    pair = "1x128 x " + ("1x128" if b.granularity == "tile" else "128x128")
+    key = f"blockwise_native[{pair}]"
+    if GEMM_PATHS.get(key) == "off":
         return None
     sa, sb = blockwise_scale_layouts(a, b)
-    errors = []
-    out = None
+    layouts = {"as laid out": sb}
+    if b.granularity == "tile":
+        layouts["scale_b transposed"] = sb.t()
+    if GEMM_PATHS.get(key) in layouts:  # found earlier in this process
+        layouts = {GEMM_PATHS[key]: layouts[GEMM_PATHS[key]]}
+    return _first_native_layout(a, b, key, sa, layouts, _blockwise_kernel)
+
+
+def _blockwise_kernel(a: Quantized, b: Quantized, sa: Tensor, sb: Tensor) -> Tensor:
+    """torch's blockwise ``scaled_mm`` (bf16 out): the recipes named where torch has ``F.scaled_mm``, else the
+    older entry point that infers them from the scales' shapes. Raises what the kernel raises."""
     F = torch.nn.functional
-    if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):  # torch >= 2.10: the recipes named
+    first = None
+    if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):  # torch >= 2.10
         recipe_b = F.ScalingType.BlockWise1x128 if b.granularity == "tile" else F.ScalingType.BlockWise128x128
         try:
-            out = F.scaled_mm(a.data, b.data.t(), sa, F.ScalingType.BlockWise1x128, sb, recipe_b,
-                              output_dtype=torch.bfloat16)
+            return F.scaled_mm(a.data, b.data.t(), sa, F.ScalingType.BlockWise1x128, sb, recipe_b,
+                               output_dtype=torch.bfloat16)
         except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
-            errors.append(f"F.scaled_mm: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    if out is None:
-        try:  # the older entry point, which infers the recipes from the scales' shapes
-            out = torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=torch.bfloat16)
-        except (RuntimeError, ValueError, NotImplementedError) as e:
-            errors.append(f"torch._scaled_mm: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    if out is None:
-        GEMM_PATHS["blockwise_native_error"] = "; ".join(errors)
-        return None
-    out = out.float()
-    if GEMM_PATHS.get("blockwise_native") != "checked":  # once per process: the kernel's scale convention
-        ref = _blockwise_loop(a, b)
-        rel = ((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
-        if not rel < 2e-2:  # bf16 output rounding is 4e-3
-            GEMM_PATHS["blockwise_native"] = "off"
-            GEMM_PATHS["blockwise_native_error"] = f"native result differs from the per-slice loop by {rel:.2e}"
-            return None
-        GEMM_PATHS["blockwise_native"] = "checked"
-    GEMM_PATHS["blockwise"] = "native"
-    return out
+            first = e
+    try:
+        return torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=torch.bfloat16)
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        if first is not None:
+            raise RuntimeError(f"F.scaled_mm: {type(first).__name__}: {str(first).splitlines()[0][:200]}; "
+                               f"torch._scaled_mm: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from e
+        raise
+
+
+def _first_native_layout(a: Quantized, b: Quantized, key: str, sa: Tensor, layouts: dict[str, Tensor],
+                         kernel: Callable[[Quantized, Quantized, Tensor, Tensor], Tensor]) -> Optional[Tensor]:
+    """The first of ``layouts`` (name -> scale_b) that ``kernel`` takes and computes as the per-slice loop
+    does (checked once per ``key``, the pair of granularities, per process): its fp32 result, the layout
+    recorded in GEMM_PATHS[key]; or None, with the pair switched off and each layout's failure recorded."""
+    errors = []
+    for name, scale_b in layouts.items():
+        try:
+            out = kernel(a, b, sa, scale_b).float()
+        except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
+            errors.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:400]}")
+            continue
+        if GEMM_PATHS.get(key) != name:  # this pair's first result in this layout: the scale convention
+            ref = _blockwise_loop(a, b)
+            rel = ((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
+            if not rel < 2e-2:  # bf16 output rounding is 4e-3
+                errors.append(f"{name}: the result differs from the per-slice loop by {rel:.2e}")
+                continue
+            GEMM_PATHS[key] = name
+        GEMM_PATHS["blockwise"] = "native"
+        return out
+    GEMM_PATHS[key] = "off"
+    GEMM_PATHS[key.replace("blockwise_native", "blockwise_native_error")] = "; ".join(errors)
+    return None
 
 
 def _blockwise_loop(a: Quantized, b: Quantized) -> Tensor:

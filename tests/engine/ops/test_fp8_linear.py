@@ -120,6 +120,44 @@ def test_blockwise_scale_layouts_for_the_sm90_kernel():
     assert sb2.shape == (256, 5) and sb2.stride() == (1, 256)
 
 
+def test_native_blockwise_tries_each_scale_layout_and_checks_it(monkeypatch):
+    """The blockwise kernel is tried per pair of granularities in each scale layout until one is taken and
+    computes what the per-slice loop does (checked once per pair); a pair that no layout serves is switched
+    off with every layout's failure recorded. CPU stand-ins for torch's CUDA kernel."""
+    import engine.ops.fp8_linear as f8
+
+    monkeypatch.setattr(f8, "GEMM_PATHS", {})
+    g = torch.Generator().manual_seed(0)
+    a = quantize_tiles(torch.randn(32, 256, generator=g), E4M3)
+    b = quantize_tiles(torch.randn(48, 256, generator=g), E4M3)
+    want = f8._blockwise_loop(a, b)
+    layouts = {"as laid out": torch.zeros(1), "scale_b transposed": torch.ones(1)}
+    calls = []
+
+    def takes_the_second(a_, b_, sa, sb):  # refuses the first layout, computes right with the second
+        calls.append(float(sb[0]))
+        if sb[0] == 0:
+            raise RuntimeError("Invalid scaling configuration.")
+        return want.bfloat16()
+
+    key = "blockwise_native[1x128 x 1x128]"
+    out = f8._first_native_layout(a, b, key, torch.ones(1), layouts, takes_the_second)
+    assert torch.equal(out, want.bfloat16().float()) and f8.GEMM_PATHS[key] == "scale_b transposed"
+    assert calls == [0.0, 1.0]
+    # later calls go straight to the layout found (the kernel sees only it) and are not checked again
+    f8._first_native_layout(a, b, key, torch.ones(1), {"scale_b transposed": torch.ones(1)}, takes_the_second)
+    assert calls == [0.0, 1.0, 1.0]
+
+    def wrong(a_, b_, sa, sb):  # taken, but computes something else: never used
+        return (2 * want).bfloat16()
+
+    key2 = "blockwise_native[1x128 x 128x128]"
+    assert f8._first_native_layout(a, b, key2, torch.ones(1), layouts, wrong) is None
+    assert f8.GEMM_PATHS[key2] == "off"
+    err = f8.GEMM_PATHS["blockwise_native_error[1x128 x 128x128]"]
+    assert err.count("differs from the per-slice loop") == 2 and "as laid out" in err and "transposed" in err
+
+
 def test_rowwise_fallback_where_cpu_scaled_mm_lacks_row_scales(monkeypatch):
     """torch 2.11's CPU _scaled_mm takes per-tensor scales only: the dequantised fp32 matmul that
     replaces it there gives the row-wise _scaled_mm's results bit for bit (this torch has both)."""

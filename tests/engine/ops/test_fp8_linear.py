@@ -135,24 +135,29 @@ def test_native_blockwise_tries_each_scale_layout_and_checks_it(monkeypatch):
     calls = []
 
     def takes_the_second(a_, b_, sa, sb):  # refuses the first layout, computes right with the second
-        calls.append(float(sb[0]))
-        if sb[0] == 0:
+        calls.append(float(sb.flatten()[0]))
+        if sb.flatten()[0] == 0:
             raise RuntimeError("Invalid scaling configuration.")
         return want.bfloat16()
 
     key = "blockwise_native[1x128 x 1x128]"
-    out = f8._first_native_layout(a, b, key, torch.ones(1), layouts, takes_the_second)
+    # one row of scales cannot tell a layout from its transpose: checked, but not kept
+    out = f8._first_native_layout(a, b, key, torch.ones(1, 2), layouts, takes_the_second)
+    assert torch.equal(out, want.bfloat16().float()) and key not in f8.GEMM_PATHS and calls == [0.0, 1.0]
+    calls.clear()
+    layouts = {"as laid out": torch.zeros(2, 2), "scale_b transposed": torch.ones(2, 2)}
+    out = f8._first_native_layout(a, b, key, torch.ones(2, 2), layouts, takes_the_second)
     assert torch.equal(out, want.bfloat16().float()) and f8.GEMM_PATHS[key] == "scale_b transposed"
     assert calls == [0.0, 1.0]
     # later calls go straight to the layout found (the kernel sees only it) and are not checked again
-    f8._first_native_layout(a, b, key, torch.ones(1), {"scale_b transposed": torch.ones(1)}, takes_the_second)
+    f8._first_native_layout(a, b, key, torch.ones(2, 2), {"scale_b transposed": torch.ones(2, 2)}, takes_the_second)
     assert calls == [0.0, 1.0, 1.0]
 
     def wrong(a_, b_, sa, sb):  # taken, but computes something else: never used
         return (2 * want).bfloat16()
 
     key2 = "blockwise_native[1x128 x 128x128]"
-    assert f8._first_native_layout(a, b, key2, torch.ones(1), layouts, wrong) is None
+    assert f8._first_native_layout(a, b, key2, torch.ones(2, 2), layouts, wrong) is None
     assert f8.GEMM_PATHS[key2] == "off"
     err = f8.GEMM_PATHS["blockwise_native_error[1x128 x 128x128]"]
     assert err.count("differs from the per-slice loop") == 2 and "as laid out" in err and "transposed" in err

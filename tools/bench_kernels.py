@@ -73,23 +73,27 @@ class QueueAhead:
     for a whole fused op at these sizes. The sleep lasts twice the host's issue time of the previous call
     of the same op (:meth:`begin` starts an op), plus 0.5 ms, at most ``MAX_MS``: a first call that
     compiles (Triton, cuBLAS handles) does not lengthen every later sleep. It runs before the start
-    event, outside the timed region."""
+    event, outside the timed region. The sleep counts SM clock cycles, so the cycles per ms are measured
+    again at each op's start (:meth:`begin`), on a GPU that has just been busy: an idle GPU's lower clock
+    would make every later sleep shorter than asked."""
 
     MAX_MS = 50.0  # a call the host needs longer to issue is host-bound at any sleep
 
     def __init__(self, device: torch.device):
+        self.cycles_per_ms = 0.0
+        self.host_ms = 2.0  # the previous call's issue time; a guess until one is seen
+        self.short = 0  # timed calls whose host issue took longer than the sleep queued ahead of them
+        self.begin()
+
+    def begin(self) -> None:
+        """A new op: forget the previous op's issue time; measure the SM clock (cycles per ms) now."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1000)  # first call: its own overhead outside the calibration
+        torch.cuda._sleep(10 ** 6)  # first, its own launch outside the measurement
         start.record()
         torch.cuda._sleep(10 ** 7)
         end.record()
         end.synchronize()
         self.cycles_per_ms = 10 ** 7 / start.elapsed_time(end)
-        self.host_ms = 2.0  # the previous call's issue time; a guess until one is seen
-        self.short = 0  # timed calls whose host issue took longer than the sleep queued ahead of them
-
-    def begin(self) -> None:
-        """A new op: forget the previous op's issue time."""
         self.host_ms = 2.0
 
     def ahead(self) -> float:
@@ -532,8 +536,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if not gpu:
         torch.set_num_threads(1)  # thread CPU time then measures all of the op's work
     torch.manual_seed(0)
+    # The ceilings are single large launches (host time negligible), timed from an idle GPU; then the
+    # queue, its clock measured on the GPU they warmed
+    ceilings = measure_ceilings(device, reps=reps, dtype=args.dtype)
     queue = QueueAhead(device) if gpu and args.timing == "queued" else None
-    ceilings = measure_ceilings(device, reps=reps, dtype=args.dtype, queue=queue)
     device_name = torch.cuda.get_device_name(device) if gpu else platform.processor() or "cpu"
     print(f"device: {device_name} ({'GPU' if gpu else 'CPU reduced mode'}), torch {torch.__version__}, "
           f"tokens {tokens}, dtype {args.dtype}")

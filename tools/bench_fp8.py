@@ -449,6 +449,9 @@ def main(argv=None) -> int:
         for k in s["sides"]:
             v = s[k]
             extra = f", peak {v['peak_mem_gib']:.1f} GiB, loss {v['last_loss']:.4f}" if "peak_mem_gib" in v else ""
+            if "device_busy_s" in v and "device_busy_s" in s["none"]:  # --profile-step: kernels alone
+                extra += (f", kernels {v['device_busy_s'] * 1e3:.1f} ms "
+                          f"({s['none']['device_busy_s'] / v['device_busy_s']:.3f}x none's)")
             if k.endswith("/nocache"):  # the same recipe with its weight casts reused, over this side
                 extra += f"   (weight cache: {v['step_s'] / s[k.split('/')[0]]['step_s']:.3f}x)"
             print(f"  model.fp8={k:<18} {v['step_s'] * 1e3:9.1f} ms   speed-up vs none {v['speedup_vs_none']:.3f}x, "

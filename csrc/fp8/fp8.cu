@@ -59,6 +59,17 @@ __device__ __forceinline__ void block_amax(unsigned int local_max, unsigned int*
   }
 }
 
+// The tensor's one scale (not kGrid: a grid's scales are read per element), given or derived from an amax
+// (from_amax); ``writer`` (one thread of the grid) also writes 1 / scale for the GEMM where asked.
+template <bool kGrid>
+__device__ __forceinline__ float tensor_scale(const float* scale, bool from_amax, float fp8_max, float* scale_inv,
+                                              bool writer) {
+  if (kGrid) return 0.0f;
+  const float s = from_amax ? scale_from_amax(*scale, fp8_max) : *scale;
+  if (scale_inv != nullptr && writer) *scale_inv = __frcp_rn(s);
+  return s;
+}
+
 // -- the wide kernel: 8 elements per load and per store -----------------------------------------------
 constexpr int kWideTile = 64;                 // a 64x64 tile per block
 constexpr int kWideThreads = 256;             // 8 threads per tile row (8 elements each), 32 rows per pass
@@ -93,10 +104,8 @@ cast_transpose_wide_kernel(const T* __restrict__ in, int64_t rows, int64_t cols,
                            float* __restrict__ scale_inv) {
   __shared__ __align__(16) uint8_t tile[kWideTile][kWidePitch];
   __shared__ unsigned int warp_max[kWideThreads / 32];
-  const float s0 = kGrid ? 0.0f : (from_amax ? scale_from_amax(*scale, fp8_max) : *scale);
-  if (!kGrid && scale_inv != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
-    *scale_inv = __frcp_rn(s0);
-  }
+  const float s0 = tensor_scale<kGrid>(scale, from_amax, fp8_max, scale_inv,
+                                      blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0);
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kWideTile;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kWideTile;
   const int run = threadIdx.x % 8;                 // this thread's 8 columns of the tile: 8 * run ...
@@ -177,10 +186,8 @@ cast_transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t cols, cons
                       bool from_amax, float fp8_max, float* __restrict__ scale_inv) {
   __shared__ uint8_t tile[kTile][kTile + 4];  // +4: no bank conflicts on the transposed read
   __shared__ unsigned int warp_max[kTile * kTile / kRowsPerThread / 32];
-  const float s0 = kGrid ? 0.0f : (from_amax ? scale_from_amax(*scale, fp8_max) : *scale);
-  if (!kGrid && scale_inv != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0) {
-    *scale_inv = __frcp_rn(s0);
-  }
+  const float s0 = tensor_scale<kGrid>(scale, from_amax, fp8_max, scale_inv,
+                                      blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0);
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTile;
   unsigned int local_max = 0;
@@ -212,7 +219,7 @@ cast_transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t cols, cons
 
 // An empty input's dequantisation scale (the cast kernel has no block to write it from).
 __global__ void scale_inv_kernel(const float* scale, bool from_amax, float fp8_max, float* scale_inv) {
-  *scale_inv = __frcp_rn(from_amax ? scale_from_amax(*scale, fp8_max) : *scale);
+  tensor_scale<false>(scale, from_amax, fp8_max, scale_inv, true);
 }
 
 template <bool kGrid>

@@ -623,17 +623,17 @@ class SequenceShards:
 
 
 def shard_cast(t: Tensor, role: str, scaler: "Scaler", amax_max: AmaxReduce, *, weight: Optional[Tensor] = None,
-               casts: Optional[WeightCasts] = None) -> tuple[Quantized, Tensor, Optional[Tensor]]:
+               casts: Optional[WeightCasts] = None) -> tuple[Quantized, Optional[dict[str, Tensor]]]:
     """This rank's rows ``t`` of a sequence-sharded operand (``role`` "input": e4m3, "grad_output": e5m2)
     cast with the scale of every rank's rows: the current amax all-reduced with ``amax_max``, in ONE call
-    with ``weight``'s (when given and its cast is not reused). Returns (fp8 rows, this rank's amax, the
-    weight's scale or None)."""
+    with ``weight``'s (when given and its cast is not reused); this rank's amax recorded as
+    :meth:`Scaler.cast` records it. Returns (fp8 rows, the weight's scale or None)."""
     items = [(role, t)]
     if weight is not None and not (casts is not None and casts.has("tensor")):
         items.append(("weight", weight))
     scales = scaler.scales(items, amax_max)
-    q, _, amax = quantize_tensorwise(t, _FORMAT[role], **scales[0], want_amax=scaler.keeps_amax)
-    return q, amax, (scales[1] if len(scales) > 1 else None)
+    q, _ = scaler.cast(role, t, scale=scales[0])
+    return q, (scales[1] if len(scales) > 1 else None)
 
 
 def gather_rows(q: Quantized, all_gather: Callable[[Tensor], Tensor]) -> Quantized:
@@ -736,11 +736,13 @@ class Scaler:
         if self.keeps_amax:
             self.state.record(role, amax)
 
-    def cast(self, role: str, t: Tensor, *, transpose: bool = False) -> tuple[Quantized, Optional[Quantized]]:
-        """``t`` (rows, cols) cast per tensor in ``role``'s format with :meth:`scale`, and (q.T or None); its
-        amax recorded (and computed) only where :attr:`keeps_amax`: folded by the cast itself into the
-        state's pending maximum (no op of its own) where the state lives on t's device."""
-        scale = self.scale(role, t)
+    def cast(self, role: str, t: Tensor, *, transpose: bool = False,
+             scale: Optional[dict[str, Tensor]] = None) -> tuple[Quantized, Optional[Quantized]]:
+        """``t`` (rows, cols) cast per tensor in ``role``'s format with :meth:`scale` (or ``scale``, one of
+        :meth:`scales`' entries), and (q.T or None); its amax recorded (and computed) only where
+        :attr:`keeps_amax`: folded by the cast itself into the state's pending maximum (no op of its own)
+        where the state lives on t's device."""
+        scale = self.scale(role, t) if scale is None else scale
         if self.keeps_amax and self.state.pending.device == t.device:
             i = ROLES.index(role)
             q, q_t, _ = quantize_tensorwise(t, _FORMAT[role], **scale, transpose=transpose, want_amax=False,
@@ -761,10 +763,9 @@ class _Fp8Linear(torch.autograd.Function):
         if recipe in PER_TENSOR:
             ctx.scaler = scaler
             if gather is not None:  # cast the rows, gather the fp8 bytes; x^T for the backward from them
-                xq, x_amax, s_w = shard_cast(x, "input", scaler, gather.amax_max, weight=weight, casts=casts)
+                xq, s_w = shard_cast(x, "input", scaler, gather.amax_max, weight=weight, casts=casts)
                 xq = gather_rows(xq, gather.all_gather)  # (M, K)
                 xq_t = xq.t()  # (K, M)
-                scaler.record("input", x_amax)
             else:
                 xq, xq_t = scaler.cast("input", x, transpose=True)
                 s_w = None
@@ -794,10 +795,9 @@ class _Fp8Linear(torch.autograd.Function):
             xt_data, xt_inv, wt_data, wt_inv = ctx.saved_tensors
             scaler = ctx.scaler
             if ctx.scatter is not None:  # cast the rows, gather the fp8 bytes; dy^T from them
-                gq, g_amax, _ = shard_cast(g, "grad_output", scaler, ctx.scatter.amax_max)
+                gq, _ = shard_cast(g, "grad_output", scaler, ctx.scatter.amax_max)
                 gq = gather_rows(gq, ctx.scatter.all_gather)  # (M, N)
                 gq_t = gq.t() if need_w else None  # (N, M)
-                scaler.record("grad_output", g_amax)
             else:  # (M, N) and, for the weight gradient, its (N, M) transpose, from one pass over g
                 gq, gq_t = scaler.cast("grad_output", g, transpose=need_w)
             if need_x:

@@ -92,10 +92,9 @@ class _Fp8RingColumn(torch.autograd.Function):
         if recipe in PER_TENSOR:
             # The shard cast with the whole gathered x's scale (its amax in the weight's all-reduce, or
             # alone where the weight's cast is reused), as the non-ring path's FP8 all-gather does.
-            xq, x_amax, s_w = shard_cast(x_shard.reshape(n, k), "input", scaler, max_over(group), weight=weight,
-                                         casts=casts)  # (n, K) this rank's rows
+            xq, s_w = shard_cast(x_shard.reshape(n, k), "input", scaler, max_over(group), weight=weight,
+                                 casts=casts)  # (n, K) this rank's rows
             wq, wq_t = weight_tensorwise(weight, scaler, casts, scale=s_w)
-            scaler.record("input", x_amax)
             xq_t = torch.empty((k, m), dtype=E4M3, device=x_shard.device)  # fp8 x^T of the gathered x
 
             def consume(chunk, c):  # chunk: (n, K) fp8 bytes of rank c's shard
@@ -212,8 +211,7 @@ class _Fp8RingRow(torch.autograd.Function):
                 grad_x = dy_shard.new_empty((m, k), dtype=ctx.out_dtype)
             # This rank's dy rows cast with the whole gathered dy's scale (its amax all-reduced (MAX) over
             # tp first: current scaling only; delayed scales from its history), then moved as fp8.
-            g_local, g_amax, _ = shard_cast(dy_shard.reshape(n, n_out), "grad_output", scaler, max_over(group))
-            scaler.record("grad_output", g_amax)
+            g_local, _ = shard_cast(dy_shard.reshape(n, n_out), "grad_output", scaler, max_over(group))
             gq = torch.empty((m, n_out), dtype=g_local.data.dtype, device=dy_shard.device)  # the gathered dy, fp8
 
             def consume(chunk, c):  # chunk: (n, N) fp8 bytes of rank c's dy rows

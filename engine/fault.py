@@ -49,6 +49,12 @@ class RunStopped(RuntimeError):
 SAY_ONCE_GRACE_S = 2.0  # how long a rank that leaves an error to rank 0 waits before it exits
 
 
+def launcher_rank() -> int:
+    """This process's rank as the launcher set it (``RANK``; 0 when unset or empty, as in a plain
+    ``python`` run): who says an error once before any process group exists."""
+    return int(os.environ.get("RANK") or 0)
+
+
 def say_once(line: str, rank: int) -> None:
     """An error every rank raised alike, said once: rank 0 prints ``line`` to stderr; the others wait a moment
     before they exit with the error's status, since torchrun stops the other workers as soon as the first
@@ -69,7 +75,7 @@ class OnceArgumentParser(argparse.ArgumentParser):
     every rank exits with argparse's status 2."""
 
     def error(self, message: str):
-        say_once(f"{self.format_usage().rstrip()}\n{self.prog}: error: {message}", int(os.environ.get("RANK") or 0))
+        say_once(f"{self.format_usage().rstrip()}\n{self.prog}: error: {message}", launcher_rank())
         raise SystemExit(2)
 
 

@@ -47,7 +47,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from engine.checkpoint import (CheckpointError, ShardingContext, load_checkpoint, module_sharded_tensors,  # noqa: E402
                                read_metadata, resolve_checkpoint)
-from engine.fault import OnceArgumentParser, say_once  # noqa: E402
+from engine.fault import OnceArgumentParser, launcher_rank, say_once  # noqa: E402
 from parallel import comm  # noqa: E402
 from parallel.context_parallel import zigzag_shard, zigzag_unshard  # noqa: E402
 from parallel.mesh import Mesh, ParallelDims, init_distributed  # noqa: E402
@@ -465,7 +465,7 @@ def cli(run, argv: list[str] | None, *, prog: str) -> int:
     under torchrun. An error raised before the process group exists (every check of the arguments, the
     checkpoint and the inputs: every rank raises it alike), or marked ``on_every_rank``, is said once, by
     rank 0; one raised later names its rank."""
-    rank = int(os.environ.get("RANK", "0"))
+    rank = launcher_rank()
     try:
         run(argv)
     except (ValueError, CheckpointError, FileNotFoundError) as e:

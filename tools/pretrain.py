@@ -93,22 +93,22 @@ def launch(prog: str, prepare: Callable[[], Any], run: Callable[[Any, int], Any]
     ``on_every_rank``, is said once by rank 0); 0 when ``prepare`` finds nothing to train (``NothingToTrain``);
     3 (``EXIT_STOPPED``) when the run stopped itself on every rank (it diverged: ``RunStopped``,
     ``NonFiniteGradError``), said once by rank 0."""
-    from engine.fault import EXIT_STOPPED, NothingToTrain, RunStopped, say_once
+    from engine.fault import EXIT_STOPPED, NothingToTrain, RunStopped, launcher_rank, say_once
     from engine.optim import NonFiniteGradError
 
     try:
         prepared = prepare()
     except NothingToTrain as e:  # a finished run relaunched: said once, before any start-up cost
-        if os.environ.get("RANK", "0") == "0":
+        if launcher_rank() == 0:
             print(f"{prog}: {e}", file=sys.stderr)
         return 0
     except (ValueError, FileNotFoundError) as e:
-        say_once(f"{prog}: {e}", int(os.environ.get("RANK", "0")))
+        say_once(f"{prog}: {e}", launcher_rank())
         return 2
     try:
         rank, world = init_distributed(timeout_s=timeout_s(prepared))
     except ValueError as e:  # a launch that cannot restart safely (parallel.mesh.attempt_store), before any rendezvous
-        say_once(f"{prog}: {e}", int(os.environ.get("RANK", "0")))
+        say_once(f"{prog}: {e}", launcher_rank())
         return 2
     try:
         run(prepared, world)
@@ -120,8 +120,7 @@ def launch(prog: str, prepare: Callable[[], Any], run: Callable[[Any, int], Any]
             print(f"{prog} (rank {rank}): {e}", file=sys.stderr)
         return 2
     except (RunStopped, NonFiniteGradError) as e:  # raised on every rank at the same step: one line, from rank 0
-        if rank == 0:
-            print(f"{prog}: {e}", file=sys.stderr)
+        say_once(f"{prog}: {e}", rank)
         return EXIT_STOPPED
     finally:
         # Free the run (its mesh holds the process groups) while the interpreter is fully alive: a

@@ -243,6 +243,7 @@ class ModelHook:
         """Before any process group: the exclude list names linears, and every FP8 linear's TP-local
         K and N are multiples of 16 (32 for TE's MXFP8: its 1x32 blocks; the error names the linear and the fix)."""
         from engine.ops.fp8_linear import check_fp8_shapes
+        from parallel.tensor_parallel.fp8_te import MX_TOKEN_MULTIPLE
 
         check_exclude(self.fp8_exclude, self.num_layers)
         te_mx = self.fp8 == "mxfp8" and self.fp8_backend == "te"
@@ -251,7 +252,8 @@ class ModelHook:
                 continue
             check_fp8_shapes(inp, out, where=f"model.fp8={self.fp8}: linear {rel} (TP-local weight {out} x {inp} "
                                              f"at tp={tp})",
-                             **(dict(multiple=32, why="Transformer Engine's MXFP8 blocks") if te_mx else {}))
+                             **(dict(multiple=MX_TOKEN_MULTIPLE, why="Transformer Engine's MXFP8 blocks")
+                                if te_mx else {}))
 
     @property
     def num_layers(self) -> int:

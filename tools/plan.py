@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from engine.planner import (GPUS, Cluster, Training, from_dims, from_hf_config, from_preset, gpu,  # noqa: E402
+from engine.planner import (GPUS, Cluster, Training, fp8_gpus, from_dims, from_hf_config, from_preset, gpu,  # noqa: E402
                             plan, smallest_fit)
 from models.hook import MissingModelKey  # noqa: E402
 
@@ -127,11 +127,9 @@ def build_training(a, model) -> Training:
         a.zero = (optim.get("zero_stage", 1) if optim.get("distributed") else 0) if preset else 1
     m = preset.get("model", {})
     if m.get("fp8_backend") == "te" and m.get("fp8", "none") != "none":  # what the trainer would refuse
-        from parallel.tensor_parallel.fp8_te import TE_RECIPES
+        from parallel.tensor_parallel.fp8_te import check_te_recipe
 
-        if m["fp8"] not in TE_RECIPES:
-            raise ValueError(f"model.fp8 = {m['fp8']!r} has no Transformer Engine recipe (TE maps "
-                             f"{', '.join(TE_RECIPES)}); choose one of those, or model.fp8_backend = 'tessel'")
+        check_te_recipe(m["fp8"])
         if m["fp8"] == "mxfp8" and a.gpu != "b200":
             raise ValueError(f"model.fp8 = 'mxfp8' with model.fp8_backend = 'te' runs on Blackwell (sm_100/sm_103) "
                              f"only, not on --gpu {a.gpu}; plan it with --gpu b200, or use model.fp8 = 'blockwise'")
@@ -142,10 +140,9 @@ def build_training(a, model) -> Training:
                              "anyway, or set model.fp8_backend = 'te' (TE's MXFP8 on Blackwell)")
         a.precision = "fp8" if m.get("fp8", "none") != "none" else "bf16"
         if a.precision == "fp8" and gpu(a.gpu).fp8_tflops is None:  # implied by model.fp8: say so
-            capable = ", ".join(name for name, g in GPUS.items() if g.fp8_tflops is not None)
             raise ValueError(f"model.fp8 = {m['fp8']!r} (the preset's, or --set) plans at FP8 precision, and the "
                              f"{gpu(a.gpu).name} has no FP8 tensor cores; give --precision bf16 to plan it in bf16, "
-                             f"or an fp8-capable --gpu ({capable})")
+                             f"or an fp8-capable --gpu ({', '.join(fp8_gpus())})")
     overlap = a.tp_overlap or preset.get("parallel", {}).get("tp_overlap") or "none"
     if overlap not in ("none", "ring"):
         raise ValueError(f"parallel.tp_overlap={overlap!r} (the preset's) is not planned: use --tp-overlap none or ring")

@@ -7,9 +7,9 @@ parallel/comm.py's byte table, parallel/pipeline's schedules and simulator).
 * calibrate: this machine's rates and the tiny preset's predicted-vs-measured runs (tools/plan.py).
 """
 from engine.planner.enumerate import candidates, check_pins, plan, smallest_fit
-from engine.planner.hardware import GPU, GPUS, gpu
+from engine.planner.hardware import GPU, GPUS, fp8_gpus, gpu
 from engine.planner.model import PlanModel, from_dims, from_hf_config, from_preset
 from engine.planner.predict import Cluster, Layout, Prediction, Training, predict
 
 __all__ = ["GPU", "GPUS", "Cluster", "Layout", "PlanModel", "Prediction", "Training", "candidates", "check_pins",
-           "from_dims", "from_hf_config", "from_preset", "gpu", "plan", "predict", "smallest_fit"]
+           "fp8_gpus", "from_dims", "from_hf_config", "from_preset", "gpu", "plan", "predict", "smallest_fit"]

@@ -63,7 +63,7 @@ class GPU:
         if precision == "fp8":
             if self.fp8_tflops is None:
                 raise ValueError(f"--precision fp8: the {self.name} has no FP8 tensor cores; use --precision bf16 "
-                                 "or an fp8-capable --gpu (h100-sxm, h200, b200)")
+                                 f"or an fp8-capable --gpu ({', '.join(fp8_gpus())})")
             return self.fp8_tflops
         if precision == "fp32":
             if self.tf32_tflops is None:
@@ -107,6 +107,11 @@ GPUS: dict[str, GPU] = {
                 intra_gbps=900.0, inter_gbps=50.0, gemm_efficiency=0.75, tf32_tflops=1100.0, sms=148,
                 sources=(B200_DATASHEET, B200_SMS)),
 }
+
+
+def fp8_gpus() -> list[str]:
+    """The --gpu names with FP8 tensor cores (an FP8 peak in the table)."""
+    return [name for name, g in GPUS.items() if g.fp8_tflops is not None]
 
 
 def gpu(name: str) -> GPU:

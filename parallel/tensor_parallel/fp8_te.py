@@ -85,13 +85,18 @@ def import_te():
     return te
 
 
+def check_te_recipe(recipe: str) -> None:
+    """``model.fp8 = recipe`` has a Transformer Engine recipe (also what tools/plan.py refuses to plan)."""
+    if recipe not in TE_RECIPES:
+        raise ValueError(f"model.fp8 = {recipe!r} has no Transformer Engine recipe (TE maps "
+                         f"{', '.join(TE_RECIPES)}); choose one of those, or model.fp8_backend = 'tessel'")
+
+
 def check_te_backend(*, recipe: str, tp_overlap: str, recompute: str, tokens: int, generates: bool = False) -> None:
     """Check ``model.fp8_backend = 'te'`` before any process group: every refusal names the fix.
     ``tokens``: one micro-batch's rows per FP8 GEMM after the SP gather (sequence / cp x micro-batch size);
     ``generates``: the run also generates with the trained layers (GRPO's rollouts)."""
-    if recipe not in TE_RECIPES:
-        raise ValueError(f"model.fp8 = {recipe!r} has no Transformer Engine recipe (TE maps "
-                         f"{', '.join(TE_RECIPES)}); choose one of those, or model.fp8_backend = 'tessel'")
+    check_te_recipe(recipe)
     if tp_overlap != "none":
         raise ValueError(f"parallel.tp_overlap = {tp_overlap!r} with model.fp8_backend = 'te': TE's linears run "
                          "Tessel's plain TP collectives (TE's own overlap is not wired); set parallel.tp_overlap = "

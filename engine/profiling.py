@@ -150,14 +150,20 @@ class StepProfiler:
         if mutated is not None:
             mutated()
 
-    def _abort(self) -> None:
-        """A profiled step raised: stop the profiler, drop the hooks and the filter, write nothing."""
+    def _stop(self) -> None:
+        """Stop the profiler (quietly), then remove the ranges' hooks and this window's warning filter."""
         try:
-            with self._quiet():
+            with self._quiet():  # and its "profiler_stop"
                 self._prof.__exit__(None, None, None)
         finally:
             self._ranges.remove()
             self._drop_filter()
+
+    def _abort(self) -> None:
+        """Training raised inside the window: stop the profiler, drop the hooks and the filter, write nothing."""
+        try:
+            self._stop()
+        finally:
             if self.device.type == "cuda":
                 torch.cuda.memory._record_memory_history(enabled=None)
             self._prof = self._ranges = None
@@ -171,12 +177,7 @@ class StepProfiler:
 
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        try:
-            with self._quiet():  # and its "profiler_stop"
-                self._prof.__exit__(None, None, None)
-        finally:
-            self._drop_filter()
-            self._ranges.remove()
+        self._stop()
         os.makedirs(self.dir, exist_ok=True)
         self._prof.export_chrome_trace(os.path.join(self.dir, f"trace_rank{self.rank}.json"))
         # the steps profiled: the window, cut at the run's last step where training ended inside it
@@ -199,6 +200,11 @@ class StepProfiler:
         """Write what was profiled when training ended before ``end`` (steps beyond the run)."""
         if self._prof is not None:
             self._finish()
+
+    def abort(self) -> None:
+        """Training raised between steps of the window (a diverged run, a failed save): stop without writing."""
+        if self._prof is not None:
+            self._abort()
 
     @contextlib.contextmanager
     def step(self, n: int):

@@ -314,8 +314,6 @@ class Trainer:
         """This process's first step under :class:`engine.memory.PeakMemory` (the others run plainly); rank 0
         logs the measured peak (state bytes + the step's peak above them, the largest rank of each pipeline
         stage: one all-gather over the world) beside the prediction."""
-        if self._memory_measured:
-            return self.train_step(loader)
         from engine.memory import PeakMemory, measured_report, state_bytes
 
         self._memory_measured = True
@@ -466,57 +464,62 @@ class Trainer:
 
         profiler = StepProfiler(self.cfg.logging.profile_steps, run_dir=self.run_dir or self.cfg.train.run_dir,
                                 rank=self.rank, chunks=self.chunks, device=self.device)
-        while self.step < max_steps:
-            with profiler.step(self.step + 1):
-                # The memory report's profiler and a profile window's cannot run at once: a resumed run whose
-                # window covers its first step is measured at the first step after the window.
-                measure = self.memory is not None and not profiler.covers(self.step + 1)
-                st = self._measured_step(train_loader) if measure else self.train_step(train_loader)
-            history.append(st)
-            if self.watchdog is not None:
-                self.watchdog.beat(self.step)
-            if self.straggler is not None:
-                self.straggler.add(step_s=st.seconds, comm_blocked_s=st.comm_exposed_s)
-            if self.step % c.log_interval == 0 or self.step == max_steps or self.step == 1:
-                tflops = self.flops_per_step / st.seconds / self.mesh.world_size / 1e12
-                slow = self._stragglers()  # every rank: one all-gather over the world
-                self.logger.log({"step": st.step, "loss": st.loss, "lr": st.lr, "grad_norm": st.grad_norm,
-                                 "tokens_per_s": tokens_per_step / st.seconds, "tflops_per_device": tflops,
-                                 "mfu": tflops / self.peak_tflops, "precision": self.precision,
-                                 "mfu_causal": self.flops_per_step_causal / st.seconds / self.mesh.world_size / 1e12
-                                 / self.peak_tflops,
-                                 "mem_bytes": M.memory_bytes(),
-                                 "step_time_s": st.seconds, "comm_exposed_s": st.comm_exposed_s,
-                                 **{f"comm_exposed_s_{a}": v for a, v in sorted((st.comm_exposed or {}).items())},
-                                 "skipped": 0 if st.applied else 1,
-                                 "consumed_samples": self.consumed_samples, **(st.extra or {}), **self._outer_last,
-                                 **({"outer_phase": self.outer.phase_name(self.step)} if self.outer else {}),
-                                 **{f"comm_bytes_{axis}": b for axis, b in sorted((st.comm_bytes or {}).items())},
-                                 **slow})
-            if self.outer is not None and self.step == self.outer.start_step:
-                self.logger.info(f"tessel: steps 1-{self.step} ran as plain data parallelism (outer.start_step); "
-                                 f"{self.outer.method} starts now from these weights")
-            skipped = 0 if st.applied else skipped + 1
-            self._check_diverged(skipped)
-            if on_step is not None:
-                on_step(self, st)
-            if valid_loader is not None and c.eval_interval and self.step % c.eval_interval == 0:
-                extra: dict = {}
-                vl = self.evaluate(valid_loader, c.eval_iters, metrics=extra)
-                ppl = {"ppl": math.exp(min(vl, 50.0))} if self.objective is None else {}  # a token loss only
-                self.logger.log({"step": self.step, "loss": vl, **ppl, **extra}, prefix="valid")
-            ck = self.cfg.checkpoint
-            stop = self._stop_requested()
-            if save is not None and ((ck.interval and self.step % ck.interval == 0) or stop
-                                     or self.step == max_steps):
-                save(self)
+        try:
+            while self.step < max_steps:
+                with profiler.step(self.step + 1):
+                    # The memory report's profiler and a profile window's cannot run at once: a resumed run whose
+                    # window covers its first step is measured at the first step after the window.
+                    measure = (self.memory is not None and not self._memory_measured
+                               and not profiler.covers(self.step + 1))
+                    st = self._measured_step(train_loader) if measure else self.train_step(train_loader)
+                history.append(st)
                 if self.watchdog is not None:
-                    self.watchdog.beat()  # a save's disk writes are progress too
-            if stop:
-                name = signal.Signals(self._stop_signal).name if self._stop_signal else "a signal on another rank"
-                self.logger.info(f"tessel: stopping after step {self.step} on {name}"
-                                 + (" (checkpoint saved)" if save is not None else ""))
-                break
+                    self.watchdog.beat(self.step)
+                if self.straggler is not None:
+                    self.straggler.add(step_s=st.seconds, comm_blocked_s=st.comm_exposed_s)
+                if self.step % c.log_interval == 0 or self.step == max_steps or self.step == 1:
+                    tflops = self.flops_per_step / st.seconds / self.mesh.world_size / 1e12
+                    slow = self._stragglers()  # every rank: one all-gather over the world
+                    self.logger.log({"step": st.step, "loss": st.loss, "lr": st.lr, "grad_norm": st.grad_norm,
+                                     "tokens_per_s": tokens_per_step / st.seconds, "tflops_per_device": tflops,
+                                     "mfu": tflops / self.peak_tflops, "precision": self.precision,
+                                     "mfu_causal": self.flops_per_step_causal / st.seconds / self.mesh.world_size / 1e12
+                                     / self.peak_tflops,
+                                     "mem_bytes": M.memory_bytes(),
+                                     "step_time_s": st.seconds, "comm_exposed_s": st.comm_exposed_s,
+                                     **{f"comm_exposed_s_{a}": v for a, v in sorted((st.comm_exposed or {}).items())},
+                                     "skipped": 0 if st.applied else 1,
+                                     "consumed_samples": self.consumed_samples, **(st.extra or {}), **self._outer_last,
+                                     **({"outer_phase": self.outer.phase_name(self.step)} if self.outer else {}),
+                                     **{f"comm_bytes_{axis}": b for axis, b in sorted((st.comm_bytes or {}).items())},
+                                     **slow})
+                if self.outer is not None and self.step == self.outer.start_step:
+                    self.logger.info(f"tessel: steps 1-{self.step} ran as plain data parallelism (outer.start_step); "
+                                     f"{self.outer.method} starts now from these weights")
+                skipped = 0 if st.applied else skipped + 1
+                self._check_diverged(skipped)
+                if on_step is not None:
+                    on_step(self, st)
+                if valid_loader is not None and c.eval_interval and self.step % c.eval_interval == 0:
+                    extra: dict = {}
+                    vl = self.evaluate(valid_loader, c.eval_iters, metrics=extra)
+                    ppl = {"ppl": math.exp(min(vl, 50.0))} if self.objective is None else {}  # a token loss only
+                    self.logger.log({"step": self.step, "loss": vl, **ppl, **extra}, prefix="valid")
+                ck = self.cfg.checkpoint
+                stop = self._stop_requested()
+                if save is not None and ((ck.interval and self.step % ck.interval == 0) or stop
+                                         or self.step == max_steps):
+                    save(self)
+                    if self.watchdog is not None:
+                        self.watchdog.beat()  # a save's disk writes are progress too
+                if stop:
+                    name = signal.Signals(self._stop_signal).name if self._stop_signal else "a signal on another rank"
+                    self.logger.info(f"tessel: stopping after step {self.step} on {name}"
+                                     + (" (checkpoint saved)" if save is not None else ""))
+                    break
+        except BaseException:  # a diverged run, a failed save: the window stops, writing nothing
+            profiler.abort()
+            raise
         profiler.close()
         if self.memory is not None and not self._memory_measured and history:
             self.logger.info("tessel: memory: not measured: every step this process ran was inside "

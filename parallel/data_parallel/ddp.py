@@ -235,10 +235,10 @@ class DataParallel(torch.nn.Module):
         # tensor hook is held by C++ (the parameter's gradient accumulator), where Python's garbage collector
         # cannot see it: a hook holding this object (and so its buckets and parameters) made a cycle that was
         # never collected, and every DataParallel built in a process kept its model alive to the end.
-        self._grad_hooks = {id(p): self._make_grad_hook(p) for buf in self.flat_buffers for b in buf.buckets
-                            for p in b.params}
-        self._handles = [p.register_post_accumulate_grad_hook(_weak_grad_hook(weakref.ref(self), id(p)))
-                         for buf in self.flat_buffers for b in buf.buckets for p in b.params]
+        params = [p for buf in self.flat_buffers for b in buf.buckets for p in b.params]
+        self._grad_hooks = {id(p): self._make_grad_hook(p) for p in params}
+        me = weakref.ref(self)
+        self._handles = [p.register_post_accumulate_grad_hook(_weak_grad_hook(me, id(p))) for p in params]
         if overlap_param_gather:
             self._register_gather_prehooks()
 

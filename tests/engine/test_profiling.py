@@ -110,6 +110,8 @@ def test_a_profiled_step_that_raises_stops_the_profiler_and_keeps_other_filters(
     from engine.profiling import StepProfiler
 
     chunks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(4, 4))])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):  # first use imports sympy,
+        pass  # which adds its own filter: before the snapshot, so the test holds when run alone too
     before = list(warnings.filters)
     p = StepProfiler((1, 2), run_dir=tempfile.mkdtemp(), rank=0, chunks=chunks, device="cpu")
     with pytest.raises(RuntimeError, match="boom"):
@@ -118,6 +120,14 @@ def test_a_profiled_step_that_raises_stops_the_profiler_and_keeps_other_filters(
             raise RuntimeError("boom")
     assert warnings.filters == before and not torch.autograd.profiler._is_profiler_enabled
     assert not chunks[0]._forward_pre_hooks  # the window's range hooks are gone
+    # raised between two steps of the window (a diverged run, a failed save): the trainer's abort() stops it
+    p = StepProfiler((1, 2), run_dir=tempfile.mkdtemp(), rank=0, chunks=chunks, device="cpu")
+    with p.step(1):
+        chunks[0](torch.randn(2, 4)).sum().backward()
+    assert torch.autograd.profiler._is_profiler_enabled
+    p.abort()
+    assert warnings.filters == before and not torch.autograd.profiler._is_profiler_enabled
+    assert not chunks[0]._forward_pre_hooks and not os.path.exists(p.dir)  # nothing written
     p = StepProfiler((1, 1), run_dir=tempfile.mkdtemp(), rank=0, chunks=chunks, device="cpu")
     with p.step(1):
         chunks[0](torch.randn(2, 4)).sum().backward()

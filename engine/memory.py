@@ -606,7 +606,6 @@ def _c10_flag(name: str = "FLAGS_caffe2_report_cpu_memory_usage", ctype=ctypes.c
     return None
 
 
-_c10_report_flag = _c10_flag
 _C10_ERROR = 2  # c10's log severity of ERROR (WARNING is 1): FLAGS_caffe2_log_level at or above it drops warnings
 
 
@@ -652,7 +651,7 @@ class PeakMemory:
         if self.device.type != "cpu":
             raise ValueError(f"PeakMemory measures cpu or cuda devices, not {self.device.type!r}")
         from torch.profiler import ProfilerActivity, profile
-        self._flag = _c10_report_flag()
+        self._flag = _c10_flag()
         self.exact = self._flag is not None
         # With the report flag set, every free of a block allocated before the window makes c10 log "Memory
         # block of unknown size was allocated before the profiling started" (once per rank and run): the

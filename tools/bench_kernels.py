@@ -177,18 +177,17 @@ def time_fwd_bwd(fwd: Callable[[], object], bwd: Callable[[object], object], dev
             statistics.median(f + b for f, b in samples))
 
 
-def measure_ceilings(device: torch.device, *, reps: int, dtype: str = "bf16",
-                     queue: Optional[QueueAhead] = None) -> dict:
+def measure_ceilings(device: torch.device, *, reps: int, dtype: str = "bf16") -> dict:
     """Copy bandwidth (GB/s, read + write) and the matmul rate (TFLOP/s) in ``dtype`` (a DTYPES
     key: the dtype of the run's ops) of this device."""
     numel = (1 << 28) if device.type == "cuda" else (1 << 25)  # 1 GiB / 128 MiB of fp32
     src = torch.randn(numel, device=device)
     dst = torch.empty_like(src)
-    copy_ms = time_ms(lambda: dst.copy_(src), device, warmup=2, reps=reps, queue=queue)
+    copy_ms = time_ms(lambda: dst.copy_(src), device, warmup=2, reps=reps)
     n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
     b = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
-    mm_ms = time_ms(lambda: a @ b, device, warmup=2, reps=reps, queue=queue)
+    mm_ms = time_ms(lambda: a @ b, device, warmup=2, reps=reps)
     return {"copy_GBps": 2 * numel * 4 / copy_ms / 1e6, "copy_bytes": 2 * numel * 4,
             f"matmul_{dtype}_TFLOPs": 2 * n ** 3 / mm_ms / 1e9, "matmul_n": n, "matmul_dtype": dtype}
 

@@ -556,7 +556,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
             del case
     print_table(rows)
     if queue is not None:
-        print(f"\ntiming: each call queued behind a GPU sleep (device time, launches hidden)"
+        print("\ntiming: each call queued behind a GPU sleep (device time, launches hidden)"
               + (f"; {queue.short} timed calls took the host longer to issue than the sleep ahead of them, so "
                  "their times include launch gaps" if queue.short else ""))
     checks = goals(rows, gpu)

@@ -34,6 +34,9 @@ import torch
 import torch.distributed as dist
 
 
+CLOCKS = ("wall", "cuda")  # how a Ledger times blocked communication (Ledger.__init__)
+
+
 @dataclass(frozen=True)
 class CommRecord:
     op: str
@@ -95,22 +98,80 @@ class Ledger:
     kept only inside a :meth:`capture` block (tests, and anything that needs the order of calls).
     """
 
-    def __init__(self, *, enabled: bool = True):
+    # How many CUDA event pairs may wait to be read before :meth:`settle` reads them on its own (a
+    # caller that never reads ``blocked_s`` must not grow the list without bound).
+    MAX_PENDING_SPANS = 4096
+
+    def __init__(self, *, enabled: bool = True, clock: str = "wall", event_factory=None):
+        if clock not in CLOCKS:
+            raise ValueError(f"Ledger clock={clock!r} unknown; use one of {CLOCKS} ('cuda' for NCCL groups, "
+                             "whose collectives run on CUDA streams, 'wall' otherwise)")
         self.enabled = enabled
         self._totals: dict[tuple[str, str], dict[str, float]] = {}
         self._captures: list[Records] = []
-        # Exposed communication: wall seconds this rank's thread spent blocked in a collective or a
-        # wait (communication nothing was computed under), per axis. The trainer logs its per-step
-        # delta as comm_exposed_s. On the CPU (gloo) that is exact for a one-thread rank; on CUDA it
-        # counts host blocking only (stream-level overlap would need CUDA events: not built).
-        self.blocked_s: dict[str, float] = {}
+        # Exposed communication: seconds in which the rank's compute waited for communication (nothing was
+        # computed under it), per axis. The trainer logs its per-step delta as comm_exposed_s.
+        #   clock "wall": the host thread's wall time inside each synchronous collective and each wait.
+        #     Exact for a one-thread CPU rank (gloo), where the thread is the compute.
+        #   clock "cuda": a CUDA event on the current (compute) stream before and after each synchronous
+        #     collective and each wait. NCCL runs on its own stream and a wait makes the compute stream
+        #     wait for it without blocking the host, so host time says nothing there. The time between
+        #     the two events is how long the compute stream stood still for the communication: what was
+        #     queued before it (the compute it overlapped) has already run when the first event fires.
+        #     The pairs are read in :meth:`settle`, after the step's own synchronisation.
+        self.clock = clock
+        self._blocked: dict[str, float] = {}
+        self._spans: list[tuple[str, object, object]] = []  # (axis, start event, stop event), not yet read
+        self._event = event_factory or (lambda: torch.cuda.Event(enable_timing=True))
         # The flight recorder (parallel/flight.py) of the hang watchdog, when one is armed: every call over
         # a group of more than one rank is started and finished in it. None: nothing is recorded.
         self.recorder = None
 
     def add_blocked(self, axis: str, seconds: float) -> None:
         if self.enabled:
-            self.blocked_s[axis] = self.blocked_s.get(axis, 0.0) + seconds
+            self._blocked[axis] = self._blocked.get(axis, 0.0) + seconds
+
+    def span_start(self):
+        """Mark the start of a blocked span: a host time (clock "wall") or a CUDA event recorded on the
+        current stream (clock "cuda"). Pass the result to :meth:`span_stop`."""
+        if self.clock == "wall":
+            return time.perf_counter()
+        if not self.enabled:
+            return None
+        start = self._event()
+        start.record()
+        return start
+
+    def span_stop(self, axis: str, start) -> None:
+        """End the blocked span begun by :meth:`span_start` and add it to ``axis``."""
+        if self.clock == "wall":
+            self.add_blocked(axis, time.perf_counter() - start)
+            return
+        if start is None:  # begun while the ledger was disabled
+            return
+        stop = self._event()
+        stop.record()
+        self._spans.append((axis, start, stop))
+        if len(self._spans) >= self.MAX_PENDING_SPANS:
+            self.settle()
+
+    def settle(self) -> None:
+        """Read the CUDA event pairs recorded so far into ``blocked_s`` (clock "cuda"). It waits for the
+        last stop event only: after the step's loss has reached the host that costs nothing. A no-op for
+        clock "wall"."""
+        if not self._spans:
+            return
+        spans, self._spans = self._spans, []
+        spans[-1][2].synchronize()
+        for axis, start, stop in spans:
+            self.add_blocked(axis, start.elapsed_time(stop) / 1e3)  # elapsed_time is in milliseconds
+
+    @property
+    def blocked_s(self) -> dict[str, float]:
+        """{axis: seconds blocked in communication} since the start (or reset); reading it settles the
+        pending CUDA spans first."""
+        self.settle()
+        return self._blocked
 
     def exposed_seconds(self) -> float:
         """Total blocked seconds since the start (or reset), all axes."""
@@ -126,7 +187,8 @@ class Ledger:
     def reset(self) -> None:
         """Zero the running totals (open captures keep their records)."""
         self._totals.clear()
-        self.blocked_s.clear()
+        self._spans.clear()
+        self._blocked.clear()
 
     def _matching(self, op: str | None, axis: str | None):
         return [d for (o, a), d in self._totals.items() if (op is None or o == op) and (axis is None or a == axis)]
@@ -259,11 +321,11 @@ def _blocking(fn):
             peer=kwargs.get("dst", kwargs.get("src")) if op in ("send", "recv") else None)
         if async_op:
             return fn(t, group, *args, **kwargs)
-        t0 = time.perf_counter()
+        t0 = group.ledger.span_start()
         try:
             out = fn(t, group, *args, **kwargs)
         finally:
-            group.ledger.add_blocked(group.axis, time.perf_counter() - t0)
+            group.ledger.span_stop(group.axis, t0)
         if flight is not None:
             recorder.finish(flight)
         return out
@@ -275,11 +337,12 @@ def wait(works, group: Group) -> None:
     works = works if isinstance(works, (list, tuple)) else [works]
     recorder = group.ledger.recorder if works and group.size > 1 else None
     flight = None if recorder is None else recorder.start("wait", group, 0)
-    t0 = time.perf_counter()
+    timed = bool(works) and group.size > 1
+    t0 = group.ledger.span_start() if timed else None
     for w in works:
         w.wait()
-    if works and group.size > 1:
-        group.ledger.add_blocked(group.axis, time.perf_counter() - t0)
+    if timed:
+        group.ledger.span_stop(group.axis, t0)
     if flight is not None:
         recorder.finish(flight)
         recorder.finish_async(group.axis)

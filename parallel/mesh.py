@@ -132,7 +132,8 @@ class Mesh:
             raise ValueError(f"dp*pp*cp*tp = {dims.dp}*{dims.pp}*{dims.cp}*{dims.tp} = {dims.world_size} does not "
                              f"equal the world size {world}; launch {dims.world_size} processes or change the degrees")
         _parse_order(order)
-        ledger = Ledger()
+        # NCCL's collectives run on CUDA streams and do not block the host: time them with CUDA events.
+        ledger = Ledger(clock="cuda" if dist.get_backend() == "nccl" else "wall")
         groups: dict[str, Group] = {}
         made: dict[tuple[int, ...], object] = {}  # identical rank lists share one process group
         for name in _GROUP_AXES:

@@ -165,6 +165,12 @@ def test_ledger_is_bounded_and_comm_bytes_are_logged(results):
     lines = [json.loads(x) for x in open(os.path.join(tmp, "long0", "metrics.jsonl"))]
     logged = [x for x in lines if "comm_bytes_tp" in x]
     assert logged and all(x["comm_bytes_tp"] == dist_out[0]["long"]["captured_tp"] for x in logged)
+    # Exposed communication: the total is the sum of the axes', and the tp axis (which communicates
+    # every step) spent some time blocked, less than the whole step.
+    for x in logged:
+        axes = {k: v for k, v in x.items() if k.startswith("comm_exposed_s_")}
+        assert "comm_exposed_s_tp" in axes and x["comm_exposed_s"] == pytest.approx(sum(axes.values()))
+        assert 0 < x["comm_exposed_s_tp"] <= x["comm_exposed_s"] < x["step_time_s"]
 
 
 def test_vocab_parallel_cross_entropy_keeps_fp64():

@@ -165,3 +165,123 @@ def test_bad_collective_arguments_are_clear_errors():
     assert "not divisible by 2" in errs[1]
     assert "src=5 not in 0..1" in errs[2]
     assert "must be another rank" in errs[3]
+
+
+class _FakeEvent:
+    """Stands in for torch.cuda.Event on the CPU: ``record`` stamps a shared clock that the test moves
+    forward (as a stream reaches the event); ``elapsed_time`` is in milliseconds, as CUDA's."""
+
+    def __init__(self, clock):
+        self.clock, self.t, self.synced = clock, None, 0
+
+    def record(self):
+        self.t = self.clock[0]
+
+    def synchronize(self):
+        self.synced += 1
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+
+
+def test_cuda_clock_times_waits_with_event_pairs_read_on_settle():
+    clock, events = [0.0], []
+
+    def event():
+        events.append(_FakeEvent(clock))
+        return events[-1]
+
+    ledger = Ledger(clock="cuda", event_factory=event)
+    g = Group(axis="tp", ranks=range(2), rank=0, pg=object(), ledger=ledger)
+
+    class Work:  # the compute stream stands still 5 ms for this transfer
+        def wait(self):
+            clock[0] += 0.005
+
+    comm.wait([Work(), Work()], g)  # one span for the list: 10 ms
+    comm.wait(Work(), g)
+    assert len(ledger._spans) == 2 and not ledger._blocked  # nothing read until asked
+    assert ledger.blocked_s == {"tp": pytest.approx(0.015)}
+    assert [e.synced for e in events] == [0, 0, 0, 1]  # only the last stop event is waited for
+    assert not ledger._spans
+    # Trivial groups and empty lists make no span; a disabled ledger makes no events.
+    comm.wait(Work(), Group.trivial("tp", ledger=ledger))
+    comm.wait([], g)
+    ledger.enabled = False
+    comm.wait(Work(), g)
+    assert len(events) == 4 and ledger.blocked_s == {"tp": pytest.approx(0.015)}
+    ledger.enabled = True
+    # A caller that never reads blocked_s does not grow the pending list without bound.
+    ledger.MAX_PENDING_SPANS = 3
+    for _ in range(7):
+        comm.wait(Work(), g)
+    assert len(ledger._spans) == 1 and ledger._blocked["tp"] == pytest.approx(0.015 + 0.030)
+    ledger.reset()
+    assert ledger.blocked_s == {} and not ledger._spans
+
+
+def test_ledger_clock_is_checked():
+    with pytest.raises(ValueError, match="clock='gpu' unknown; use one of"):
+        Ledger(clock="gpu")
+
+
+def _sync_collectives_make_one_span_each():
+    ledger = Ledger(clock="cuda", event_factory=lambda: _FakeEvent([0.0]))
+    g = _world_group(ledger)
+    comm.all_reduce(torch.ones(4), g)
+    comm.all_gather(torch.ones(2), g)
+    work = comm.all_reduce(torch.ones(4), g, async_op=True)  # async: timed at its wait, not its call
+    n_before_wait = len(ledger._spans)
+    comm.wait(work, g)
+    return n_before_wait, len(ledger._spans), sorted(ledger.blocked_s)
+
+
+def test_sync_collectives_and_waits_make_one_span_each_on_the_cuda_clock():
+    assert run_distributed(_sync_collectives_make_one_span_each, 2) == [(2, 3, ["world"])] * 2
+
+
+def _sleep_cycles_per_ms() -> float:
+    torch.cuda._sleep(10 ** 6)  # its own first launch, outside the measurement
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10 ** 7)
+    stop.record()
+    stop.synchronize()
+    return 10 ** 7 / start.elapsed_time(stop)
+
+
+@pytest.mark.gpu
+def test_cuda_clock_measures_how_long_the_compute_stream_waits():
+    """A "transfer" on a side stream (as NCCL's own stream) that the compute stream waits for: exposed is
+    the part of it that no compute queued before the wait covers, while the host blocks for none of it."""
+    import time
+    per_ms = _sleep_cycles_per_ms()
+    side = torch.cuda.Stream()
+
+    class Transfer:
+        def __init__(self, ms):
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(int(per_ms * ms))
+                self.done = side.record_event()
+
+        def wait(self):  # what ProcessGroupNCCL's Work.wait does: the current stream waits, the host does not
+            torch.cuda.current_stream().wait_event(self.done)
+
+    ledger = Ledger(clock="cuda")
+    g = Group(axis="tp", ranks=range(2), rank=0, pg=object(), ledger=ledger)
+    results = {}
+    for name, transfer_ms, compute_ms in (("exposed", 20, 0), ("hidden", 10, 30), ("partly", 30, 10)):
+        torch.cuda.synchronize()
+        ledger.reset()
+        t = Transfer(transfer_ms)
+        if compute_ms:
+            torch.cuda._sleep(int(per_ms * compute_ms))  # the compute queued before the wait
+        t0 = time.perf_counter()
+        comm.wait(t, g)
+        host_s = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        results[name] = (ledger.blocked_s["tp"], host_s)
+    assert 0.016 < results["exposed"][0] < 0.024, results
+    assert results["hidden"][0] < 0.002, results
+    assert 0.016 < results["partly"][0] < 0.024, results
+    assert all(host_s < 0.005 for _, host_s in results.values()), results  # the wall clock would see ~0

@@ -24,7 +24,8 @@ from models.convert import model_param_spec
 from models.registry import config_from_hf
 from models.transformer import TransformerStage, build_model
 from parallel.tensor_parallel.fp8 import apply_fp8, check_exclude
-from parallel.tensor_parallel.overlap import RingLinearImpl
+from parallel.tensor_parallel.overlap import RingLinearImpl, check_tp_overlap
+from parallel.tensor_parallel.symm_mem import SymmMemLinearImpl
 
 _CHUNK_PREFIX = re.compile(r"^\d+\.")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -186,6 +187,14 @@ class ModelHook:
                            moe_dispatcher=cfg.parallel.moe_dispatcher,
                            moe_bias_update_rate=cfg.parallel.moe_bias_update_rate,
                            expert_tp=cfg.parallel.expert_tp)
+        # The run's device (engine.assembly builds on CUDA when there is one): symm_mem needs it, and FP8's
+        # linears have no symmetric-memory form.
+        check_tp_overlap(cfg.parallel.tp_overlap, tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel,
+                         device_type="cuda" if torch.cuda.is_available() else "cpu")
+        if cfg.parallel.tp_overlap == "symm_mem" and cfg.model.fp8 != "none":
+            raise ValueError(f"model.fp8={cfg.model.fp8!r} with parallel.tp_overlap='symm_mem': the FP8 linears have no "
+                             "symmetric-memory collective matmul (PyTorch's scaled variants are not wired); use "
+                             "parallel.tp_overlap = 'ring', which FP8 runs as an FP8 ring")
         if cfg.parallel.moe_bias_update_rate and not hook.config.num_experts:
             raise ValueError(f"parallel.moe_bias_update_rate={cfg.parallel.moe_bias_update_rate} balances experts, but "
                              f"the {hook.config.model_type} model has none; remove it")
@@ -275,7 +284,8 @@ class ModelHook:
                             dtype=self.dtype, device=device, seed=self.seed,
                             make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
                             kernels=self.kernels, fused_cross_entropy=self.fused_cross_entropy,
-                            linear_impl=RingLinearImpl() if self.tp_overlap == "ring" else None,
+                            linear_impl=(RingLinearImpl() if self.tp_overlap == "ring" else
+                                         SymmMemLinearImpl() if self.tp_overlap == "symm_mem" else None),
                             recompute=self.recompute, recompute_num_layers=self.recompute_num_layers,
                             cp_group=getattr(mesh, "cp", None), cp_comm=self.cp_comm,
                             cp_subgroups=(mesh.cp_a2a, mesh.cp_ring) if self.cp_comm == "hybrid" else None,

@@ -348,6 +348,29 @@ def wait(works, group: Group) -> None:
         recorder.finish_async(group.axis)
 
 
+@contextlib.contextmanager
+def fused(op: str, t: torch.Tensor, group: Group):
+    """A collective that a fused kernel runs itself, inside the ``with`` block (PyTorch's symmetric-memory
+    collective matmuls: parallel/tensor_parallel/symm_mem.py). ``op``: "all_gather" (``t`` = this rank's
+    shard) or "reduce_scatter" (``t`` = the full tensor reduced). The ledger gets the cost model's bytes
+    for ``op`` (the fused kernels move exactly those: each rank reads or writes the p - 1 other chunks) and
+    the flight recorder sees the call. No blocked time is added: the kernel's transfers and waits run
+    inside it, on its own streams, where no wait of Tessel's is visible."""
+    if op not in ("all_gather", "reduce_scatter"):
+        raise ValueError(f"fused collective {op!r} unknown; use 'all_gather' or 'reduce_scatter'")
+    if group.size == 1:
+        yield
+        return
+    p, n = group.size, _nbytes(t)
+    moved = (p - 1) * n if op == "all_gather" else (p - 1) * n / p
+    recorder = group.ledger.recorder
+    flight = None if recorder is None else recorder.start(op, group, n)
+    yield
+    _record(group, op, n, moved, moved, t.dtype)
+    if flight is not None:
+        recorder.finish(flight)
+
+
 class _Done:
     """Completed work handle for size-1 groups, so callers can always ``.wait()``."""
 

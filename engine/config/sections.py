@@ -218,7 +218,8 @@ class ParallelConfig(Section):
     into input and weight gradients (docs/pipeline.md, zero-bubble schedules; not with ZeRO-3);
     "zbv" and "dualpipev" split it too, with two chunks per rank in a V (``vp=2``). ``tp_overlap``: "none", or "ring" to run
     the sequence-parallel linears as ring collective matmuls, communication under the GEMMs
-    (docs/overlap.md; needs tp >= 2 and sequence_parallel); "symm_mem" is refused (not built).
+    (docs/overlap.md; needs tp >= 2 and sequence_parallel); "symm_mem" the same through PyTorch's
+    symmetric-memory collective matmuls (CUDA GPUs with NVLink only; not with model.fp8).
     ``p2p_early_recv``: post each pipeline receive one action ahead and let sends complete in the
     background (``parallel.pipeline.actions.p2p_plan``; the same messages, the same results).
     ``cp`` (context parallelism, docs/context_parallel.md): each sequence is split over cp ranks (zigzag);

@@ -28,7 +28,8 @@ over chunks in fp32) are not.
 
 Overlap needs the transfers to progress while the GEMM runs: on gloo they run on gloo's own
 threads; on CUDA, NCCL p2p runs on its internal stream, so the GEMM on the compute stream overlaps
-it. ``symm_mem`` (PyTorch symmetric memory) is not implemented: it is refused at start-up.
+it. ``symm_mem`` runs the same decomposition through PyTorch's symmetric-memory ops
+(parallel/tensor_parallel/symm_mem.py).
 """
 from __future__ import annotations
 
@@ -268,7 +269,8 @@ class RingLinearImpl(LinearImpl):
 
 
 def check_tp_overlap(mode: str, *, tp: int, sequence_parallel: bool, device_type: str) -> None:
-    """Start-up check of ``parallel.tp_overlap`` (before any process group)."""
+    """Start-up check of ``parallel.tp_overlap`` (before any process group). ``device_type``: "cpu" or
+    "cuda" where the run's device is known, "any" in the config's own check (which cannot know it)."""
     if mode not in TP_OVERLAP:
         raise ValueError(f"parallel.tp_overlap={mode!r} is not one of {TP_OVERLAP}")
     if mode == "none":
@@ -279,7 +281,12 @@ def check_tp_overlap(mode: str, *, tp: int, sequence_parallel: bool, device_type
                          f"(got tp={tp}, sequence_parallel={str(sequence_parallel).lower()}); set them or "
                          "parallel.tp_overlap = 'none'")
     if mode == "symm_mem":
-        where = "on the CPU (gloo has no symmetric memory)" if device_type == "cpu" else "in this build"
-        raise ValueError(f"parallel.tp_overlap='symm_mem' is not available {where}: Tessel has no symmetric-memory "
-                         "collective matmul yet (it needs several NVLink-connected GPUs to build and test); use "
-                         "parallel.tp_overlap = 'ring'")
+        if device_type == "cpu":
+            raise ValueError("parallel.tp_overlap='symm_mem' needs CUDA GPUs with peer access (NVLink): there is no "
+                             "symmetric memory on the CPU (gloo); use parallel.tp_overlap = 'ring'")
+        if device_type == "cuda":
+            from parallel.tensor_parallel.symm_mem import cuda_ops
+            try:
+                cuda_ops()
+            except RuntimeError as e:
+                raise ValueError(str(e)) from None

@@ -58,6 +58,7 @@ def _worker():
     from parallel.mesh import Mesh, ParallelDims
     from parallel.tensor_parallel import DefaultLinearImpl
     from parallel.tensor_parallel.overlap import RingLinearImpl
+    from parallel.tensor_parallel.symm_mem import SymmMemLinearImpl, reference_ops
 
     out = {}
     g = torch.Generator().manual_seed(3)
@@ -80,6 +81,15 @@ def _worker():
             "ring_sent": led_ring.total("sent_bytes", axis="tp"),
             "ring_ops": sorted({r.op for r in led_ring.records if r.axis == "tp"}),
             "ring_sends": [r.payload_bytes for r in led_ring.records if r.op == "send" and r.axis == "tp"],
+        }
+        # symm_mem, through PyTorch's own unfused definitions of its two fused ops (the CUDA kernels need GPUs)
+        symm, led_symm = _run(tp, SymmMemLinearImpl(reference_ops()), x_full[chunk], dy_full[chunk], params)
+        out[tp_size]["symm"] = {
+            "equal": sorted(k for k in plain if torch.equal(plain[k], symm[k])),
+            "rel": {k: ((symm[k] - plain[k]).abs().max() / plain[k].abs().max()).item() for k in plain},
+            "sent": led_symm.total("sent_bytes", axis="tp"),
+            "calls": sorted((r.op, r.payload_bytes) for r in led_symm.records if r.axis == "tp"),
+            "plain_calls": sorted((r.op, r.payload_bytes) for r in led_plain.records if r.axis == "tp"),
         }
     return out
 
@@ -112,11 +122,46 @@ def test_ring_moves_the_same_bytes_as_tp_minus_1_chunk_steps(results, tp):
         assert r["batches"] == r["waits"] == 4 * (tp // 2)
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_symm_mem_equals_plain_path_with_the_same_collectives(results, tp):
+    """symm_mem's autograd, shapes and ledger, with PyTorch's reference definitions of the fused ops: the
+    same outputs and gradients as the plain path (fp32; the reduce-scatter sums in the op's own order),
+    and the same collectives with the same payloads, so the same tp bytes."""
+    for rank, r in enumerate(results):
+        s = r[tp]["symm"]
+        assert max(s["rel"].values()) < 1e-6, (rank, s["rel"])
+        assert {"h", "dw1", "db1", "db2"} <= set(s["equal"]), (rank, s["equal"])  # no sum across ranks there
+        assert s["calls"] == s["plain_calls"] and s["sent"] == r[tp]["plain_sent"] > 0
+
+
+def test_symm_mem_is_checked_against_the_device_before_any_process_group():
+    from engine.config import load_config
+    from models.hook import ModelHook
+    from parallel.tensor_parallel.overlap import check_tp_overlap
+
+    cfg = load_config("tiny_llama_cpu", ["parallel.tp_overlap=symm_mem"])  # the config cannot know the device
+    with pytest.raises(ValueError, match="symm_mem' needs CUDA GPUs with peer access.*use parallel.tp_overlap = 'ring'"):
+        ModelHook.from_run_config(cfg, tokenizer_vocab=None)  # the run's checks know it: here the CPU
+    with pytest.raises(ValueError, match="symm_mem' needs CUDA GPUs"):
+        check_tp_overlap("symm_mem", tp=2, sequence_parallel=True, device_type="cpu")
+    check_tp_overlap("symm_mem", tp=2, sequence_parallel=True, device_type="any")
+    with pytest.raises(ValueError, match="needs parallel.tp >= 2"):
+        check_tp_overlap("symm_mem", tp=1, sequence_parallel=True, device_type="cuda")
+
+
+def test_symm_mem_with_fp8_is_refused_on_cuda(monkeypatch):
+    from engine.config import load_config
+    from models.hook import ModelHook
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the check only: nothing runs on a device
+    cfg = load_config("tiny_llama_cpu", ["parallel.tp_overlap=symm_mem", "model.fp8=tensorwise"])
+    with pytest.raises(ValueError, match="model.fp8='tensorwise' with parallel.tp_overlap='symm_mem'.*'ring'"):
+        ModelHook.from_run_config(cfg, tokenizer_vocab=None)
+
+
 def test_bad_settings_are_refused_before_any_process_group():
     from engine.config import load_config
 
-    with pytest.raises(ValueError, match="symm_mem.*use parallel.tp_overlap = 'ring'"):
-        load_config("tiny_llama_cpu", ["parallel.tp_overlap=symm_mem"])
     with pytest.raises(ValueError, match="needs parallel.tp >= 2 and parallel.sequence_parallel = true"):
         load_config("tiny_llama_cpu", ["parallel.tp_overlap=ring", "parallel.sequence_parallel=false"])
     with pytest.raises(ValueError, match="not divisible by parallel.tp"):
@@ -168,3 +213,40 @@ def test_whole_model_tp2_pp2_ring_equals_plain():
         assert lr == pytest.approx(lp, rel=1e-6)
         for name in wp:
             torch.testing.assert_close(wr[name], wp[name], rtol=1e-5, atol=1e-4)
+
+
+def _symm_mem_on_one_gpu():
+    """On one GPU (a one-rank NCCL group): PyTorch's fused CUDA symm_mem ops through this module's autograd,
+    against plain GEMMs. It checks the call conventions on the real kernels (which operand is transposed,
+    the gather and scatter dims, return_A); the overlap itself needs several GPUs."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from parallel.comm import Group, Ledger
+    from parallel.tensor_parallel.symm_mem import _SymmColumn, _SymmRow, cuda_ops
+
+    torch.cuda.set_device(0)
+    g = Group(axis="tp", ranks=[0], rank=0, pg=dist.group.WORLD, ledger=Ledger())
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return (torch.randn(*shape, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
+
+    x, w1, b1, w2, dy = randn(256, 2, 512), randn(1024, 512), randn(1024), randn(512, 1024), randn(256, 2, 512)
+    outs = {}
+    for name in ("symm_mem", "plain"):
+        xi, w1i, b1i, w2i = (t.clone().requires_grad_() for t in (x, w1, b1, w2))
+        if name == "symm_mem":
+            y = _SymmRow.apply(torch.relu(_SymmColumn.apply(xi, w1i, b1i, g, cuda_ops())), w2i, g, cuda_ops())
+        else:
+            y = F.linear(torch.relu(F.linear(xi, w1i, b1i)), w2i)
+        (y.float() * dy.float()).sum().backward()
+        outs[name] = {"y": y.detach(), "dx": xi.grad, "dw1": w1i.grad, "db1": b1i.grad, "dw2": w2i.grad}
+    return {k: ((outs["symm_mem"][k].float() - outs["plain"][k].float()).abs().max()
+                / outs["plain"][k].float().abs().max()).item() for k in outs["plain"]}
+
+
+@pytest.mark.gpu
+def test_symm_mem_cuda_ops_match_plain_gemms_on_one_gpu():
+    rel = run_distributed(_symm_mem_on_one_gpu, 1, backend="nccl", timeout=300)[0]
+    assert max(rel.values()) < 1e-2, rel  # bf16: the same products, rounded in another order

@@ -1,0 +1,193 @@
+"""``parallel.tp_overlap = "symm_mem"``: sequence-parallel TP linears as PyTorch's symmetric-memory
+collective matmuls (``torch.distributed._symmetric_memory``, "async TP").
+
+The same decomposition as the ring (parallel/tensor_parallel/overlap.py), but run by PyTorch's fused
+ops over symmetric memory: every rank maps its peers' buffers (NVLink), copies a peer's chunk on a side
+stream with the copy engines while the compute stream multiplies the chunk before it, and no NCCL
+kernel takes SMs from the GEMMs.
+
+    column forward    y = all_gather(x) @ W^T       fused_all_gather_matmul(x, [W^T])     (s/tp, b, in) -> (s, b, out/tp)
+    column backward   dx = reduce_scatter(dy @ W)    fused_matmul_reduce_scatter(dy, W)    (s, b, out/tp) -> (s/tp, b, in)
+                      dW = dy^T all_gather(x)        x regathered by an async all-gather issued before dx's
+                                                     fused op, so it travels under that op's GEMMs
+    row forward       y = reduce_scatter(x @ W^T)    fused_matmul_reduce_scatter(x, W^T)   (s, b, in/tp) -> (s/tp, b, out)
+    row backward      dx = all_gather(dy) @ W        fused_all_gather_matmul(dy, [W], return_A): the
+                      dW = all_gather(dy)^T x        gathered dy comes back for dW
+
+Bytes: the fused ops read or write the p - 1 other chunks, exactly the ring collectives' bytes; the
+ledger records them as the all_gather / reduce_scatter they replace (``comm.fused``), so the tp bytes
+per step equal the plain path's. Results: the same products; the reduce-scatter sums the p partials in
+the op's own order (fp32 summation tolerance; bit for bit at tp 2, two terms).
+
+Where it runs: CUDA GPUs with peer access (NVLink), an NCCL process group, and a torch with the
+``torch.ops.symm_mem`` ops. It is refused on the CPU and with FP8 (the scaled variants of the ops are
+not wired), before any process group. ``comm_exposed_s`` does not see inside the fused ops: their
+transfers and waits run on the ops' own streams (docs/overlap.md).
+
+The ops are a seam (:class:`FusedOps`): :func:`cuda_ops` are PyTorch's; :func:`reference_ops` are
+PyTorch's own unfused definitions of the same ops (a functional all-gather or reduce-scatter, then the
+matmul), which run on any backend and let the CPU tests check this module's autograd, shapes and
+bytes over gloo. The fused CUDA kernels themselves need several GPUs: they have not run here.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from parallel import comm
+from parallel.comm import Group
+from parallel.mappings import copy_to_tp, gather_from_tp, reduce_from_tp
+from parallel.tensor_parallel.layers import LinearImpl
+
+
+@dataclass(frozen=True)
+class FusedOps:
+    """The two collective matmuls, with the signatures of ``torch.ops.symm_mem``:
+    ``all_gather_matmul(A_shard, Bs, gather_dim, group_name, *, return_A) -> (A or None, [A @ B ...])`` and
+    ``matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name) -> reduce_scatter(A @ B)``."""
+
+    all_gather_matmul: Callable
+    matmul_reduce_scatter: Callable
+    name: str
+
+
+def _symm_mem_module():
+    try:
+        import torch.distributed._symmetric_memory as symm_mem  # registers torch.ops.symm_mem
+    except ImportError as e:
+        raise RuntimeError(f"parallel.tp_overlap='symm_mem' needs torch.distributed._symmetric_memory, which this "
+                           f"torch ({torch.__version__}) lacks ({e}); use parallel.tp_overlap = 'ring'") from None
+    return symm_mem
+
+
+def cuda_ops() -> FusedOps:
+    """PyTorch's fused symmetric-memory ops (CUDA)."""
+    _symm_mem_module()
+    ops = torch.ops.symm_mem
+    for name in ("fused_all_gather_matmul", "fused_matmul_reduce_scatter"):
+        if not hasattr(ops, name):
+            raise RuntimeError(f"parallel.tp_overlap='symm_mem': this torch ({torch.__version__}) has no "
+                               f"torch.ops.symm_mem.{name}; use parallel.tp_overlap = 'ring'")
+    return FusedOps(ops.fused_all_gather_matmul, ops.fused_matmul_reduce_scatter, "torch.ops.symm_mem")
+
+
+def reference_ops() -> FusedOps:
+    """PyTorch's unfused definitions of the same two ops (what its ``symm_mem`` test mode runs): functional
+    collectives over the group, then the matmul. Any backend, gloo included."""
+    symm_mem = _symm_mem_module()
+    return FusedOps(symm_mem._fused_all_gather_matmul_fallback, symm_mem._fused_matmul_reduce_scatter_fallback,
+                    "reference")
+
+
+def _group_name(group: Group) -> str:
+    """The process group's name, which the symm_mem ops take; symmetric memory enabled for it."""
+    name = group.pg.group_name
+    symm_mem = _symm_mem_module()
+    if not symm_mem.is_symm_mem_enabled_for_group(name):
+        with warnings.catch_warnings():  # newer torch enables every group itself and deprecates the call
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(name)
+    return name
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])  # (s, b, k) -> (s*b, k)
+
+
+class _SymmColumn(torch.autograd.Function):
+    """(s/tp, b, in) -> (s, b, out/tp) = all_gather(x) @ W^T (+ bias), fused."""
+
+    @staticmethod
+    def forward(ctx, x_shard, weight, bias, group, ops):
+        ctx.group, ctx.ops, ctx.has_bias = group, ops, bias is not None
+        x_shard = x_shard.contiguous()
+        ctx.save_for_backward(x_shard, weight)
+        with comm.fused("all_gather", x_shard, group):
+            _, (y,) = ops.all_gather_matmul(x_shard, [weight.t()], 0, _group_name(group), return_A=False)
+        return y if bias is None else y + bias  # (s, b, out/tp)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_shard, weight = ctx.saved_tensors
+        group, ops = ctx.group, ctx.ops
+        dy = dy.contiguous()  # (s, b, out/tp)
+        grad_x = grad_w = grad_b = None
+        gather = None
+        if ctx.needs_input_grad[1]:  # regather x (as Megatron does), travelling under dx's fused op
+            gather = comm.all_gather(x_shard, group, dim=0, async_op=True)  # ((s, b, in), work)
+        if ctx.needs_input_grad[0]:
+            full = dy.new_empty((dy.shape[0], *dy.shape[1:-1], weight.shape[1]))  # (s, b, in): what is reduced
+            with comm.fused("reduce_scatter", full, group):
+                grad_x = ops.matmul_reduce_scatter(dy, weight, "sum", 0, _group_name(group))  # (s/tp, b, in)
+        if gather is not None:
+            x_full, work = gather
+            comm.wait(work, group)
+            grad_w = _rows(dy).t().matmul(_rows(x_full))  # (out/tp, in)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = _rows(dy).sum(0)
+        return grad_x, grad_w, grad_b, None, None
+
+
+class _SymmRow(torch.autograd.Function):
+    """(s, b, in/tp) -> (s/tp, b, out) = reduce_scatter(x @ W^T), fused."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group, ops):
+        ctx.group, ctx.ops = group, ops
+        x = x.contiguous()
+        ctx.save_for_backward(x, weight)
+        full = x.new_empty((*x.shape[:-1], weight.shape[0]))  # (s, b, out): what is reduced
+        with comm.fused("reduce_scatter", full, group):
+            return ops.matmul_reduce_scatter(x, weight.t(), "sum", 0, _group_name(group))  # (s/tp, b, out)
+
+    @staticmethod
+    def backward(ctx, dy_shard):
+        x, weight = ctx.saved_tensors
+        group, ops = ctx.group, ctx.ops
+        dy_shard = dy_shard.contiguous()  # (s/tp, b, out)
+        with comm.fused("all_gather", dy_shard, group):
+            dy, (grad_x,) = ops.all_gather_matmul(dy_shard, [weight], 0, _group_name(group), return_A=True)
+        # dy: (s, b, out) gathered; grad_x: (s, b, in/tp)
+        grad_w = _rows(dy).t().matmul(_rows(x)) if ctx.needs_input_grad[1] else None  # (out, in/tp)
+        return (grad_x if ctx.needs_input_grad[0] else None), grad_w, None, None
+
+
+class SymmMemLinearImpl(LinearImpl):
+    """``parallel.tp_overlap = "symm_mem"``: sequence-parallel TP linears as symmetric-memory collective
+    matmuls. Without sequence parallelism (or at tp = 1) a layer runs the plain path. ``ops``: the fused
+    ops (default :func:`cuda_ops`, resolved at the first call; the tests pass :func:`reference_ops`)."""
+
+    overlap_comm = True
+
+    def __init__(self, ops: FusedOps | None = None):
+        self._ops = ops
+
+    @property
+    def ops(self) -> FusedOps:
+        if self._ops is None:
+            self._ops = cuda_ops()
+        return self._ops
+
+    def column_forward(self, x, weight, bias, *, group, sequence_parallel, gather_output):
+        if sequence_parallel and group.size > 1:
+            y = _SymmColumn.apply(x, weight, bias, group, self.ops)
+        else:
+            y = F.linear(copy_to_tp(x, group), weight, bias)
+        return gather_from_tp(y, group) if gather_output else y
+
+    def row_forward(self, x, weight, bias, *, group, sequence_parallel):
+        if sequence_parallel and group.size > 1:
+            if x.shape[0] % group.size:
+                raise ValueError(f"symm_mem row-parallel linear: sequence length {x.shape[0]} is not divisible by "
+                                 f"tp={group.size}; pad or pack sequences to a multiple of it")
+            y = _SymmRow.apply(x, weight, group, self.ops)
+        else:
+            y = reduce_from_tp(F.linear(x, weight), group)
+        return y if bias is None else y + bias
+
+    def __repr__(self) -> str:
+        return f"SymmMemLinearImpl({'default' if self._ops is None else self._ops.name})"

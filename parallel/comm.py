@@ -98,8 +98,9 @@ class Ledger:
     kept only inside a :meth:`capture` block (tests, and anything that needs the order of calls).
     """
 
-    # How many CUDA event pairs may wait to be read before :meth:`settle` reads them on its own (a
-    # caller that never reads ``blocked_s`` must not grow the list without bound).
+    # How many CUDA event pairs may wait to be read before those already finished are read on the spot
+    # (without waiting for the GPU), so that a caller that never reads ``blocked_s`` does not grow the list
+    # without bound.
     MAX_PENDING_SPANS = 4096
 
     def __init__(self, *, enabled: bool = True, clock: str = "wall", event_factory=None):
@@ -153,25 +154,35 @@ class Ledger:
         stop.record()
         self._spans.append((axis, start, stop))
         if len(self._spans) >= self.MAX_PENDING_SPANS:
-            self.settle()
+            self._read_finished()
 
-    def settle(self) -> None:
-        """Read the CUDA event pairs recorded so far into ``blocked_s`` (clock "cuda"). It waits for the
-        last stop event only: after the step's loss has reached the host that costs nothing. A no-op for
-        clock "wall"."""
-        if not self._spans:
-            return
-        spans, self._spans = self._spans, []
-        spans[-1][2].synchronize()
+    def _read_finished(self) -> None:
+        """Read the oldest spans whose stop event has fired, without waiting for the GPU (this runs in the
+        middle of a step, where a synchronisation would drain the queue the host has built up)."""
+        done = 0
+        for _, _, stop in self._spans:
+            if not stop.query():
+                break
+            done += 1
+        spans, self._spans = self._spans[:done], self._spans[done:]
         for axis, start, stop in spans:
             self.add_blocked(axis, start.elapsed_time(stop) / 1e3)  # elapsed_time is in milliseconds
 
+    def settle(self) -> None:
+        """Read the CUDA event pairs recorded so far into ``blocked_s`` (clock "cuda"), waiting for each stop
+        event: after the step's loss has reached the host they have all fired, so this costs nothing. A
+        no-op for clock "wall"."""
+        spans, self._spans = self._spans, []
+        for axis, start, stop in spans:
+            stop.synchronize()
+            self.add_blocked(axis, start.elapsed_time(stop) / 1e3)
+
     @property
     def blocked_s(self) -> dict[str, float]:
-        """{axis: seconds blocked in communication} since the start (or reset); reading it settles the
-        pending CUDA spans first."""
+        """{axis: seconds blocked in communication} since the start (or reset), a copy; reading it settles
+        the pending CUDA spans first."""
         self.settle()
-        return self._blocked
+        return dict(self._blocked)
 
     def exposed_seconds(self) -> float:
         """Total blocked seconds since the start (or reset), all axes."""
@@ -358,6 +369,7 @@ def fused(op: str, t: torch.Tensor, group: Group):
     inside it, on its own streams, where no wait of Tessel's is visible."""
     if op not in ("all_gather", "reduce_scatter"):
         raise ValueError(f"fused collective {op!r} unknown; use 'all_gather' or 'reduce_scatter'")
+    # ``t`` may be a meta tensor: only its size and dtype are read.
     if group.size == 1:
         yield
         return

@@ -285,8 +285,8 @@ def check_tp_overlap(mode: str, *, tp: int, sequence_parallel: bool, device_type
             raise ValueError("parallel.tp_overlap='symm_mem' needs CUDA GPUs with peer access (NVLink): there is no "
                              "symmetric memory on the CPU (gloo); use parallel.tp_overlap = 'ring'")
         if device_type == "cuda":
-            from parallel.tensor_parallel.symm_mem import cuda_ops
+            from parallel.tensor_parallel.symm_mem import check_platform
             try:
-                cuda_ops()
+                check_platform(tp)
             except RuntimeError as e:
                 raise ValueError(str(e)) from None

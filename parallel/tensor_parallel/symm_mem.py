@@ -31,6 +31,7 @@ bytes over gloo. The fused CUDA kernels themselves need several GPUs: they have 
 """
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -87,11 +88,32 @@ def _group_name(group: Group) -> str:
     """The process group's name, which the symm_mem ops take; symmetric memory enabled for it."""
     name = group.pg.group_name
     symm_mem = _symm_mem_module()
-    if not symm_mem.is_symm_mem_enabled_for_group(name):
-        with warnings.catch_warnings():  # newer torch enables every group itself and deprecates the call
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # needed up to torch 2.10; later deprecated
+    if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(name):
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            symm_mem.enable_symm_mem_for_group(name)
+            enable(name)
     return name
+
+
+def check_platform(tp: int, *, device_count: int | None = None, local_world: int | None = None,
+                   peer=None) -> None:
+    """Start-up check on CUDA, before any process group: the ops exist, and the tp group can map its peers'
+    memory (the group within one node, every pair of its GPUs with peer access). The mesh puts tp innermost
+    (``dp-pp-cp-tp``), so a node's first ``tp`` local ranks form a group; checked on GPUs 0..tp-1."""
+    cuda_ops()
+    local = local_world if local_world is not None else int(os.environ.get("LOCAL_WORLD_SIZE", tp))
+    count = device_count if device_count is not None else torch.cuda.device_count()
+    if tp > local or tp > count:
+        raise RuntimeError(f"parallel.tp_overlap='symm_mem' maps the tp group's memory over NVLink, so the group "
+                           f"must sit within one node: tp={tp}, but this node runs {local} ranks on {count} GPUs; "
+                           "use parallel.tp_overlap = 'ring' (NCCL, any topology) or a tp within one node")
+    peer = peer or torch.cuda.can_device_access_peer
+    for a in range(tp):
+        for b in range(tp):
+            if a != b and not peer(a, b):
+                raise RuntimeError(f"parallel.tp_overlap='symm_mem': GPU {a} cannot access GPU {b}'s memory (no "
+                                   "peer access, e.g. no NVLink or P2P disabled); use parallel.tp_overlap = 'ring'")
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -120,7 +142,8 @@ class _SymmColumn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:  # regather x (as Megatron does), travelling under dx's fused op
             gather = comm.all_gather(x_shard, group, dim=0, async_op=True)  # ((s, b, in), work)
         if ctx.needs_input_grad[0]:
-            full = dy.new_empty((dy.shape[0], *dy.shape[1:-1], weight.shape[1]))  # (s, b, in): what is reduced
+            # (s, b, in): what is reduced, for the ledger's bytes only (meta: no memory)
+            full = torch.empty((*dy.shape[:-1], weight.shape[1]), dtype=dy.dtype, device="meta")
             with comm.fused("reduce_scatter", full, group):
                 grad_x = ops.matmul_reduce_scatter(dy, weight, "sum", 0, _group_name(group))  # (s/tp, b, in)
         if gather is not None:
@@ -140,7 +163,7 @@ class _SymmRow(torch.autograd.Function):
         ctx.group, ctx.ops = group, ops
         x = x.contiguous()
         ctx.save_for_backward(x, weight)
-        full = x.new_empty((*x.shape[:-1], weight.shape[0]))  # (s, b, out): what is reduced
+        full = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device="meta")  # (s, b, out), bytes only
         with comm.fused("reduce_scatter", full, group):
             return ops.matmul_reduce_scatter(x, weight.t(), "sum", 0, _group_name(group))  # (s/tp, b, out)
 

@@ -298,11 +298,13 @@ def test_default_rows(corpus, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", REFUSED)
-def test_unsupported_combinations_are_refused_at_config_time(overrides, message):
-    """Refused by the config or by the model's plan (models/hook.py): both before any process group."""
+def test_unsupported_combinations_are_refused_at_config_time(overrides, message, monkeypatch):
+    """Refused by the config or by the model's plan (models/hook.py): both before any process group. The
+    plan's checks see a CPU host, as CI's (symm_mem is refused there and runs on GPUs)."""
     from engine.config import load_config
     from models.hook import ModelHook
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises((ValueError, ImportError), match=message):
         ModelHook.from_run_config(load_config("tiny_llama_cpu", list(overrides)), tokenizer_vocab=None)
 

@@ -171,11 +171,14 @@ class _FakeEvent:
     """Stands in for torch.cuda.Event on the CPU: ``record`` stamps a shared clock that the test moves
     forward (as a stream reaches the event); ``elapsed_time`` is in milliseconds, as CUDA's."""
 
-    def __init__(self, clock):
-        self.clock, self.t, self.synced = clock, None, 0
+    def __init__(self, clock, done=True):
+        self.clock, self.t, self.synced, self.done = clock, None, 0, done
 
     def record(self):
         self.t = self.clock[0]
+
+    def query(self):
+        return self.done
 
     def synchronize(self):
         self.synced += 1
@@ -185,10 +188,10 @@ class _FakeEvent:
 
 
 def test_cuda_clock_times_waits_with_event_pairs_read_on_settle():
-    clock, events = [0.0], []
+    clock, events, fired = [0.0], [], [True]
 
     def event():
-        events.append(_FakeEvent(clock))
+        events.append(_FakeEvent(clock, done=fired[0]))
         return events[-1]
 
     ledger = Ledger(clock="cuda", event_factory=event)
@@ -202,8 +205,10 @@ def test_cuda_clock_times_waits_with_event_pairs_read_on_settle():
     comm.wait(Work(), g)
     assert len(ledger._spans) == 2 and not ledger._blocked  # nothing read until asked
     assert ledger.blocked_s == {"tp": pytest.approx(0.015)}
-    assert [e.synced for e in events] == [0, 0, 0, 1]  # only the last stop event is waited for
+    assert [e.synced for e in events] == [0, 1, 0, 1]  # each stop event is waited for (all fired by then)
     assert not ledger._spans
+    ledger.blocked_s["tp"] = 0.0  # a copy: the ledger's own total is untouched
+    assert ledger.blocked_s == {"tp": pytest.approx(0.015)}
     # Trivial groups and empty lists make no span; a disabled ledger makes no events.
     comm.wait(Work(), Group.trivial("tp", ledger=ledger))
     comm.wait([], g)
@@ -211,11 +216,18 @@ def test_cuda_clock_times_waits_with_event_pairs_read_on_settle():
     comm.wait(Work(), g)
     assert len(events) == 4 and ledger.blocked_s == {"tp": pytest.approx(0.015)}
     ledger.enabled = True
-    # A caller that never reads blocked_s does not grow the pending list without bound.
+    # A caller that never reads blocked_s does not grow the pending list without bound: at the cap, the
+    # spans whose stop event has fired are read on the spot, without waiting for the GPU.
     ledger.MAX_PENDING_SPANS = 3
     for _ in range(7):
         comm.wait(Work(), g)
     assert len(ledger._spans) == 1 and ledger._blocked["tp"] == pytest.approx(0.015 + 0.030)
+    synced = sum(e.synced for e in events)
+    fired[0] = False  # the GPU has not reached the next spans yet
+    comm.wait(Work(), g)
+    comm.wait(Work(), g)  # the cap: the one finished span is read, the two unfinished stay; nothing waits
+    assert len(ledger._spans) == 2 and sum(e.synced for e in events) == synced
+    assert ledger._blocked["tp"] == pytest.approx(0.015 + 0.035)
     ledger.reset()
     assert ledger.blocked_s == {} and not ledger._spans
 
@@ -241,7 +253,7 @@ def test_sync_collectives_and_waits_make_one_span_each_on_the_cuda_clock():
 
 
 def _sleep_cycles_per_ms() -> float:
-    torch.cuda._sleep(10 ** 6)  # its own first launch, outside the measurement
+    torch.cuda._sleep(5 * 10 ** 7)  # its first launch, and time for the SM clock to ramp up
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     torch.cuda._sleep(10 ** 7)
@@ -253,19 +265,19 @@ def _sleep_cycles_per_ms() -> float:
 @pytest.mark.gpu
 def test_cuda_clock_measures_how_long_the_compute_stream_waits():
     """A "transfer" on a side stream (as NCCL's own stream) that the compute stream waits for: exposed is
-    the part of it that no compute queued before the wait covers, while the host blocks for none of it."""
+    the part of it that no compute queued before the wait covers, while the host blocks for none of it.
+    Each sleep is timed with its own events, so the expectation does not rest on the sleep's calibration."""
     import time
     per_ms = _sleep_cycles_per_ms()
-    side = torch.cuda.Stream()
+    side, compute = torch.cuda.Stream(), torch.cuda.current_stream()
 
-    class Transfer:
-        def __init__(self, ms):
-            with torch.cuda.stream(side):
-                torch.cuda._sleep(int(per_ms * ms))
-                self.done = side.record_event()
-
-        def wait(self):  # what ProcessGroupNCCL's Work.wait does: the current stream waits, the host does not
-            torch.cuda.current_stream().wait_event(self.done)
+    def timed_sleep(ms, stream):
+        with torch.cuda.stream(stream):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            torch.cuda._sleep(int(per_ms * ms))
+            b.record()
+        return a, b
 
     ledger = Ledger(clock="cuda")
     g = Group(axis="tp", ranks=range(2), rank=0, pg=object(), ledger=ledger)
@@ -273,15 +285,21 @@ def test_cuda_clock_measures_how_long_the_compute_stream_waits():
     for name, transfer_ms, compute_ms in (("exposed", 20, 0), ("hidden", 10, 30), ("partly", 30, 10)):
         torch.cuda.synchronize()
         ledger.reset()
-        t = Transfer(transfer_ms)
-        if compute_ms:
-            torch.cuda._sleep(int(per_ms * compute_ms))  # the compute queued before the wait
+        t_start, t_done = timed_sleep(transfer_ms, side)
+        c_done = timed_sleep(compute_ms, compute)[1] if compute_ms else None  # compute queued before the wait
+
+        class Work:  # what ProcessGroupNCCL's Work.wait does: the current stream waits, the host does not
+            def wait(self):
+                compute.wait_event(t_done)
+
         t0 = time.perf_counter()
-        comm.wait(t, g)
+        comm.wait(Work(), g)
         host_s = time.perf_counter() - t0
         torch.cuda.synchronize()
-        results[name] = (ledger.blocked_s["tp"], host_s)
-    assert 0.016 < results["exposed"][0] < 0.024, results
-    assert results["hidden"][0] < 0.002, results
-    assert 0.016 < results["partly"][0] < 0.024, results
-    assert all(host_s < 0.005 for _, host_s in results.values()), results  # the wall clock would see ~0
+        # what the compute stream should have stood still for: the transfer's part after the compute's end
+        expect = (t_start.elapsed_time(t_done) if c_done is None else max(0.0, c_done.elapsed_time(t_done))) / 1e3
+        results[name] = (ledger.blocked_s["tp"], expect, host_s)
+    for name, (got, expect, host_s) in results.items():
+        assert abs(got - expect) < 0.001 + 0.1 * expect, (name, results)
+        assert host_s < 0.005, (name, results)  # the wall clock would have read ~0
+    assert results["exposed"][1] > 0.010 and results["hidden"][1] == 0.0 and results["partly"][1] > 0.010, results

@@ -134,11 +134,12 @@ def test_symm_mem_equals_plain_path_with_the_same_collectives(results, tp):
         assert s["calls"] == s["plain_calls"] and s["sent"] == r[tp]["plain_sent"] > 0
 
 
-def test_symm_mem_is_checked_against_the_device_before_any_process_group():
+def test_symm_mem_is_checked_against_the_device_before_any_process_group(monkeypatch):
     from engine.config import load_config
     from models.hook import ModelHook
     from parallel.tensor_parallel.overlap import check_tp_overlap
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU's answer, on any host
     cfg = load_config("tiny_llama_cpu", ["parallel.tp_overlap=symm_mem"])  # the config cannot know the device
     with pytest.raises(ValueError, match="symm_mem' needs CUDA GPUs with peer access.*use parallel.tp_overlap = 'ring'"):
         ModelHook.from_run_config(cfg, tokenizer_vocab=None)  # the run's checks know it: here the CPU
@@ -153,10 +154,24 @@ def test_symm_mem_with_fp8_is_refused_on_cuda(monkeypatch):
     from engine.config import load_config
     from models.hook import ModelHook
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the check only: nothing runs on a device
+    # the checks only: nothing runs on a device (4 GPUs with peer access, 4 local ranks)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     cfg = load_config("tiny_llama_cpu", ["parallel.tp_overlap=symm_mem", "model.fp8=tensorwise"])
     with pytest.raises(ValueError, match="model.fp8='tensorwise' with parallel.tp_overlap='symm_mem'.*'ring'"):
         ModelHook.from_run_config(cfg, tokenizer_vocab=None)
+
+
+def test_symm_mem_needs_the_tp_group_on_one_node_with_peer_access():
+    from parallel.tensor_parallel.symm_mem import check_platform
+
+    check_platform(4, device_count=8, local_world=8, peer=lambda a, b: True)
+    with pytest.raises(RuntimeError, match="must sit within one node: tp=8, but this node runs 4 ranks on 4 GPUs"):
+        check_platform(8, device_count=4, local_world=4, peer=lambda a, b: True)
+    with pytest.raises(RuntimeError, match="GPU 1 cannot access GPU 2's memory.*'ring'"):
+        check_platform(4, device_count=4, local_world=4, peer=lambda a, b: {a, b} != {1, 2})
 
 
 def test_bad_settings_are_refused_before_any_process_group():
@@ -217,8 +232,9 @@ def test_whole_model_tp2_pp2_ring_equals_plain():
 
 def _symm_mem_on_one_gpu():
     """On one GPU (a one-rank NCCL group): PyTorch's fused CUDA symm_mem ops through this module's autograd,
-    against plain GEMMs. It checks the call conventions on the real kernels (which operand is transposed,
-    the gather and scatter dims, return_A); the overlap itself needs several GPUs."""
+    against plain GEMMs. It checks that the real kernels run with these arguments, which operand is
+    transposed and return_A; with one rank the gather and scatter dims cannot show (the gloo test covers
+    them, with PyTorch's reference ops), and the overlap itself needs several GPUs."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -232,7 +248,8 @@ def _symm_mem_on_one_gpu():
     def randn(*shape):
         return (torch.randn(*shape, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
 
-    x, w1, b1, w2, dy = randn(256, 2, 512), randn(1024, 512), randn(1024), randn(512, 1024), randn(256, 2, 512)
+    # 4096 rows (> 2048): the ops' pipelined path, the one production shapes take (not the multicast one)
+    x, w1, b1, w2, dy = randn(2048, 2, 512), randn(1024, 512), randn(1024), randn(512, 1024), randn(2048, 2, 512)
     outs = {}
     for name in ("symm_mem", "plain"):
         xi, w1i, b1i, w2i = (t.clone().requires_grad_() for t in (x, w1, b1, w2))
@@ -248,5 +265,5 @@ def _symm_mem_on_one_gpu():
 
 @pytest.mark.gpu
 def test_symm_mem_cuda_ops_match_plain_gemms_on_one_gpu():
-    rel = run_distributed(_symm_mem_on_one_gpu, 1, backend="nccl", timeout=300)[0]
+    rel = run_distributed(_symm_mem_on_one_gpu, 1, backend="nccl", timeout=90)[0]
     assert max(rel.values()) < 1e-2, rel  # bf16: the same products, rounded in another order

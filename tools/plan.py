@@ -62,9 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3],
                    help="default: the preset's (optim.zero_stage with optim.distributed, else 0), else 1")
     t.add_argument("--attention", default="flash", choices=["flash", "unfused"])
-    t.add_argument("--tp-overlap", choices=["none", "ring"],
+    t.add_argument("--tp-overlap", choices=["none", "ring", "symm_mem"],
                    help="parallel.tp_overlap: 'ring' runs each sequence-parallel all-gather / reduce-scatter as tp - 1 "
-                        "p2p steps under the linear's GEMM chunks (docs/overlap.md); default: the preset's, else none")
+                        "p2p steps under the linear's GEMM chunks (docs/overlap.md); 'symm_mem', the same through "
+                        "PyTorch's symmetric-memory ops, is modelled as the ring; default: the preset's, else none")
     t.add_argument("--overlap-param-gather", choices=["on", "off"],
                    help="optim.overlap_param_gather (ZeRO 1/2): the post-step parameter all-gather hidden under the "
                         "next forward (on) or waited for after the update (off); default: the preset's, else off "
@@ -144,8 +145,9 @@ def build_training(a, model) -> Training:
                              f"{gpu(a.gpu).name} has no FP8 tensor cores; give --precision bf16 to plan it in bf16, "
                              f"or an fp8-capable --gpu ({', '.join(fp8_gpus())})")
     overlap = a.tp_overlap or preset.get("parallel", {}).get("tp_overlap") or "none"
-    if overlap not in ("none", "ring"):
-        raise ValueError(f"parallel.tp_overlap={overlap!r} (the preset's) is not planned: use --tp-overlap none or ring")
+    if overlap not in ("none", "ring", "symm_mem"):
+        raise ValueError(f"parallel.tp_overlap={overlap!r} (the preset's) is not planned: use --tp-overlap none, ring "
+                         "or symm_mem")
     if a.overlap_param_gather and a.zero not in (1, 2):
         raise ValueError(f"--overlap-param-gather is read at --zero 1 or 2 (the post-step parameter all-gather), "
                          f"not --zero {a.zero}; drop it")
@@ -165,7 +167,8 @@ def _fmt_row(p) -> str:
 def report(preds, model, cluster, tr, *, top: int, out=sys.stdout) -> None:
     print(f"{model.name} on {cluster.world} x {cluster.gpu.name} ({cluster.nodes} nodes x {cluster.gpus_per_node}), "
           f"seq {tr.seq_length}, global batch {tr.global_batch_size}, {tr.precision}, {tr.recompute} recompute, "
-          f"ZeRO {tr.zero}" + (", TP ring overlap" if tr.tp_overlap == "ring" else "")
+          f"ZeRO {tr.zero}" + {"ring": ", TP ring overlap", "symm_mem": ", TP symm_mem overlap (modelled as the ring)"}
+          .get(tr.tp_overlap, "")
           + ({True: ", parameter gather overlapped", False: ", parameter gather after the update"}
              .get(tr.overlap_param_gather, "") if tr.zero in (1, 2) else "")
           + f"; fits = at most {cluster.capacity_bytes / GIB:.1f} GiB "

@@ -96,6 +96,8 @@ class Training:
     attention: str = "flash"  # or "unfused": scores materialised, softmax and dropout memory-bound (pre-2022 Megatron)
     # tp_overlap: "none" (Tessel's plain path: every TP collective exposed), "ring" (parallel.tp_overlap = ring:
     # each sequence-parallel collective a ring of tp - 1 p2p steps under the linear's GEMM chunks), or
+    # "symm_mem" (parallel.tp_overlap = symm_mem: the same chunked decomposition, run by PyTorch's fused
+    # symmetric-memory ops; modelled as the ring), or
     # "async_backward" (Megatron-LM since 2022: the column-parallel backward's input-gradient reduction runs
     # under the weight-gradient GEMM and its input regather under the input-gradient GEMM; validation rows only)
     tp_overlap: str = "none"
@@ -112,11 +114,14 @@ class Training:
     def __post_init__(self):
         if self.attention not in ("flash", "unfused"):
             raise ValueError(f"attention={self.attention!r}: use 'flash' or 'unfused'")
-        if self.tp_overlap not in ("none", "ring", "async_backward"):
-            raise ValueError(f"--tp-overlap {self.tp_overlap!r}: use none or ring")
-        if self.tp_overlap == "ring" and not self.sequence_parallel:
-            raise ValueError("--tp-overlap ring decomposes the sequence-parallel collectives: it needs sequence "
-                             "parallelism")
+        if self.tp_overlap not in ("none", "ring", "symm_mem", "async_backward"):
+            raise ValueError(f"--tp-overlap {self.tp_overlap!r}: use none, ring or symm_mem")
+        if self.tp_overlap in ("ring", "symm_mem") and not self.sequence_parallel:
+            raise ValueError(f"--tp-overlap {self.tp_overlap} decomposes the sequence-parallel collectives: it needs "
+                             "sequence parallelism")
+        if self.tp_overlap == "symm_mem" and self.precision == "fp8":
+            raise ValueError("--tp-overlap symm_mem with FP8: the FP8 linears have no symmetric-memory form "
+                             "(parallel.tp_overlap = 'symm_mem' is refused with model.fp8); use --tp-overlap ring")
         if self.grad_reduce_bytes not in (2, 4):
             raise ValueError(f"grad_reduce_bytes={self.grad_reduce_bytes}: use 2 or 4")
         if self.recompute not in ("none", "selective", "full"):
@@ -266,7 +271,8 @@ def tp_layer_comm(config, *, t: int, tp: int, sp: bool, elem: int, tr: Training,
     gradient) and an all-gather (row output gradient); without, one all-reduce each way. A layer has two
     pairs (attention: QKV + out; MLP: fc1 + fc2).
 
-    ``tr.tp_overlap == "ring"`` (parallel/tensor_parallel/overlap.py): each of those collectives is a ring of
+    ``tr.tp_overlap == "ring"`` (parallel/tensor_parallel/overlap.py), or ``"symm_mem"`` (the same decomposition
+    through PyTorch's fused ops, its chunks copied over NVLink: modelled the same): each of those collectives is a ring of
     tp - 1 p2p steps of one (t / tp, h) chunk; step i's transfer runs while the linear's GEMM on chunk i
     runs, and the next step waits for both, so a ring costs tp - 1 times max(transfer, chunk GEMM) plus the
     last chunk's GEMM: exposed ``(tp - 1) max(0, transfer - chunk GEMM)``; the GEMM, cut into tp chunks of
@@ -501,7 +507,7 @@ def predict(model, lay: Layout, tr: Training, cluster: Cluster, *, steady_state:
     cfg = model.run_config(tp=lay.tp, pp=lay.pp, vp=lay.vp, dp=lay.dp, cp=lay.cp, mbs=lay.mbs,
                            gbs=tr.global_batch_size, seq=tr.seq_length, recompute=tr.recompute, zero=tr.zero,
                            dtype=dtype, fp8=tr.precision == "fp8", ep=lay.ep, sequence_parallel=tr.sequence_parallel,
-                           tp_overlap="ring" if tr.tp_overlap == "ring" and lay.tp > 1 else "none",
+                           tp_overlap=tr.tp_overlap if tr.tp_overlap in ("ring", "symm_mem") and lay.tp > 1 else "none",
                            overlap_param_gather=tr.overlap_param_gather)
     model.config.check_tensor_parallel(lay.tp)
     m = cfg.num_microbatches(lay.dp)

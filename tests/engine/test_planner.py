@@ -268,6 +268,13 @@ def test_ring_overlap_hides_each_step_under_its_chunk_gemm():
         assert got8 == pytest.approx((fwd8, bwd8, extra), rel=1e-12)
     with pytest.raises(ValueError, match="needs sequence parallelism"):
         replace(ring, sequence_parallel=False)
+    # symm_mem: the same decomposition through PyTorch's fused ops, modelled as the ring; not with FP8
+    symm = replace(ring, tp_overlap="symm_mem")
+    assert tp_layer_comm(c, t=t, tp=tp, sp=True, elem=2, tr=symm, cluster=cl, peak=989.0, attn_shapes=attn) == got
+    with pytest.raises(ValueError, match="symm_mem with FP8.*use --tp-overlap ring"):
+        replace(symm, precision="fp8")
+    with pytest.raises(ValueError, match="symm_mem decomposes the sequence-parallel collectives"):
+        replace(symm, sequence_parallel=False)
 
 
 def test_gemm_time_counts_whole_waves_of_tiles():

@@ -85,6 +85,12 @@ def test_tp_overlap_ring_flag(tmp_path, capsys):
     assert (a["tp_overlap"], b["tp_overlap"]) == ("none", "ring")
     key = ("tp", "pp", "vp", "dp", "cp")
     by = {tuple(x[k] for k in key): x for x in a["layouts"]}
+    symm = tmp_path / "symm.json"  # modelled as the ring: the same predictions
+    assert main(base + ["--tp-overlap", "symm_mem", "--json", str(symm)]) == 0
+    assert "TP symm_mem overlap (modelled as the ring)" in capsys.readouterr().out
+    s = json.loads(symm.read_text())
+    assert s["tp_overlap"] == "symm_mem" and [x["step_time_s"] for x in s["layouts"]] == [
+        x["step_time_s"] for x in b["layouts"]]
     for x in b["layouts"]:
         y = by[tuple(x[k] for k in key)]
         if x["tp"] == 1:

@@ -14,6 +14,9 @@ kernel takes SMs from the GEMMs.
     row backward      dx = all_gather(dy) @ W        fused_all_gather_matmul(dy, [W], return_A): the
                       dW = all_gather(dy)^T x        gathered dy comes back for dW
 
+Split backward (zero-bubble schedules): both weight-gradient GEMMs go to the W action's queue, as the
+plain path's do (parallel/tensor_parallel/wgrad.py); the collectives stay in B.
+
 Bytes: the fused ops read or write the p - 1 other chunks, exactly the ring collectives' bytes; the
 ledger records them as the all_gather / reduce_scatter they replace (``comm.fused``), so the tp bytes
 per step equal the plain path's. Results: the same products; the reduce-scatter sums the p partials in
@@ -43,6 +46,7 @@ from parallel import comm
 from parallel.comm import Group
 from parallel.mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from parallel.tensor_parallel.layers import LinearImpl
+from parallel.tensor_parallel.wgrad import defer_weight_grad
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,8 @@ class _SymmColumn(torch.autograd.Function):
         if gather is not None:
             x_full, work = gather
             comm.wait(work, group)
-            grad_w = _rows(dy).t().matmul(_rows(x_full))  # (out/tp, in)
+            if not defer_weight_grad(weight, x_full, dy):  # a zero-bubble W action may take the GEMM
+                grad_w = _rows(dy).t().matmul(_rows(x_full))  # (out/tp, in)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = _rows(dy).sum(0)
         return grad_x, grad_w, grad_b, None, None
@@ -175,7 +180,9 @@ class _SymmRow(torch.autograd.Function):
         with comm.fused("all_gather", dy_shard, group):
             dy, (grad_x,) = ops.all_gather_matmul(dy_shard, [weight], 0, _group_name(group), return_A=True)
         # dy: (s, b, out) gathered; grad_x: (s, b, in/tp)
-        grad_w = _rows(dy).t().matmul(_rows(x)) if ctx.needs_input_grad[1] else None  # (out, in/tp)
+        grad_w = None
+        if ctx.needs_input_grad[1] and not defer_weight_grad(weight, x, dy):  # or queued for a W action
+            grad_w = _rows(dy).t().matmul(_rows(x))  # (out, in/tp)
         return (grad_x if ctx.needs_input_grad[0] else None), grad_w, None, None
 
 

@@ -15,8 +15,9 @@ and ``W`` (weight gradients: nobody waits). The TP linears (:class:`DefaultLinea
   the queue then drops its tensors.
 
 Outside ``capture`` a deferrable linear computes its weight gradient at once (the result is the same).
-Biases, norms, embeddings and any layer not built on :class:`DefaultLinearImpl` (FP8, ring overlap,
-LoRA, experts, the fused linear + cross-entropy head) get their gradients in ``B``.
+The symmetric-memory linears (parallel/tensor_parallel/symm_mem.py) defer theirs too. Biases, norms,
+embeddings and any other layer (FP8, ring overlap, LoRA, experts, the fused linear + cross-entropy head)
+get their gradients in ``B``.
 
 The two switches are thread-local context managers (like ``torch.no_grad``), entered by the pipeline
 runtime around one forward or one backward: no state outlives them.

@@ -267,3 +267,35 @@ def _symm_mem_on_one_gpu():
 def test_symm_mem_cuda_ops_match_plain_gemms_on_one_gpu():
     rel = run_distributed(_symm_mem_on_one_gpu, 1, backend="nccl", timeout=90)[0]
     assert max(rel.values()) < 1e-2, rel  # bf16: the same products, rounded in another order
+
+
+def _symm_mem_split_backward():
+    """tp2, symm_mem (reference ops): a backward inside a zero-bubble capture queues both weight-gradient
+    GEMMs (B leaves the weights without gradients), and the W action's run gives the plain backward's."""
+    import torch.distributed as dist
+
+    from parallel.mesh import Mesh, ParallelDims
+    from parallel.tensor_parallel.symm_mem import SymmMemLinearImpl, reference_ops
+    from parallel.tensor_parallel.wgrad import WgradQueue, capture
+
+    mesh = Mesh.build(ParallelDims.for_world(dist.get_world_size(), tp=2))
+    g = torch.Generator().manual_seed(5)
+    x, dy = torch.randn(S // 2, B, H, generator=g), torch.randn(S // 2, B, H, generator=g)
+    params = (torch.randn(F, H, generator=g), torch.randn(H, F, generator=g), torch.randn(F, generator=g),
+              torch.randn(H, generator=g))
+    grads, queued = [], None
+    for split in (False, True):
+        col, row = _layers(mesh.tp, SymmMemLinearImpl(reference_ops()), *params)
+        queue = WgradQueue()
+        with capture(queue) if split else torch.enable_grad():
+            (row(torch.relu(col(x.clone().requires_grad_()))) * dy).sum().backward()
+        if split:
+            queued = (len(queue), col.weight.grad is None and row.weight.grad is None)
+            queue.run()
+        grads.append((col.weight.grad, row.weight.grad))
+    return queued, all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_symm_mem_defers_weight_gradients_to_the_w_action():
+    for queued, equal in run_distributed(_symm_mem_split_backward, 2):
+        assert queued == (2, True) and equal

@@ -188,23 +188,24 @@ class _SymmRow(torch.autograd.Function):
 
 class SymmMemLinearImpl(LinearImpl):
     """``parallel.tp_overlap = "symm_mem"``: sequence-parallel TP linears as symmetric-memory collective
-    matmuls. Without sequence parallelism (or at tp = 1) a layer runs the plain path. ``ops``: the fused
-    ops (default :func:`cuda_ops`, resolved at the first call; the tests pass :func:`reference_ops`)."""
+    matmuls. Without sequence parallelism (or at tp = 1) a layer runs the plain path. ``ops``: the ops to
+    run; by default chosen at the first call from the input's device: :func:`cuda_ops` on CUDA, else
+    :func:`reference_ops` (a run config refuses symm_mem on the CPU before any of this; a model built
+    directly, as the tests build one, runs PyTorch's reference definitions there)."""
 
     overlap_comm = True
 
     def __init__(self, ops: FusedOps | None = None):
         self._ops = ops
 
-    @property
-    def ops(self) -> FusedOps:
+    def ops_for(self, x: torch.Tensor) -> FusedOps:
         if self._ops is None:
-            self._ops = cuda_ops()
+            self._ops = cuda_ops() if x.is_cuda else reference_ops()
         return self._ops
 
     def column_forward(self, x, weight, bias, *, group, sequence_parallel, gather_output):
         if sequence_parallel and group.size > 1:
-            y = _SymmColumn.apply(x, weight, bias, group, self.ops)
+            y = _SymmColumn.apply(x, weight, bias, group, self.ops_for(x))
         else:
             y = F.linear(copy_to_tp(x, group), weight, bias)
         return gather_from_tp(y, group) if gather_output else y
@@ -214,10 +215,10 @@ class SymmMemLinearImpl(LinearImpl):
             if x.shape[0] % group.size:
                 raise ValueError(f"symm_mem row-parallel linear: sequence length {x.shape[0]} is not divisible by "
                                  f"tp={group.size}; pad or pack sequences to a multiple of it")
-            y = _SymmRow.apply(x, weight, group, self.ops)
+            y = _SymmRow.apply(x, weight, group, self.ops_for(x))
         else:
             y = reduce_from_tp(F.linear(x, weight), group)
         return y if bias is None else y + bias
 
     def __repr__(self) -> str:
-        return f"SymmMemLinearImpl({'default' if self._ops is None else self._ops.name})"
+        return f"SymmMemLinearImpl({'by device' if self._ops is None else self._ops.name})"

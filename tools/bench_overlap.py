@@ -1,19 +1,24 @@
 """Benchmark: communication hidden under compute. The same layout with parallel.tp_overlap = none and
-ring, launched alternately (none, ring, none, ring, ...) through tools/pretrain.py under torchrun,
-one thread per rank; from each run's metrics.jsonl (rank 0) the medians over the timed steps of:
+ring (``--modes``: symm_mem too, on GPUs), launched alternately (none, ring, ring, none, ...) through
+tools/pretrain.py under torchrun, one thread per rank on the CPU (gloo), one GPU per rank where torch
+sees GPUs (NCCL: exposed time from CUDA events, docs/overlap.md); from each run's metrics.jsonl (rank 0)
+the medians over the timed steps of:
 
     step_time_s          wall seconds per step
     comm_exposed_s_tp    seconds blocked in tensor-parallel communication (nothing computed under it)
     comm_exposed_s       the same over every axis
     comm_bytes_tp        bytes sent over tp (must be equal: the ring moves the plain path's bytes)
 
-and the ratios ring / none. The losses of both modes are compared step by step (the ring changes
-only the summation order: they agree to fp32 rounding).
+and the ratios mode / none. The losses of each mode are compared with none's step by step (the overlap
+changes only the summation order: they agree to fp32 rounding).
 
     .venv/bin/python tools/bench_overlap.py --json docs/benchmarks/overlap.json
     .venv/bin/python tools/bench_overlap.py --no-breakdown --layouts tp2 tp4   (without the breakdown launches)
     .venv/bin/python tools/bench_overlap.py --loss   (the loss's MAX all-reduce in line vs hidden, tp2 and tp4)
     python3 tools/bench_overlap.py --gemm-overhead --device cuda   (one GPU: the chunk GEMMs' overhead)
+    python3 tools/bench_overlap.py --modes none ring symm_mem --layouts tp2 tp4 --config llama3_8b \
+        --set model.num_layers=8 --set data.paths=PREFIX --set data.tokenizer=TOKENIZER.json \
+        --seq 4096 --global-batch 8 --micro-batch 1    (4+ NVLink GPUs; not yet run anywhere)
 
 The breakdown (on by default) adds one launch per mode with a flight recorder (parallel/flight.py) on
 every rank: each rank's tensor-parallel blocked time per kind of call (ring waits, the loss's hidden-MAX
@@ -42,10 +47,9 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `python3 tools/bench_overlap.py` from anywhere: tools.* and engine.* import
     sys.path.insert(0, ROOT)
-LAYOUTS = {"tp2": dict(world=2, tp=2, pp=1), "tp4": dict(world=4, tp=4, pp=1, sets=["model.num_key_value_heads=4"]),
-           "tp2xpp2": dict(world=4, tp=2, pp=2),
+LAYOUTS = {"tp2": dict(world=2, tp=2, pp=1), "tp4": dict(world=4, tp=4, pp=1), "tp2xpp2": dict(world=4, tp=2, pp=2),
            "tp2xpp2-early": dict(world=4, tp=2, pp=2, sets=["parallel.p2p_early_recv=true"])}
-# tp4: the preset's 2 kv heads do not split 4 ways; -early: pipeline receives posted one action ahead
+# -early: pipeline receives posted one action ahead
 KEYS = ("step_time_s", "comm_exposed_s", "comm_exposed_s_tp", "comm_exposed_s_pp", "comm_bytes_tp")
 
 
@@ -56,7 +60,7 @@ def run_once(layout: str, mode: str, args, run_dir: str, *, flights: bool = Fals
             "train.eval_interval=0", "checkpoint.interval=0", "logging.progress_bar=off", "logging.tensorboard=false",
             f"train.global_batch_size={args.global_batch}", f"train.micro_batch_size={args.micro_batch}",
             f"train.seq_length={args.seq}", f"model.max_position_embeddings={max(256, args.seq)}",
-            *lay.get("sets", []), *args.set]
+            *lay.get("sets", []), *kv_heads_for(args, lay["tp"]), *args.set]
     script = [os.path.join(ROOT, "tools", "pretrain.py")]
     if flights:  # this file as the torchrun script: pretrain's path, with a flight recorder (--_worker)
         script = [os.path.abspath(__file__), "--_worker", os.path.join(run_dir, "flights")]
@@ -76,6 +80,26 @@ def run_once(layout: str, mode: str, args, run_dir: str, *, flights: bool = Fals
     if flights:
         return [json.load(open(os.path.join(run_dir, f"flights.{r}.json"))) for r in range(lay["world"])]
     return recs
+
+
+def kv_heads_for(args, tp: int) -> list[str]:
+    """``model.num_key_value_heads`` raised to ``tp`` where the config's kv heads do not split over tp (the
+    CPU preset's 2 at tp4) and its query heads do; nothing otherwise. The override is printed once."""
+    from engine.config import load_config
+
+    m = load_config(args.config, list(args.set)).model
+    kv, heads = m.num_key_value_heads or m.num_attention_heads, m.num_attention_heads
+    if kv % tp == 0 or heads % tp:
+        return []
+    key = (args.config, tp)
+    if key not in _SAID:
+        _SAID.add(key)
+        print(f"bench_overlap: {args.config} has {kv} kv heads, which do not split over tp={tp}: run with "
+              f"model.num_key_value_heads={tp}", flush=True)
+    return [f"model.num_key_value_heads={tp}"]
+
+
+_SAID: set = set()
 
 
 def worker(out_prefix: str, argv: list[str]) -> int:
@@ -263,6 +287,17 @@ def gemm_overhead(args) -> dict:
     return out
 
 
+def _launch_machine() -> tuple[str, int]:
+    """What the launches will run on, as tools/pretrain.py chooses it: ``(description, GPUs)``, GPUs 0 on
+    the CPU (gloo, one thread per rank)."""
+    import torch
+
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        return f"{n} x {torch.cuda.get_device_name(0)}, NCCL, one GPU per rank", n
+    return f"{os.cpu_count()} CPU cores, gloo, 1 thread per rank", 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--_worker"]:
@@ -279,9 +314,13 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="tiny_llama_cpu")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more config overrides")
     p.add_argument("--json", default=None)
-    p.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
-                   help="one more launch per mode with a flight recorder: exposed tp time per kind of call "
-                        "(default on; --no-breakdown skips it)")
+    p.add_argument("--modes", nargs="+", choices=("none", "ring", "symm_mem"), default=["none", "ring"],
+                   help="parallel.tp_overlap values to launch, alternating; 'none' (the baseline of the ratios) must "
+                        "be one. symm_mem needs GPUs (default: none ring)")
+    p.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=None,
+                   help="one more launch per mode with a flight recorder: exposed tp time per kind of call, from "
+                        "host timestamps (default on with gloo; off with GPUs, where the host does not wait for "
+                        "NCCL and the split would say nothing)")
     p.add_argument("--gemm-overhead", action="store_true",
                    help="only the one-device overhead of the ring's chunk GEMMs vs one GEMM (8B shapes; no launch)")
     p.add_argument("--loss", action="store_true",
@@ -308,40 +347,53 @@ def main(argv=None) -> int:
         return 0
     if args.steps < 2 or args.repeats < 1:
         p.error("--steps must be >= 2 and --repeats >= 1")
-    res = {"date": datetime.date.today().isoformat(), "machine": f"{os.cpu_count()} CPU cores, gloo, 1 thread per rank",
+    if "none" not in args.modes or len(set(args.modes)) < 2 or len(set(args.modes)) != len(args.modes):
+        p.error(f"--modes {' '.join(args.modes)}: give 'none' (the baseline) and at least one other mode, each once")
+    machine, gpus = _launch_machine()
+    most = max(LAYOUTS[lay]["world"] for lay in args.layouts)
+    if gpus and gpus < most:
+        p.error(f"--layouts {' '.join(args.layouts)} need {most} ranks, one GPU each, and {gpus} GPU(s) are visible; "
+                "choose smaller layouts (--layouts tp2) or run it where there are enough GPUs")
+    if "symm_mem" in args.modes and not gpus:
+        p.error("--modes symm_mem needs CUDA GPUs with NVLink (symmetric memory); on the CPU compare none and ring")
+    if args.breakdown is None:
+        args.breakdown = not gpus
+    res = {"date": datetime.date.today().isoformat(), "machine": machine,
            "load_average_at_start": list(os.getloadavg()),  # the machine may be shared: say how busy it was
            "command": "python tools/bench_overlap.py " + " ".join(argv),
            "layouts": {}}
+    modes = list(args.modes)
     for layout in args.layouts:
-        samples = {m: {k: [] for k in KEYS} for m in ("none", "ring")}
+        samples = {m: {k: [] for k in KEYS} for m in modes}
         losses = {}
         with tempfile.TemporaryDirectory(prefix="tessel_overlap_") as tmp:
             for rep in range(args.repeats):
-                for mode in ("none", "ring") if rep % 2 == 0 else ("ring", "none"):
+                for mode in modes if rep % 2 == 0 else modes[::-1]:  # alternate the order between repeats
                     recs = run_once(layout, mode, args, os.path.join(tmp, f"{mode}{rep}"))
                     losses.setdefault(mode, [r["loss"] for r in recs])
                     for r in recs[1:]:
                         for k in KEYS:
                             samples[mode][k].append(r.get(k, 0.0))
         out = {m: {k: statistics.median(v) for k, v in d.items()} for m, d in samples.items()}
-        base, ring = out["none"], out["ring"]
-        out["ratio_ring_over_none"] = {k: (ring[k] / base[k] if base[k] else None) for k in KEYS}
-        out["loss_max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(losses["ring"], losses["none"]))
+        base = out["none"]
+        for m in (m for m in modes if m != "none"):
+            o = out[m]
+            r = out[f"ratio_{m}_over_none"] = {k: (o[k] / base[k] if base[k] else None) for k in KEYS}
+            out.setdefault("loss_max_rel_diff", {})[m] = max(abs(a - b) / abs(b) for a, b in zip(losses[m], losses["none"]))
+            print(f"{layout} {m}: step {base['step_time_s']:.3f} s -> {o['step_time_s']:.3f} s ({r['step_time_s']:.2f}x); "
+                  f"exposed tp {base['comm_exposed_s_tp']:.3f} s -> {o['comm_exposed_s_tp']:.3f} s "
+                  f"({r['comm_exposed_s_tp']:.2f}x); exposed all {base['comm_exposed_s']:.3f} -> "
+                  f"{o['comm_exposed_s']:.3f} s; tp bytes equal: {base['comm_bytes_tp'] == o['comm_bytes_tp']}; "
+                  f"losses agree to {out['loss_max_rel_diff'][m]:.1e}", flush=True)
         if args.breakdown:
             with tempfile.TemporaryDirectory(prefix="tessel_overlap_") as tmp:
                 out["breakdown_tp"] = {m: breakdown(run_once(layout, m, args, os.path.join(tmp, m), flights=True))
-                                       for m in ("none", "ring")}
+                                       for m in modes}
             for m, kinds in out["breakdown_tp"].items():
                 print(f"{layout} {m}: exposed tp per step by kind: " + "; ".join(
                     f"{k} {v['s']:.3f} s (peer late {v['late_s']:.3f}, {v['calls']:.0f} calls)"
                     for k, v in kinds.items()), flush=True)
         res["layouts"][layout] = out
-        r = out["ratio_ring_over_none"]
-        print(f"{layout}: step {base['step_time_s']:.3f} s -> {ring['step_time_s']:.3f} s ({r['step_time_s']:.2f}x); "
-              f"exposed tp {base['comm_exposed_s_tp']:.3f} s -> {ring['comm_exposed_s_tp']:.3f} s "
-              f"({r['comm_exposed_s_tp']:.2f}x); exposed all {base['comm_exposed_s']:.3f} -> "
-              f"{ring['comm_exposed_s']:.3f} s; tp bytes equal: {base['comm_bytes_tp'] == ring['comm_bytes_tp']}; "
-              f"losses agree to {out['loss_max_rel_diff']:.1e}", flush=True)
     res["load_average_at_end"] = list(os.getloadavg())
     if args.json:
         with open(args.json, "w") as f:

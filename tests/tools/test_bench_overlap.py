@@ -42,3 +42,28 @@ def test_loss_times_both_ways_of_running_the_max():
         assert set(res) == {"false", "true"}
         for d in res.values():
             assert 0 <= d["blocked_s"] <= d["forward_s"]
+
+
+def test_modes_and_machine_are_checked_before_any_launch(monkeypatch, capsys):
+    import pytest
+
+    for argv, message in ((["--modes", "ring"], "give 'none' (the baseline)"),
+                          (["--modes", "none", "none"], "each once"),
+                          (["--modes", "none", "symm_mem"], "symm_mem needs CUDA GPUs")):
+        with pytest.raises(SystemExit):
+            bench_overlap.main(argv)
+        assert message in capsys.readouterr().err
+    monkeypatch.setattr(bench_overlap, "_launch_machine", lambda: ("2 x H100, NCCL", 2))
+    with pytest.raises(SystemExit):
+        bench_overlap.main(["--layouts", "tp2", "tp4"])
+    assert "need 4 ranks, one GPU each, and 2 GPU(s) are visible" in capsys.readouterr().err
+
+
+def test_kv_heads_are_raised_only_where_they_do_not_split(capsys):
+    import argparse
+
+    tiny = argparse.Namespace(config="tiny_llama_cpu", set=[])  # 4 heads, 2 kv heads
+    assert bench_overlap.kv_heads_for(tiny, 2) == []
+    assert bench_overlap.kv_heads_for(tiny, 4) == ["model.num_key_value_heads=4"]
+    assert "do not split over tp=4" in capsys.readouterr().out
+    assert bench_overlap.kv_heads_for(argparse.Namespace(config="llama3_8b", set=[]), 8) == []  # 8 kv heads

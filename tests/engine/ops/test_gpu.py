@@ -171,6 +171,53 @@ def test_fp8_cast_transpose_scaled_cuda_bit_for_bit():
             assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1]), (fmt, pow2)
 
 
+def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8).cpu(), b.view(torch.uint8).cpu())
+
+
+def _same_amax(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.cpu(), b.cpu()
+    return bool(torch.isnan(a).all() and torch.isnan(b).all()) or torch.equal(a, b)
+
+
+def check_scaled_cast_given_scale(device: str) -> None:
+    """The delayed recipe's real call: ``scale=`` given (not derived from an amax), with the amax returned or
+    folded into a running maximum; the casts that skip out_t (a sequence shard's, a gradient's whose weight
+    needs none); a positive NaN and -inf in x (the NaN must win in the amax, returned or folded); and
+    (1032, 1000), a wide shape whose last 64-row tile leaves its second 32-row pass out of range. Against
+    the CPU reference, bit for bit. ``device``: "cuda" on a GPU; "cpu" dry-runs it on the CPU extension."""
+    from engine.ops.fp8_cast_transpose import fp8_cast_transpose_scaled, fp8_cast_transpose_scaled_reference
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+            for shape in ((1032, 1000), (4099, 1031), (1000, 1032)):
+                x = (torch.randn(*shape, device=device) * 100).to(dtype)
+                for special in (False, True):
+                    if special:
+                        x[5, 7], x[-1, 0] = float("nan"), float("-inf")
+                    scale = torch.tensor([2.5], device=device)
+                    case = (dtype, fmt, shape, special)
+                    got = fp8_cast_transpose_scaled(x, scale=scale, fmt=fmt, backend="native")
+                    want = fp8_cast_transpose_scaled_reference(x.cpu(), scale=scale.cpu(), fmt=fmt)
+                    assert _bytes_equal(got[0], want[0]) and _bytes_equal(got[1], want[1]), case
+                    assert _same_amax(got[2], want[2]) and torch.equal(got[3].cpu(), want[3]), case
+                    assert torch.isnan(got[2].cpu()).all() == special, case
+                    lean = fp8_cast_transpose_scaled(x, scale=scale, fmt=fmt, want_out_t=False, want_amax=False,
+                                                     backend="native")
+                    assert lean[1] is None and lean[2] is None and _bytes_equal(lean[0], got[0]), case
+                    pending, ref = torch.tensor([0.5], device=device), torch.tensor([0.5])
+                    fp8_cast_transpose_scaled(x, scale=scale, fmt=fmt, want_amax=False, amax_into=pending,
+                                              backend="native")
+                    fp8_cast_transpose_scaled_reference(x.cpu(), scale=scale.cpu(), fmt=fmt, want_amax=False,
+                                                        amax_into=ref)
+                    assert _same_amax(pending, ref), case
+
+
+@pytest.mark.skipif(not _native.has_cuda("fp8"), reason="engine._fp8 was built without CUDA")
+def test_fp8_cast_transpose_scaled_cuda_given_scale_nan_and_lean_outputs():
+    check_scaled_cast_given_scale("cuda")
+
+
 @pytest.mark.skipif(not _native.has_cuda("fp8"), reason="engine._fp8 was built without CUDA")
 def test_fp8_cast_transpose_grid_cuda_bit_for_bit():
     """The row-, column-, tile- and block-scaled casts (the row- and block-wise recipes' quantisation)."""

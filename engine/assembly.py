@@ -503,7 +503,8 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
                                        mix=u.mix, compression=u.compression, topk_fraction=u.topk_fraction,
                                        layout=u.fragment_layout, start_step=u.start_step,
                                        counts=lambda q: counts_in_norm(q, tp_group=mesh.tp),
-                                       norm_groups=(mesh.tp, mesh.pp))
+                                       norm_groups=(mesh.tp, mesh.pp), tp_group=mesh.tp,
+                                       embedding_group=mesh.embedding)
     if cfg.fault.hang_timeout_s is not None:  # the flight recorder (fed by parallel/comm) and the hang watchdog
         from engine.watchdog import Watchdog
         from parallel.flight import FlightRecorder

@@ -297,7 +297,7 @@ def _global_rank() -> int:
 
 
 def describe_nonfinite(pieces, *, norm: float, groups: Sequence[Group | None], step: int,
-                       device: torch.device | str = "cpu") -> str:
+                       device: torch.device | str = "cpu", local: bool = False) -> str:
     """Find this rank's first parameter (in the order of ``pieces``) with a non-finite gradient and the
     lowest global rank that has one (a collective over ``groups``: every rank must call it, which they
     do since the norm is global). Returns the report."""
@@ -312,8 +312,10 @@ def describe_nonfinite(pieces, *, norm: float, groups: Sequence[Group | None], s
         f"rank {me}: local gradients finite"
     low = int(lowest.item())
     bad = f"lowest rank with a non-finite gradient: {low}" if low < big else "no rank found a non-finite element"
-    return (f"non-finite gradient norm ({norm}) at update {step}; {where}; {bad}. The gradients were checked "
-            "after the data-parallel reduction, so every replica of a bad bucket sees it")
+    how = ("Each replica's gradients are its own (DiLoCo's inner steps); the replicas agreed to skip together"
+           if local else "The gradients were checked after the data-parallel reduction, so every replica of a bad "
+           "bucket sees it")
+    return f"non-finite gradient norm ({norm}) at update {step}; {where}; {bad}. {how}"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -408,11 +410,19 @@ class Optimizer:
         self.dist.prepare_grads()
         norm = float(self.grad_norm())
         lr = self.schedule(self.step_count)
+        if self.ddp.local_grads and self.ddp.dp_group.size > 1:
+            # DiLoCo's inner steps: each replica's norm is its own, so a non-finite gradient on one replica is
+            # seen there only. The replicas agree first (one float64 MAX over dp), so that all of them skip,
+            # report and keep the same step count (else one would wait alone in the report's collective).
+            bad = torch.tensor([0.0 if math.isfinite(norm) else 1.0], dtype=torch.float64, device=self.device)
+            comm.all_reduce(bad, self.ddp.dp_group, op="max")
+            if bad.item() and math.isfinite(norm):
+                norm = float("nan")  # another replica's gradient: this step is non-finite for the whole run
         if not math.isfinite(norm):
             # Every rank of the model's groups is here (the norm is global), so collectives are safe.
             pieces = sorted(self.dist.pieces, key=lambda pc: self._order[id(pc.param)])
             msg = describe_nonfinite(pieces, norm=norm, groups=(self.ddp.dp_group, self.tp_group, self.pp_group),
-                                     step=self.step_count, device=self.device)
+                                     step=self.step_count, device=self.device, local=self.ddp.local_grads)
             if self.nonfinite == "stop":
                 raise NonFiniteGradError(msg + "; stopping (optim.nonfinite='stop'; 'skip' would skip the step)")
             log.warning("%s; skipping this step", msg)

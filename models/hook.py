@@ -187,6 +187,13 @@ class ModelHook:
                            moe_dispatcher=cfg.parallel.moe_dispatcher,
                            moe_bias_update_rate=cfg.parallel.moe_bias_update_rate,
                            expert_tp=cfg.parallel.expert_tp)
+        u = cfg.outer
+        if (u.method == "streaming_diloco" and u.fragments > 1 and u.fragment_layout == "contiguous"
+                and cfg.parallel.pp > 1 and hook.config.tie_word_embeddings):
+            raise ValueError(f"outer.fragment_layout='contiguous' with tied embeddings at parallel.pp={cfg.parallel.pp}: "
+                             "each stage cuts its own fragments, so the embedding's copies on the first and last stage "
+                             "would sync at different steps and drift apart; use outer.fragment_layout='strided' "
+                             "(both copies in fragment 0) or model.tie_word_embeddings=false")
         # The run's device (engine.assembly builds on CUDA when there is one): symm_mem needs it, and FP8's
         # linears have no symmetric-memory form.
         check_tp_overlap(cfg.parallel.tp_overlap, tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel,

@@ -202,6 +202,8 @@ def load_trainer(trainer, path: str | os.PathLike, *, group: Group | None, loade
                              allow_dtype_cast=model_only)
     if model_only:
         trainer.optimizer.reset_masters_from_params()
+        for _, comp in _local_components(trainer):  # DiLoCo's anchor: the loaded weights, not the initial ones
+            comp.load_state(None, None)
         return result
     state = dict(result.trainer_state or {})
     if "optimizer_steps" in state:  # written before the optimizer kept its own state
@@ -221,6 +223,12 @@ def load_trainer(trainer, path: str | os.PathLike, *, group: Group | None, loade
         if saved is not None and result.rank_state is None:
             raise ValueError(f"checkpoint {result.path} holds per-rank {name} state (DiLoCo / gradient compression) "
                              "written in another parallel layout; resume it with the layout it was saved in")
-        found = saved is not None and not any(st.key in result.missing for st in local[name].values())
+        lacking = sorted(k for k, st in local[name].items() if st.key in result.missing)
+        if saved is not None and lacking:  # e.g. outer.momentum 0 -> 0.9, outer.compression none -> topk
+            raise ValueError(f"checkpoint {result.path} holds {name} state without {', '.join(lacking)}, which this "
+                             f"run keeps: its {name} settings (outer.method, outer.momentum, outer.compression, "
+                             "optim.grad_compression) differ from the saved run's; resume with the saved settings "
+                             "(a fresh start of the outer loop would silently drop the replicas' own weights)")
+        found = saved is not None
         comp.load_state(saved if found else None, {k: st.data for k, st in local[name].items()} if found else None)
     return result

@@ -22,6 +22,8 @@ added to the next step's gradient), which a checkpoint saves (:meth:`state_tenso
 """
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from parallel import comm
@@ -95,7 +97,11 @@ class PowerSGD(GradCompressor):
                             raise ValueError(f"optim.powersgd_rank={self.rank} exceeds the size of matrix {name!r} "
                                              f"(local shape {m} x {n}; min {min(m, n)}): a rank-r factorisation needs "
                                              f"r <= min(m, n); set optim.powersgd_rank <= {min(m, n)}")
-                        g = torch.Generator().manual_seed(self.seed * 1_000_003 + len(self.q))
+                        # seeded by the parameter's name (the same on every dp rank); the two copies of a tied
+                        # embedding (first and last pipeline stage, different names) by one shared key, so
+                        # they start from the same Q and stay equal
+                        key = "shared_embedding" if getattr(p, "shared_embedding", False) else name
+                        g = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(key.encode()))
                         self.q[name] = torch.randn(n, self.rank, generator=g).to(buf.device)  # (n, r)
                         self.error[name] = torch.zeros(m, n, dtype=torch.float32, device=buf.device)
                     entries.append((name, s, e, shape))
@@ -111,15 +117,17 @@ class PowerSGD(GradCompressor):
         mats = [(name, grad[s:e].view(shape)) for name, s, e, shape in entries if len(shape) == 2]
         vecs = [grad[s:e] for name, s, e, shape in entries if len(shape) != 2]
         with torch.no_grad():
-            ms = []
-            for name, g in mats:
-                self.error[name].add_(g)  # M = gradient + error feedback (m, n)
-                ms.append(self.error[name])
+            # M = gradient + error feedback (m, n), new tensors: the error is replaced only once the step is
+            # known finite everywhere, so one non-finite gradient does not poison it for the rest of the run.
+            ms = [self.error[name] + g for name, g in mats]
             ps = [m @ self.q[name] for (name, _), m in zip(mats, ms)]  # each (m, r)
             flat = torch.cat([p.reshape(-1) for p in ps] + [v.reshape(-1) for v in vecs]) if (ps or vecs) else None
             if flat is None:
                 return
             comm.all_reduce(flat, self.group)  # sum of P over dp, plus the 1-D gradients uncompressed
+            # A non-finite gradient on any rank makes the sums non-finite on every rank: the same verdict
+            # everywhere, kept on the device (no host sync).
+            ok = torch.isfinite(flat).all()
             sizes = [p.numel() for p in ps] + [v.numel() for v in vecs]
             parts = list(flat.split(sizes))
             for v, part in zip(vecs, parts[len(ps):]):
@@ -128,18 +136,21 @@ class PowerSGD(GradCompressor):
                 return
             p_hats = []
             for p, part in zip(ps, parts[:len(ps)]):
-                p_hat, _ = torch.linalg.qr(part.view(p.shape))  # (m, r) orthonormal columns
+                safe = torch.where(ok, part.view(p.shape), 0.0)  # QR of a non-finite matrix may fail
+                p_hat, _ = torch.linalg.qr(safe)  # (m, r) orthonormal columns
                 p_hats.append(p_hat)
-            qs = [m.t() @ p_hat for m, p_hat in zip(ms, p_hats)]  # each (n, r)
+            qs = [torch.where(ok, m, 0.0).t() @ p_hat for m, p_hat in zip(ms, p_hats)]  # each (n, r)
             qflat = torch.cat([q.reshape(-1) for q in qs])
             comm.all_reduce(qflat, self.group)  # sum of Q over dp
             p_size = self.group.size
+            nan = torch.tensor(float("nan"), device=grad.device)
             for (name, g), m, p_hat, q, part in zip(mats, ms, p_hats, qs, qflat.split([q.numel() for q in qs])):
                 q_sum = part.view(q.shape)  # (n, r)
                 approx_sum = p_hat @ q_sum.t()  # (m, n): the rank-r estimate of the SUM of M over dp
-                g.copy_(approx_sum)
-                m.sub_(approx_sum, alpha=1.0 / p_size)  # error feedback: what this rank's share lost
-                self.q[name] = q_sum.clone()  # warm start for the next step
+                g.copy_(torch.where(ok, approx_sum, nan))  # non-finite: the optimizer sees it and skips
+                # error feedback: what this rank's share lost; kept as it was on a non-finite step
+                self.error[name] = torch.where(ok, m.sub_(approx_sum, alpha=1.0 / p_size), self.error[name])
+                self.q[name] = torch.where(ok, q_sum, self.q[name])  # warm start for the next step
 
     def bytes_per_step(self) -> dict[str, int]:
         """Elements all-reduced per step: ``{"matrices": sum r * (m + n), "vectors": sum of 1-D sizes}``."""
@@ -191,27 +202,51 @@ class OneBit(GradCompressor):
         return -(-n // self.chunk) * self.chunk
 
     def attach(self, ddp) -> None:
+        self.mask: dict[str, torch.Tensor] = {}  # key -> (n_pad,) 1 on parameter elements, 0 on any padding
+        # key -> positions of parameters replicated over TP: a chunk's scale mixes them with TP-sharded
+        # neighbours, so each TP rank would decode them differently; their decoded sums are averaged over tp
+        self.replicated: dict[str, torch.Tensor] = {}
+        tp = getattr(ddp, "tp_group", None)
+        self.tp_group = tp if tp is not None and tp.size > 1 else None
         for bi, buf in enumerate(ddp.flat_buffers):
             for b in buf.buckets:
-                self.error[f"b{bi}.{b.index}"] = torch.zeros(self.padded(b.numel), dtype=torch.float32,
-                                                             device=buf.device)
+                key = f"b{bi}.{b.index}"
+                self.error[key] = torch.zeros(self.padded(b.numel), dtype=torch.float32, device=buf.device)
+                mask = torch.zeros(self.padded(b.numel), dtype=torch.float32, device=buf.device)
+                rep = torch.zeros(b.numel, dtype=torch.bool, device=buf.device)
+                for (s, e), p in zip(b.ranges, b.params):
+                    mask[s:e] = 1.0
+                    rep[s:e] = not getattr(p, "tensor_parallel", False)
+                self.mask[key] = mask
+                if self.tp_group is not None and bool(rep.any()):
+                    self.replicated[key] = rep.nonzero().squeeze(1)
 
     def reduce(self, key, grad, bucket) -> None:
         with torch.no_grad():
             n = grad.numel()
-            x = self.error[f"b{key[0]}.{key[1]}"]  # (n_pad,)
-            x[:n].add_(grad)  # gradient + error feedback; the padding stays 0 + its own (zero) error
+            k = f"b{key[0]}.{key[1]}"
+            x = self.error[k].clone()  # (n_pad,); the error is replaced only once the step is known finite
+            x[:n].add_(grad)  # gradient + error feedback
             chunks = x.view(-1, self.chunk)  # (n_pad / chunk, chunk)
             scales = chunks.abs().mean(dim=1)  # (n_pad / chunk,)
             bits = pack_signs(x)  # (n_pad / 8,)
-            decoded = unpack_signs(bits).view(-1, self.chunk) * scales.unsqueeze(1)  # (n_pad / chunk, chunk)
-            x.sub_(decoded.view(-1))  # error feedback: what the sign and scale dropped
+            # padding (the bucket's and the chunks') decodes to 0: its sign bit (+) carries nothing
+            mask = self.mask[k]
+            decoded = (unpack_signs(bits).view(-1, self.chunk) * scales.unsqueeze(1)).view(-1) * mask  # (n_pad,)
             all_bits = comm.all_gather(bits, self.group)  # (p * n_pad / 8,)
             all_scales = comm.all_gather(scales, self.group)  # (p * n_pad / chunk,)
+            # a non-finite gradient on any rank makes its scales non-finite: the same verdict on every rank
+            ok = torch.isfinite(all_scales).all()
+            self.error[k] = torch.where(ok, x.sub_(decoded), self.error[k])  # what the sign and scale dropped
             p = self.group.size
             signs = unpack_signs(all_bits).view(p, -1, self.chunk)  # (p, n_pad / chunk, chunk)
-            total = (signs * all_scales.view(p, -1, 1)).sum(dim=0).view(-1)  # (n_pad,)
-            grad.copy_(total[:n])
+            total = (signs * all_scales.view(p, -1, 1)).sum(dim=0).view(-1) * mask  # (n_pad,)
+            idx = self.replicated.get(k)
+            if idx is not None:  # the same bucket layout on every TP rank: all of them call it
+                vals = total[idx]
+                comm.all_reduce(vals, self.tp_group)
+                total[idx] = vals.div_(self.tp_group.size)
+            grad.copy_(torch.where(ok, total[:n], float("nan")))  # non-finite: the optimizer skips
 
     def bytes_per_step(self, numels: list[int]) -> int:
         """Bytes this rank sends per step for buckets of ``numels`` under the ring all-gather model."""

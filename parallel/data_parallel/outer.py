@@ -82,7 +82,8 @@ class OuterOptimizer:
                  lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True, fragments: int = 1, mix: float = 1.0,
                  compression: str = "none", topk_fraction: float = 0.01, chunk: int = DEFAULT_INT8_CHUNK,
                  layout: str = "strided", start_step: int = 0, counts=None,
-                 norm_groups: tuple[Group | None, ...] = ()):
+                 norm_groups: tuple[Group | None, ...] = (), tp_group: Group | None = None,
+                 embedding_group: Group | None = None):
         if method not in ("diloco", "streaming_diloco"):
             raise ValueError(f"outer.method={method!r}: the outer optimizer runs 'diloco' or 'streaming_diloco'")
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
@@ -116,16 +117,27 @@ class OuterOptimizer:
         device = self.masters[0].device
         # Pieces of the masters, each (master index, start, end, parameter), covering every element: a
         # bucket's padding goes with the parameter before it (the first piece starts at the bucket's start).
-        pieces, mask_parts = [], []
+        pieces, mask_parts, rep_parts, tied_parts, n_tied = [], [], [], [], 0
         for i, (_, b, master, _, _, _) in enumerate(dist_opt.owned):
             keep = torch.zeros(master.numel(), dtype=torch.float32, device=device)
+            # copies that must stay equal: parameters replicated over TP, and a tied embedding's copies
+            # (0: neither; 1: replicated over TP; 2: a tied copy, numbered by its order on this rank)
+            rep = torch.zeros(master.numel(), dtype=torch.bool, device=device)
+            tied = torch.zeros(master.numel(), dtype=torch.int8, device=device)
             spans = sorted(zip(b.ranges, b.params), key=lambda x: x[0][0])
             for k, ((s, e), p) in enumerate(spans):
                 end = spans[k + 1][0][0] if k + 1 < len(spans) else master.numel()
                 pieces.append((i, 0 if k == 0 else s, end, p))
                 if counts is None or counts(p):
                     keep[s:e] = 1.0
+                if getattr(p, "shared_embedding", False):
+                    n_tied += 1
+                    tied[s:e] = n_tied
+                elif not getattr(p, "tensor_parallel", False):
+                    rep[s:e] = True
             mask_parts.append(keep)
+            rep_parts.append(rep)
+            tied_parts.append(tied)
         # The outer vector: the masters' pieces in fragment order, so that every fragment is one range of it
         # (for "contiguous" that is the masters' own order).
         if self.layout == "strided":
@@ -141,6 +153,14 @@ class OuterOptimizer:
             ends.append(cursor)
         assert cursor == self.numel, (cursor, self.numel)  # every master element in exactly one piece
         self._norm_mask = torch.cat([mask_parts[i][s:e] for _, i, s, e in self._segments])  # (numel,)
+        # int8 and top-k compress each element depending on its neighbours (a chunk's scale, the top-k
+        # selection), so copies that must stay equal would drift apart: after each sync their averaged
+        # pseudo-gradients are averaged once more over the copies (_equalise). Elementwise compressions
+        # (none, bf16) give equal copies equal results already.
+        self._rep_mask = torch.cat([rep_parts[i][s:e] for _, i, s, e in self._segments])  # (numel,) bool
+        self._tied_ids = torch.cat([tied_parts[i][s:e] for _, i, s, e in self._segments])  # (numel,) 0 / 1 / 2
+        self.tp_group = tp_group if tp_group is not None and tp_group.size > 1 else None
+        self.embedding_group = embedding_group if embedding_group is not None and embedding_group.size > 1 else None
         self.norm_groups = tuple(g for g in norm_groups if g is not None)
         if frag is None:
             self.bounds = self._cut(ends)
@@ -161,7 +181,8 @@ class OuterOptimizer:
         """The fragment of each of ``params`` under the strided layout: block ``l`` -> ``l % F``; a parameter
         outside the blocks goes with the first block of its model chunk when registered before it
         (embeddings), else with the chunk's last block (final norm, output layer); a chunk without blocks
-        goes to fragment 0."""
+        goes to fragment 0. A tied embedding's copies (``shared_embedding``: the first stage's embedding and
+        the last stage's output layer) both go to fragment 0, so they sync at the same step."""
         layer_of, before = {}, {}
         for name, p in ddp.module.named_parameters():
             chunk = name.split(".", 1)[0] if isinstance(ddp.module, torch.nn.ModuleList) else ""
@@ -175,7 +196,9 @@ class OuterOptimizer:
         out = []
         for p in params:
             where = layer_of[id(p)]
-            if isinstance(where, tuple):
+            if getattr(p, "shared_embedding", False):  # both tied copies with the embedding's block 0: one sync
+                where = 0
+            elif isinstance(where, tuple):
                 first, last = before.get(where[0], (0, 0))
                 where = last if where[1] else first
             out.append(where % self.F)
@@ -344,9 +367,33 @@ class OuterOptimizer:
             comm.all_reduce(applied_sq, g)
         return {"outer_step_norm": float(applied_sq.sqrt()), "outer_syncs": float(self.syncs)}
 
+    def _equalise(self, avg: torch.Tensor, lo: int, hi: int) -> None:
+        """Average, in place, the elements of ``avg`` (the fragment ``[lo, hi)``) that belong to copies which
+        must stay equal, over the copies: TP-replicated parameters over tp; a tied embedding's two copies on
+        this rank (V placement), then over the embedding group (first and last pipeline stage). Only after a
+        compression that is not elementwise (int8, top-k); every rank of each group calls it at the same
+        sync (a tied embedding's copies are in the same fragment, fragment 0)."""
+        if self.compression not in ("int8", "topk"):
+            return
+        if self.tp_group is not None:
+            idx = self._rep_mask[lo:hi].nonzero().squeeze(1)  # (n_rep,): the same positions on every TP rank
+            if idx.numel():
+                vals = avg[idx]
+                comm.all_reduce(vals, self.tp_group)
+                avg[idx] = vals.div_(self.tp_group.size)
+        ids = self._tied_ids[lo:hi]
+        a, b = (ids == 1).nonzero().squeeze(1), (ids == 2).nonzero().squeeze(1)
+        if a.numel() and b.numel():  # both copies on this rank
+            avg[a] = avg[b] = (avg[a] + avg[b]) / 2
+        elif self.embedding_group is not None and a.numel():
+            vals = avg[a]
+            comm.all_reduce(vals, self.embedding_group)
+            avg[a] = vals.div_(self.embedding_group.size)
+
     def _apply(self, pend: _Pending) -> torch.Tensor:
         lo, hi = self.bounds[pend.fragment]
         avg = pend.result if pend.result is not None else pend.finish()  # (hi - lo,)
+        self._equalise(avg, lo, hi)
         if self.mom is not None:
             m = self.mom[lo:hi]
             m.mul_(self.momentum).add_(avg)

@@ -175,3 +175,28 @@ def test_powersgd_rank_above_a_matrix_is_refused():
     with pytest.raises(ValueError, match="zero_stage=0"):
         DataParallel(torch.nn.Linear(3, 8), dp_group=group, zero_stage=1,
                      grad_compressor=PowerSGD(rank=1, dp_group=group))
+
+
+@pytest.mark.parametrize("method", ["powersgd", "onebit"])
+def test_a_nonfinite_step_leaves_the_error_feedback_as_it_was(method):
+    """One non-finite gradient reaches the optimizer as non-finite (it skips the step), and the compressor's
+    error feedback and warm start stay as they were, so the next steps reduce finite gradients again."""
+    from parallel.comm import Group
+    from parallel.data_parallel.compression import OneBit, PowerSGD
+    from parallel.data_parallel.ddp import DataParallel
+
+    torch.manual_seed(0)
+    comp = PowerSGD(rank=2, dp_group=Group.trivial("dp")) if method == "powersgd" else OneBit(dp_group=Group.trivial("dp"))
+    model = torch.nn.Linear(8, 8)
+    ddp = DataParallel(model, dp_group=Group.trivial("dp"), grad_compressor=comp)
+    finite = []
+    for step in range(3):
+        ddp.zero_grad_buffer()
+        loss = model(torch.randn(4, 8)).square().sum()
+        before = {k: v.clone() for k, v in comp.state_tensors().items()}
+        (loss * float("nan") if step == 1 else loss).backward()
+        ddp.finish_grad_sync()
+        finite.append(bool(torch.isfinite(model.weight.main_grad).all()))
+        if step == 1:
+            assert all(torch.equal(before[k], v) for k, v in comp.state_tensors().items())
+    assert finite == [True, False, True]

@@ -350,3 +350,80 @@ def test_bad_inputs_are_refused(extra, needle):
     with pytest.raises(ValueError, match=None) as err:
         _cfg(extra=extra)
     assert needle in str(err.value), str(err.value)
+
+
+def test_contiguous_fragments_with_tied_copies_on_two_stages_are_refused():
+    from models.hook import ModelHook
+
+    cfg = _cfg(extra=["parallel.pp=2", "outer.method=streaming_diloco", "outer.inner_steps=2", "outer.fragments=2",
+                      "outer.fragment_layout=contiguous", "model.tie_word_embeddings=true"])
+    with pytest.raises(ValueError, match="would sync at different steps.*outer.fragment_layout='strided'"):
+        ModelHook.from_run_config(cfg, tokenizer_vocab=None)
+
+
+def _nonfinite_on_one_replica():
+    """DiLoCo's inner step at dp2, a NaN in rank 1's local gradient only: both replicas skip (no rank waits
+    alone in the report's collective) and keep the same step count."""
+    import torch.distributed as dist
+
+    run = _run(_cfg(extra=["outer.method=diloco", "outer.inner_steps=2"]))
+    opt = run.trainer.optimizer
+    if dist.get_rank() == 1:
+        prepare = opt.dist.prepare_grads
+
+        def poisoned():
+            prepare()
+            opt.dist.pieces[0].grad[0] = float("nan")
+        opt.dist.prepare_grads = poisoned
+    st = run.trainer.train_step(run.train_loader)
+    return st.applied, math.isnan(st.grad_norm), opt.step_count
+
+
+def test_a_nonfinite_local_gradient_is_skipped_by_every_replica():
+    assert run_distributed(_nonfinite_on_one_replica, 2, timeout=120) == [(False, True, 0)] * 2
+
+
+def _model_only_load(tmp):
+    """checkpoint.load of a model (no trainer state) into a DiLoCo run: the anchor is the loaded weights."""
+    import torch.distributed as dist
+
+    a = _run(_cfg(extra=["checkpoint.async_save=false"]), run_dir=os.path.join(tmp, "a"), checkpoints=True)
+    for _ in range(2):
+        a.trainer.train_step(a.train_loader)
+    a.save()
+    a.checkpointer.finalize()
+    dist.barrier()
+    b = _run(_cfg(extra=["checkpoint.async_save=false", f"checkpoint.load={a.checkpointer.latest()}",
+                         "outer.method=diloco", "outer.inner_steps=2"]), run_dir=os.path.join(tmp, "b"), checkpoints=True)
+    b.resume()
+    st = b.trainer.outer.state_tensors()
+    return float((st["anchor"] - st["local.master"]).abs().max()), float((st["anchor"] - b.trainer.outer.anchor).abs().max())
+
+
+def test_a_model_only_load_anchors_the_outer_loop_at_the_loaded_weights(tmp_path):
+    for gap, _ in run_distributed(_model_only_load, 2, str(tmp_path), timeout=180):
+        assert gap == 0.0
+
+
+def _resume_with_other_settings(tmp):
+    """Saved with outer momentum 0 (no momentum state), resumed with 0.9: refused, not restarted silently."""
+    import torch.distributed as dist
+
+    base = ["checkpoint.async_save=false", "outer.method=diloco", "outer.inner_steps=2", "outer.nesterov=false"]
+    a = _run(_cfg(extra=base + ["outer.momentum=0.0"]), run_dir=tmp, checkpoints=True)
+    for _ in range(2):
+        a.trainer.train_step(a.train_loader)
+    a.save()
+    a.checkpointer.finalize()
+    dist.barrier()
+    b = _run(_cfg(extra=base + ["outer.momentum=0.9"]), run_dir=tmp, checkpoints=True)
+    try:
+        b.resume()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_resuming_with_other_outer_settings_is_refused(tmp_path):
+    for msg in run_distributed(_resume_with_other_settings, 2, str(tmp_path), timeout=180):
+        assert msg is not None and "outer state without momentum" in msg and "resume with the saved settings" in msg

@@ -217,14 +217,19 @@ def _model_worker(mode: str):
     return losses, {n: p.detach().clone() for n, p in run.trainer.chunks.named_parameters()}
 
 
+@pytest.fixture(scope="module")
+def plain_model():
+    return run_distributed(_model_worker, 4, "none", timeout=180)
+
+
 @pytest.mark.parametrize("mode", ["ring", "symm_mem"])
-def test_whole_model_tp2_pp2_overlap_equals_plain(mode):
+def test_whole_model_tp2_pp2_overlap_equals_plain(mode, plain_model):
     """Through the pipeline (1F1B, TP2 x PP2, SP), 3 optimizer steps: the losses of ring (and of symm_mem,
     on the CPU through PyTorch's reference definitions of its ops) equal the plain path's within 1e-6
     relative, the trained weights within 1e-4 absolute, 1% of one Adam step at lr 0.01 (fp32, summation
     order only; Adam normalises a near-zero gradient, so its rounding difference shows in the update at
     ~1e-5)."""
-    plain = run_distributed(_model_worker, 4, "none", timeout=180)
+    plain = plain_model
     ring = run_distributed(_model_worker, 4, mode, timeout=180)
     for (lp, wp), (lr, wr) in zip(plain, ring):
         assert lr == pytest.approx(lp, rel=1e-6)

@@ -240,16 +240,23 @@ class _RingRow(torch.autograd.Function):
         return grad_x, (acc.to(weight.dtype) if acc is not None else None), None
 
 
-class RingLinearImpl(LinearImpl):
-    """``parallel.tp_overlap = "ring"``: sequence-parallel TP linears as ring collective matmuls.
-    Without sequence parallelism (or at tp = 1) a layer runs the plain path: there is no sequence
-    collective to decompose."""
+class CollectiveMatmulImpl(LinearImpl):
+    """A ``LinearImpl`` that decomposes the sequence-parallel all-gather and reduce-scatter around the GEMMs
+    (``_column``, ``_row``; ``kind`` names it in errors). Without sequence parallelism (or at tp = 1) a layer
+    runs the plain path: there is no sequence collective to decompose."""
 
     overlap_comm = True
+    kind = ""
+
+    def _column(self, x, weight, bias, group):  # (s/tp, b, in) -> (s, b, out/tp)
+        raise NotImplementedError
+
+    def _row(self, x, weight, group):  # (s, b, in/tp) -> (s/tp, b, out)
+        raise NotImplementedError
 
     def column_forward(self, x, weight, bias, *, group, sequence_parallel, gather_output):
         if sequence_parallel and group.size > 1:
-            y = _RingColumn.apply(x, weight, bias, group)
+            y = self._column(x, weight, bias, group)
         else:
             y = F.linear(copy_to_tp(x, group), weight, bias)
         return gather_from_tp(y, group) if gather_output else y
@@ -257,12 +264,24 @@ class RingLinearImpl(LinearImpl):
     def row_forward(self, x, weight, bias, *, group, sequence_parallel):
         if sequence_parallel and group.size > 1:
             if x.shape[0] % group.size:
-                raise ValueError(f"ring row-parallel linear: sequence length {x.shape[0]} is not divisible by "
+                raise ValueError(f"{self.kind} row-parallel linear: sequence length {x.shape[0]} is not divisible by "
                                  f"tp={group.size}; pad or pack sequences to a multiple of it")
-            y = _RingRow.apply(x, weight, group)
+            y = self._row(x, weight, group)
         else:
             y = reduce_from_tp(F.linear(x, weight), group)
         return y if bias is None else y + bias
+
+
+class RingLinearImpl(CollectiveMatmulImpl):
+    """``parallel.tp_overlap = "ring"``: sequence-parallel TP linears as ring collective matmuls."""
+
+    kind = "ring"
+
+    def _column(self, x, weight, bias, group):
+        return _RingColumn.apply(x, weight, bias, group)
+
+    def _row(self, x, weight, group):
+        return _RingRow.apply(x, weight, group)
 
     def __repr__(self) -> str:
         return "RingLinearImpl()"

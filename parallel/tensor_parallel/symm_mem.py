@@ -40,12 +40,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from parallel import comm
 from parallel.comm import Group
-from parallel.mappings import copy_to_tp, gather_from_tp, reduce_from_tp
-from parallel.tensor_parallel.layers import LinearImpl
+from parallel.tensor_parallel.overlap import CollectiveMatmulImpl
 from parallel.tensor_parallel.wgrad import defer_weight_grad
 
 
@@ -186,14 +184,14 @@ class _SymmRow(torch.autograd.Function):
         return (grad_x if ctx.needs_input_grad[0] else None), grad_w, None, None
 
 
-class SymmMemLinearImpl(LinearImpl):
+class SymmMemLinearImpl(CollectiveMatmulImpl):
     """``parallel.tp_overlap = "symm_mem"``: sequence-parallel TP linears as symmetric-memory collective
     matmuls. Without sequence parallelism (or at tp = 1) a layer runs the plain path. ``ops``: the ops to
     run; by default chosen at the first call from the input's device: :func:`cuda_ops` on CUDA, else
     :func:`reference_ops` (a run config refuses symm_mem on the CPU before any of this; a model built
     directly, as the tests build one, runs PyTorch's reference definitions there)."""
 
-    overlap_comm = True
+    kind = "symm_mem"
 
     def __init__(self, ops: FusedOps | None = None):
         self._ops = ops
@@ -203,22 +201,11 @@ class SymmMemLinearImpl(LinearImpl):
             self._ops = cuda_ops() if x.is_cuda else reference_ops()
         return self._ops
 
-    def column_forward(self, x, weight, bias, *, group, sequence_parallel, gather_output):
-        if sequence_parallel and group.size > 1:
-            y = _SymmColumn.apply(x, weight, bias, group, self.ops_for(x))
-        else:
-            y = F.linear(copy_to_tp(x, group), weight, bias)
-        return gather_from_tp(y, group) if gather_output else y
+    def _column(self, x, weight, bias, group):
+        return _SymmColumn.apply(x, weight, bias, group, self.ops_for(x))
 
-    def row_forward(self, x, weight, bias, *, group, sequence_parallel):
-        if sequence_parallel and group.size > 1:
-            if x.shape[0] % group.size:
-                raise ValueError(f"symm_mem row-parallel linear: sequence length {x.shape[0]} is not divisible by "
-                                 f"tp={group.size}; pad or pack sequences to a multiple of it")
-            y = _SymmRow.apply(x, weight, group, self.ops_for(x))
-        else:
-            y = reduce_from_tp(F.linear(x, weight), group)
-        return y if bias is None else y + bias
+    def _row(self, x, weight, group):
+        return _SymmRow.apply(x, weight, group, self.ops_for(x))
 
     def __repr__(self) -> str:
         return f"SymmMemLinearImpl({'by device' if self._ops is None else self._ops.name})"

@@ -80,12 +80,17 @@ def localise_nonfinite(trainer, micro: list[dict]) -> dict:
     bad_param = next((n for n, q in trainer.chunks.named_parameters() if not _finite(q.detach())), None)
     probe = _Probe(trainer.chunks, trainer.my_stages)
     trainer.optimizer.zero_grad()
+    # MoE layers add every training forward's routing counts into step_load (the next step's metrics and
+    # bias update): the replay's must not count
+    loads = [(m, m.step_load) for m in trainer.chunks.modules() if hasattr(m, "step_load")]
     try:
         trainer._pipeline(micro, train=True)
         trainer.ddp.finish_grad_sync()
     finally:
         probe.remove()
         trainer.optimizer.zero_grad()
+        for m, load in loads:
+            m.step_load = load
     mine = {k: v for k, v in (("parameter", bad_param), ("forward", probe.forward), ("backward", probe.backward))
             if v is not None}
     found = {r: f for r, f in enumerate(all_gather_json(mine, trainer.mesh.world)) if f}

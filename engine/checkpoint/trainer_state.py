@@ -200,6 +200,13 @@ def load_trainer(trainer, path: str | os.PathLike, *, group: Group | None, loade
     result = load_checkpoint(path, tensors=tensors, group=group, layout=trainer.layout(), strict=strict,
                              verify=verify, optional=("fp8.", "moe.", *(f"{n}.rank" for n in local)),
                              allow_dtype_cast=model_only)
+    saved_biases = sorted(k for k in (result.metadata.get("tensors") or {})
+                          if k.startswith("moe.") and k.endswith("router.expert_bias"))
+    if saved_biases and not any(n.endswith("router.expert_bias") for n, _ in trainer.chunks.named_buffers()):
+        raise ValueError(f"checkpoint {result.path} holds the routers' balancing biases ({saved_biases[0]}, ...: "
+                         "aux-loss-free balancing), but this run has none (parallel.moe_bias_update_rate = 0) and "
+                         "would route without them; set parallel.moe_bias_update_rate > 0 (the saved run's, e.g. "
+                         "1e-3) to load them and keep balancing")
     if model_only:
         trainer.optimizer.reset_masters_from_params()
         for _, comp in _local_components(trainer):  # DiLoCo's anchor: the loaded weights, not the initial ones

@@ -589,3 +589,30 @@ def test_top_k_above_experts_is_refused():
 
     with pytest.raises(ValueError, match="exceeds num_experts=4"):
         ModelHook.from_hf({**HF, "num_experts_per_tok": 5})
+
+
+def _bias_and_replay(tmp: str):
+    """One rank: (1) a checkpoint with the routers' balancing biases, loaded by a run without balancing, is
+    refused (it would route without them, silently); (2) the non-finite step's replay adds no routing counts
+    to the next step's metrics and bias update."""
+    from engine.checkpoint.trainer_state import load_trainer
+    from parallel.expert_parallel import MoELayer
+
+    out = _train([], run_dir=f"{tmp}/biased")
+    try:
+        load_trainer(_build(["parallel.moe_bias_update_rate=0"]).trainer, out["latest"], group=None)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    run = _build(["fault.nan_replay=true"])
+    tr = run.trainer
+    tr.train_step(run.train_loader)
+    micro = [tr._to_device(next(run.train_loader)) for _ in range(tr.num_micro)]
+    tr._localise_nonfinite(micro, finite=False)  # what train_step does after a non-finite step
+    return refused, [m.step_load for m in tr.chunks.modules() if isinstance(m, MoELayer)]
+
+
+def test_saved_biases_are_not_dropped_and_the_replay_does_not_count(tmp_path):
+    refused, loads = run_distributed(_bias_and_replay, 1, str(tmp_path), timeout=300)[0]
+    assert refused is not None and "parallel.moe_bias_update_rate > 0" in refused, refused
+    assert loads and all(x is None for x in loads), loads

@@ -285,7 +285,7 @@ class Trainer:
         loss = self._global_mean_loss(losses)
         extra = self._objective_metrics()
         if self.moe_metrics is not None:  # one all-reduce over pp and one over dp of the layers' step load
-            extra = {**(extra or {}), **self.moe_metrics.step()}
+            extra = {**(extra or {}), **self.moe_metrics.step(applied=result.applied)}
         self._localise_nonfinite(micro, finite=math.isfinite(loss) and math.isfinite(result.grad_norm))
         self.step += 1
         self.consumed_samples += self.cfg.train.global_batch_size

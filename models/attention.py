@@ -225,11 +225,7 @@ class SelfAttention(nn.Module):
         self.dropout_p = cfg.attention_dropout
         self.rng = rng
         self.cp = cp if cp is not None and cp.size > 1 else None
-        if self.cp is not None:
-            if self.dropout_p > 0:
-                raise ValueError(f"attention dropout {self.dropout_p} under context parallelism is not built (the "
-                                 "blocks of a row live on different ranks); set the model's attention dropout to 0 "
-                                 "or parallel.cp=1")
+        if self.cp is not None:  # attention dropout under cp: refused in training (forward; the run's plan earlier)
             self.cp.check_heads(heads_local=self.heads_local, kv_heads_local=self.groups_local)
         # Selective recompute (Korthikanti et al. 2022): core attention (scores, softmax, dropout,
         # context) runs again in backward; only q, k, v are kept. Set by TransformerStage.
@@ -269,6 +265,10 @@ class SelfAttention(nn.Module):
             if kv_cache is not None or not isinstance(masks, ContextParallelMasks):
                 raise ValueError("a context-parallel attention layer takes the stage's ContextParallelMasks and no "
                                  "KV cache (generation runs at parallel.cp=1)")
+            if self.training and self.dropout_p > 0:  # evaluation (no dropout) runs
+                raise ValueError(f"attention dropout {self.dropout_p} under context parallelism is not built (the "
+                                 "blocks of a row live on different ranks); set the model's attention dropout to 0 "
+                                 "or parallel.cp=1")
             kw = dict(masks=masks.get(self.window), scale=self.scale)
             if self.recompute_core_attention and torch.is_grad_enabled():  # the ring runs again in backward
                 return self.out(checkpoint(self.cp.attention, q, k, v, tracker=self.rng, **kw))

@@ -187,6 +187,10 @@ class ModelHook:
                            moe_dispatcher=cfg.parallel.moe_dispatcher,
                            moe_bias_update_rate=cfg.parallel.moe_bias_update_rate,
                            expert_tp=cfg.parallel.expert_tp)
+        if cfg.parallel.cp > 1 and hook.config.attention_dropout > 0:  # training; evaluation at cp > 1 runs
+            raise ValueError(f"attention dropout {hook.config.attention_dropout} under context parallelism is not "
+                             f"built (the blocks of a row live on different ranks); set the model's attention dropout "
+                             "to 0 (attention_dropout, or GPT-2's attn_pdrop, in its config.json) or parallel.cp=1")
         u = cfg.outer
         if (u.method == "streaming_diloco" and u.fragments > 1 and u.fragment_layout == "contiguous"
                 and cfg.parallel.pp > 1 and hook.config.tie_word_embeddings):

@@ -15,7 +15,8 @@ Megatron's rule, kept here:
 
 Megatron seeds the default stream with ``seed + 100 * pp_rank`` (stages differ, TP ranks agree)
 and the model-parallel stream with ``default + 2718 + tp_rank``; :func:`seed_streams` does the
-same. Weight initialisation does not use these streams: each weight is drawn in full from a
+same. Under context parallelism both streams add ``CP_SEED_STRIDE * cp_rank`` (:func:`cp_seed`): each cp
+rank holds other tokens of the same sequences. Weight initialisation does not use these streams: each weight is drawn in full from a
 generator seeded by its name (see models/), so it does not depend on TP, PP or creation order.
 
 The tracker holds plain ``torch.ByteTensor`` generator states: :meth:`RNGTracker.get_states` /
@@ -31,6 +32,7 @@ import torch
 MODEL_PARALLEL_STREAM = "model-parallel"
 TP_SEED_OFFSET = 2718
 PP_SEED_STRIDE = 100
+CP_SEED_STRIDE = 7919  # a prime: cp offsets stay clear of the tp (2718 + tp_rank) and pp (100 pp_rank) ones
 
 
 def _get_state(device: torch.device) -> torch.Tensor:
@@ -135,6 +137,14 @@ def checkpoint(fn, *args, tracker: RNGTracker | None, **kwargs):
     return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
 
+def cp_seed(seed: int, cp_rank: int) -> int:
+    """The seed of a context-parallel rank's streams: each cp rank holds other tokens of the same sequences,
+    so its dropout masks must be drawn independently (as at cp = 1, where one rank draws for all of them);
+    ``seed`` itself at cp rank 0, so runs without context parallelism are unchanged. (Megatron-LM leaves
+    the cp rank out, which repeats one mask on every cp rank's tokens.)"""
+    return int(seed) + CP_SEED_STRIDE * int(cp_rank)
+
+
 def model_parallel_seed(seed: int, *, tp_rank: int, offset: int = TP_SEED_OFFSET) -> int:
     """The model-parallel stream's seed: differs across TP ranks."""
     return int(seed) + offset + int(tp_rank)
@@ -160,5 +170,6 @@ def seed_streams(seed: int, *, tp_rank: int, pp_rank: int = 0, device: torch.dev
     return make_tracker(stage_seed, tp_rank=tp_rank, device=device, offset=offset)
 
 
-__all__ = ["RNGTracker", "checkpoint", "MODEL_PARALLEL_STREAM", "TP_SEED_OFFSET", "model_parallel_seed", "make_tracker",
+__all__ = ["RNGTracker", "checkpoint", "MODEL_PARALLEL_STREAM", "TP_SEED_OFFSET", "cp_seed", "model_parallel_seed",
+           "make_tracker",
            "seed_streams"]

@@ -59,9 +59,10 @@ class MoEMetrics:
             return None
         return cls(layers, num_layers=n, num_experts=e, pp_group=pp_group, dp_group=dp_group, device=device)
 
-    def step(self) -> dict[str, float]:
-        """Reduce and reset the layers' ``step_load``, step the routers' balancing biases; the metrics above
-        (collective over pp and dp; call once per optimizer step)."""
+    def step(self, *, applied: bool = True) -> dict[str, float]:
+        """Reduce and reset the layers' ``step_load``, step the routers' balancing biases (unless the optimizer
+        skipped the step, ``applied=False``: the weights did not move, so neither do the biases); the metrics
+        above (collective over pp and dp; call once per optimizer step)."""
         e = self.num_experts
         table = torch.zeros(self.num_layers, e + 4, dtype=torch.float64, device=self.device)  # (L, E + 4)
         for i, layer in self.layers.items():
@@ -78,7 +79,7 @@ class MoEMetrics:
             if forwards == 0:
                 continue  # a dense layer
             counts = row[:e]  # (E,)
-            if i in self.layers and self.layers[i].router.expert_bias is not None:
+            if applied and i in self.layers and self.layers[i].router.expert_bias is not None:
                 self.layers[i].router.update_bias(counts)
             mean = counts.mean()
             cv = (counts.std(unbiased=False) / mean).item() if mean > 0 else 0.0

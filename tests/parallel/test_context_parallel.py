@@ -487,3 +487,60 @@ def test_training_losses_equal_one_process():
             assert max(abs(a - b) for a, b in zip(losses, r)) < E2E_ATOL, (rank, name, losses, r)
     print("\none process", ref, "\n", {k: max(abs(a - b) for a, b in zip(v, ref[4 if k == "cp2xpp2xvp2" else 2]))
                                         for k, v in results[0].items()})
+
+
+GPT2_DROPOUT = {"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 4, "vocab_size": VOCAB, "n_positions": 64,
+                "attn_pdrop": 0.0, "resid_pdrop": 0.5, "embd_pdrop": 0.5}
+
+
+def _dropout_masks_per_cp_rank():
+    """Through the assembly line at cp2 (its seeding): the hidden and embedding dropout masks of one training
+    forward, which must differ between the cp ranks (each holds other tokens of the same sequences)."""
+    import models.ops as ops
+    from engine.assembly import build_run
+    from engine.config import load_config
+    from models.hook import ModelHook
+
+    masks, plain = [], ops.dropout
+
+    def recording(x, p, *, training):
+        y = plain(x, p, training=training)
+        masks.append(y == 0)
+        return y
+    ops.dropout = recording
+    try:
+        cfg = load_config("tiny_llama_cpu", [
+            "parallel.tp=1", "parallel.pp=1", "parallel.dp=-1", "parallel.cp=2", "parallel.sequence_parallel=false",
+            "train.steps=1", "optim.warmup_steps=0", "train.global_batch_size=2", "train.micro_batch_size=2",
+            f"train.seq_length={SEQ}",
+            "logging.progress_bar=off", "logging.tensorboard=false", "logging.jsonl=false", "logging.peak_tflops=1.0",
+            "train.eval_interval=0"])
+        model = ModelHook.from_hf(GPT2_DROPOUT, dtype=torch.float32, seed=cfg.train.seed)
+        run = build_run(cfg, model=model, train_data=_Packed(8), checkpoints=False)
+        run.trainer.train_step(run.train_loader)
+    finally:
+        ops.dropout = plain
+    return masks
+
+
+def test_dropout_masks_differ_between_cp_ranks():
+    r0, r1 = run_distributed(_dropout_masks_per_cp_rank, 2, timeout=180)
+    assert len(r0) == len(r1) >= 2 and all(m.any() for m in r0)
+    assert not any(torch.equal(a, b) for a, b in zip(r0, r1))  # before 2026-11-28 every mask was equal
+
+
+def test_attention_dropout_under_cp_is_refused_in_training_only():
+    from unittest import mock
+
+    from engine.config import load_config
+    from models import build_model
+    from models.hook import ModelHook
+
+    hf = {**GPT2_DROPOUT, "attn_pdrop": 0.1}
+    cfg = load_config("tiny_llama_cpu", ["parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false"])
+    with mock.patch("models.hook.hf_config_from_run", return_value=hf), \
+            pytest.raises(ValueError, match="attention dropout 0.1 under context parallelism"):
+        ModelHook.from_run_config(cfg, tokenizer_vocab=None)  # the run's plan, before any process group
+    stage = build_model(hf, tp_group=Group.trivial("tp"), cp_group=_fake_group(2), kernels="reference")
+    assert stage.layers  # built: tools/evaluate.py --cp runs such a model forward, without dropout
+

@@ -406,10 +406,13 @@ def layer_costs(config, lay: Layout, tr: Training, cluster: Cluster) -> _Costs:
         moe = sum(map(c.is_moe_layer, range(c.num_layers))) / c.num_layers
         one = moe * 2 * alltoall_time(a2a, lay.ep, cluster.link(lay.ep * lay.tp * lay.cp * lay.pp))
         out.add("ep_comm", one, one)  # forward: dispatch and combine; backward: their gradients
-    if cp > 1:  # ring attention: K and V chunks pass cp - 1 times (backward: K/V and their gradients)
+    if cp > 1:  # ring attention: K and V chunks pass cp - 1 times; backward: K/V again cp - 1 times, and
+        # their gradients cp times (back to the owner) in float32 for bf16 / fp16 (parallel/context_parallel/ring.py)
         kv_bytes = 2 * elem * t * kvd // tp
-        ring = (cp - 1) * collective_time("send", kv_bytes, 2, cluster.link(tp * cp))
-        out.add("cp_comm_exposed", max(0.0, ring - attn), max(0.0, 2 * ring - 2.5 * attn))
+        link = cluster.link(tp * cp)
+        ring = (cp - 1) * collective_time("send", kv_bytes, 2, link)
+        ring_bwd = ring + cp * collective_time("send", 2 * max(elem, 4) * t * kvd // tp, 2, link)
+        out.add("cp_comm_exposed", max(0.0, ring - attn), max(0.0, ring_bwd - 2.5 * attn))
     if tr.recompute == "selective":
         out.add("recompute", 0.0, attn)
     elif tr.recompute == "full":

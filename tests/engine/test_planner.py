@@ -579,3 +579,23 @@ def test_gradients_reduce_over_dp_times_cp(tiny):
             + collective_time("all_gather", 2 * total // 2, 2, cl.link(2)))
     assert want > 0
     assert p.breakdown["dp_comm_exposed"] + p.breakdown["dp_comm_overlapped"] == pytest.approx(want, rel=1e-12)
+
+
+def test_cp_backward_sends_kv_again_and_its_float32_gradients_home():
+    """Ring attention's bytes (parallel/context_parallel/ring.py): forward (cp - 1) x |K + V|; backward the same
+    again plus cp x |dK + dV|, accumulated in float32 for bf16 inputs. On a slow link the exposed part is that
+    minus the attention it runs under (forward 1x, backward 2.5x)."""
+    from engine.planner.predict import collective_time, layer_costs
+
+    model = from_dims(family="llama", hidden_size=4096, num_layers=2, num_heads=32, num_kv_heads=8,
+                      ffn_hidden_size=14336, vocab_size=32000)
+    c, cp, s = model.config, 4, 8192
+    cl = Cluster(gpu=gpu("h100-sxm").with_links(intra_gbps=5.0), nodes=1)
+    costs = layer_costs(c, Layout(tp=1, pp=1, vp=1, dp=1, cp=cp, mbs=1), Training(seq_length=s, global_batch_size=1),
+                        cl)
+    t, kvd, link = s // cp, c.num_kv_heads * c.head_dim, cl.link(cp)
+    attn = costs.fwd["attention"]
+    fwd = (cp - 1) * collective_time("send", 2 * 2 * t * kvd, 2, link)
+    bwd = fwd + cp * collective_time("send", 2 * 4 * t * kvd, 2, link)
+    assert costs.fwd["cp_comm_exposed"] == pytest.approx(fwd - attn) and fwd > attn
+    assert costs.bwd["cp_comm_exposed"] == pytest.approx(bwd - 2.5 * attn)

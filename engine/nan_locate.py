@@ -77,7 +77,10 @@ class _Probe:
 def localise_nonfinite(trainer, micro: list[dict]) -> dict:
     """Replay this step's ``micro`` batches on ``trainer`` with hooks (collective: every rank calls it); rank 0
     logs the report. Returns ``{"step", "ranks": {rank: findings}, "line"}`` (the same on every rank)."""
-    bad_param = next((n for n, q in trainer.chunks.named_parameters() if not _finite(q.detach())), None)
+    if getattr(trainer.ddp, "zero_stage", 0) == 3:  # the parameters are placeholders: check this rank's shards
+        bad_param = next((pc.name for pc in trainer.optimizer.dist.pieces if not _finite(pc.model.detach())), None)
+    else:
+        bad_param = next((n for n, q in trainer.chunks.named_parameters() if not _finite(q.detach())), None)
     probe = _Probe(trainer.chunks, trainer.my_stages)
     trainer.optimizer.zero_grad()
     # MoE layers add every training forward's routing counts into step_load (the next step's metrics and

@@ -201,6 +201,10 @@ class TesselConfig:
                              "weights to copy in and out of the parameters, which ZeRO-3 shards; use "
                              "posttrain.lora.rank > 0 (the base is the reference), kl_beta=0, or optim.zero_stage "
                              "1 or 2")
+        if post.method == "grpo":
+            raise ValueError("posttrain.method='grpo' with ZeRO-3: generation gathers every layer over dp at each "
+                             "decode step, and the dp replicas stop generating at different steps, so their gathers "
+                             "would not pair up (a hang); use optim.zero_stage 1 or 2")
 
     def _check_outer(self) -> None:
         """DiLoCo and gradient compression replace the per-step dp reduction (docs/decentralised.md)."""

@@ -573,9 +573,12 @@ def predict(model, lay: Layout, tr: Training, cluster: Cluster, *, steady_state:
             # optim.overlap_param_gather: each bucket's gather waited for by the first forward that needs it
             # (under that forward's earlier layers); without it, right after the update (Tessel's default)
             gather_room = rank_fwd if cfg.optim.overlap_param_gather else 0.0
-            if tr.zero == 3:  # parameters gathered in every forward and backward, under the layers' compute
+            if tr.zero == 3:  # parameters gathered in every forward and backward, under the layers' compute,
+                # and each micro-batch's gradients reduce-scattered after its backward (parallel/data_parallel/zero3.py)
                 gather *= 2 * m
                 gather_room = m * (rank_fwd + rank_bwd)
+                grad *= m
+                rank_bwd *= m
         if not tr.dp_overlap:  # reduced after the last backward, gathered after the update
             rank_bwd = gather_room = 0.0
         dp_hidden = min(grad, rank_bwd) + min(gather, gather_room)

@@ -63,3 +63,29 @@ def test_nonfinite_stop_is_localised_before_it_stops(tmp_path):
     log, report, applied = run_distributed(_injected_run, 1, run_dir, "2", 0, 1, "stop", timeout=120)[0]
     assert applied is None and report["step"] == 1 and list(report["ranks"]) == [0]
     assert report["ranks"][0]["forward"]["module"] == "stage 0 layers.2", report
+
+
+def _poisoned_parameter_under_zero3(run_dir: str):
+    """ZeRO-3: a NaN in one element of layers.1.mlp.fc2.weight (in the shard of the rank that stores it). The
+    parameters are placeholders there, so the replay checks each rank's stored shards."""
+    from engine.assembly import build_run
+    from models.hook import ModelHook
+    from tests.engine.test_fault import HF, _cfg, _Data
+
+    cfg = _cfg(run_dir, "train.steps=2", "checkpoint.interval=0", "logging.memory_report=false",
+               "optim.nonfinite=skip", "optim.distributed=true", "optim.zero_stage=3")
+    model = ModelHook.from_hf(dict(HF, num_hidden_layers=2), dtype=torch.float32, seed=cfg.train.seed)
+    run = build_run(cfg, model=model, train_data=_Data(6), run_dir=run_dir, log_stream=io.StringIO(), checkpoints=False)
+    tr = run.trainer
+    with torch.no_grad():
+        for pc in tr.optimizer.dist.pieces:
+            if pc.name.endswith("layers.1.mlp.fc2.weight"):
+                pc.model[0] = float("nan")
+                pc.master[0] = float("nan")
+    tr.train_step(run.train_loader)
+    return {r: f.get("parameter") for r, f in tr.nonfinite_report["ranks"].items()}
+
+
+def test_a_nonfinite_parameter_is_named_under_zero3(tmp_path):
+    found = run_distributed(_poisoned_parameter_under_zero3, 2, str(tmp_path), timeout=180)[0]
+    assert "0.layers.1.mlp.fc2.weight" in found.values(), found

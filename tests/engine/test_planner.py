@@ -599,3 +599,20 @@ def test_cp_backward_sends_kv_again_and_its_float32_gradients_home():
     bwd = fwd + cp * collective_time("send", 2 * 4 * t * kvd, 2, link)
     assert costs.fwd["cp_comm_exposed"] == pytest.approx(fwd - attn) and fwd > attn
     assert costs.bwd["cp_comm_exposed"] == pytest.approx(bwd - 2.5 * attn)
+
+
+def test_zero3_reduce_scatters_every_micro_batch():
+    """ZeRO-3 reduce-scatters each micro-batch's gradients after its backward (parallel/data_parallel/zero3.py;
+    tests/parallel/test_zero3.py counts them in the ledger): without overlap its dp time grows with the number of
+    micro-batches m, where ZeRO-2's single reduction per step does not."""
+    model = from_preset("llama3_8b")
+    cl = Cluster(gpu=gpu("h100-sxm"), nodes=2, gpus_per_node=8)
+
+    def dp_time(zero: int, gbs: int) -> float:
+        tr = dataclasses.replace(Training(seq_length=4096, global_batch_size=gbs, zero=zero), dp_overlap=False)
+        p = predict(model, Layout(tp=8, pp=1, vp=1, dp=2, cp=1, mbs=1), tr, cl)
+        return p.breakdown["dp_comm_exposed"]
+
+    assert dp_time(2, 128) == pytest.approx(dp_time(2, 16))
+    # every term once per micro-batch (the reduce-scatter, the forward and backward gathers): 64 against 8
+    assert dp_time(3, 128) == pytest.approx(8 * dp_time(3, 16), rel=1e-9)

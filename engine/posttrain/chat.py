@@ -160,8 +160,9 @@ def _as_messages(value, *, role: str, where: str, key: str) -> list[dict]:
         raise ValueError(f"{where}: '{key}' must be a string or a list of {{'role', 'content'}} messages") from None
 
 
-def preference_conversations(rec: dict) -> tuple[list[dict], list[dict]]:
-    """(prompt + chosen, prompt + rejected) message lists of a DPO record."""
+def preference_conversations(rec: dict) -> tuple[list[dict], list[dict], int]:
+    """(prompt + chosen, prompt + rejected, the prompt's message count) of a DPO record: only the messages from
+    that index on are the completions (a multi-turn prompt's own assistant turns are context)."""
     where = rec.get("_where", "record")
     for key in ("prompt", "chosen", "rejected"):
         if key not in rec:
@@ -172,7 +173,7 @@ def preference_conversations(rec: dict) -> tuple[list[dict], list[dict]]:
     for key, turns in (("chosen", chosen), ("rejected", rejected)):
         if not any(m["role"] == "assistant" for m in turns):
             raise ValueError(f"{where}: '{key}' has no assistant message")
-    return prompt + chosen, prompt + rejected
+    return prompt + chosen, prompt + rejected, len(prompt)
 
 
 # -- tokens ---------------------------------------------------------------------------------------------
@@ -192,12 +193,14 @@ def _encode_with_starts(tokenizer, text: str) -> tuple[list[int], list[int]]:
     return ids, starts
 
 
-def assistant_spans(template: ChatTemplate, messages: Sequence[dict], *, where: str = "record") -> tuple[str, list]:
-    """The rendered conversation and the (start, end) character spans of its assistant answers."""
+def assistant_spans(template: ChatTemplate, messages: Sequence[dict], *, where: str = "record",
+                    first_target: int = 0) -> tuple[str, list]:
+    """The rendered conversation and the (start, end) character spans of its assistant answers from message
+    ``first_target`` on (earlier ones are context, e.g. a preference record's multi-turn prompt)."""
     full = template.render(messages)
     spans = []
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or i < first_target:
             continue
         before = template.render(messages[:i], add_generation_prompt=True)
         upto = template.render(messages[:i + 1])
@@ -211,9 +214,10 @@ def assistant_spans(template: ChatTemplate, messages: Sequence[dict], *, where: 
 
 
 def tokenize_conversation(template: ChatTemplate, tokenizer, messages: Sequence[dict], *,
-                          where: str = "record") -> tuple[np.ndarray, np.ndarray]:
-    """(ids int64 (n,), target bool (n,)): the rendered conversation's tokens, True on assistant answers."""
-    text, spans = assistant_spans(template, messages, where=where)
+                          where: str = "record", first_target: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int64 (n,), target bool (n,)): the rendered conversation's tokens, True on assistant answers (from
+    message ``first_target`` on)."""
+    text, spans = assistant_spans(template, messages, where=where, first_target=first_target)
     ids, starts = _encode_with_starts(tokenizer, text)
     target = np.zeros(len(ids), dtype=bool)
     st = np.asarray(starts, dtype=np.int64)

@@ -109,8 +109,10 @@ class PreferenceDataset:
         for rec in records:
             where = rec.get("_where", "record")
             rows = []
-            for messages in preference_conversations(rec):
-                ids, target = tokenize_conversation(template, tokenizer, messages, where=where)
+            chosen, rejected, n_prompt = preference_conversations(rec)
+            for messages in (chosen, rejected):
+                # the loss mask on the completion only: a multi-turn prompt's assistant turns are context
+                ids, target = tokenize_conversation(template, tokenizer, messages, where=where, first_target=n_prompt)
                 ids, target = _check_length(ids, target, seq_length=seq_length, truncate=truncate, where=where)
                 rows.append(pack_documents([ids], seq_length=seq_length, target_masks=[target], pad_id=pad)[0])
             self.pairs.append(tuple(rows))

@@ -148,3 +148,20 @@ def test_bad_shapes():
     with pytest.raises(ValueError, match="same shape"):
         dpo_accuracy(torch.zeros(2), torch.zeros(3))
     assert isinstance(dpo_loss(pc, pr, rc, rr, beta=0.1), DPOOutput)
+
+
+def test_a_multi_turn_prompts_assistant_turns_are_context_not_completion():
+    """A preference record whose prompt already holds an assistant turn: the chosen and rejected loss masks cover
+    their own answers only (TRL masks the completion). Before 2026-11-28 the prompt's assistant turn was in both."""
+    from engine.data.tokenizer import ByteTokenizer
+    from engine.posttrain.chat import ChatTemplate
+    from engine.posttrain.datasets import PreferenceDataset
+
+    template = ChatTemplate(text="{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}"
+                                 "{% if add_generation_prompt %}<assistant>{% endif %}", source="inline", variables={})
+    rec = {"prompt": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "EARLIER"},
+                      {"role": "user", "content": "q"}], "chosen": "YES", "rejected": "NO"}
+    rows = PreferenceDataset([rec], template=template, tokenizer=ByteTokenizer(), seq_length=96, num_samples=1,
+                             seed=0).pair_rows(0)
+    answers = [bytes(int(i) for i in rows["labels"][k][rows["loss_mask"][k] > 0]).decode() for k in (0, 1)]
+    assert answers == ["YES</s>", "NO</s>"]

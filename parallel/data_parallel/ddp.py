@@ -314,10 +314,21 @@ class DataParallel(torch.nn.Module):
         finally:
             self.is_last_microbatch = prev
 
-    def enable_grad_sync(self, chunk: int) -> None:
+    def enable_grad_sync(self, chunk: int, still_to_come: set[int] | None = None) -> None:
         """Reduce ``chunk``'s buckets as their gradients become final (call before the chunk's last
-        backward; :meth:`reset_grad_sync` at the start of the next step)."""
+        backward; :meth:`reset_grad_sync` at the start of the next step). ``still_to_come`` (split backward,
+        called before the chunk's last ``W``): the ids of the parameters that still get a gradient; the
+        chunk's others had their last one already (in a ``B``), so they leave their buckets' pending sets
+        now, and a bucket left with none pending is reduced at once (under the rest of the schedule)."""
         self._synced_chunks.add(chunk)
+        if still_to_come is None or self.zero_stage == 3:
+            return
+        for buf, bucket in self.buckets():
+            if bucket.group != chunk or bucket.state != "open":
+                continue
+            bucket.pending &= still_to_come
+            if not bucket.pending and self.overlap_grad_reduce and not bucket.deferred and bucket.grad is not None:
+                self._launch(buf, bucket)
 
     def reset_grad_sync(self) -> None:
         self._synced_chunks.clear()

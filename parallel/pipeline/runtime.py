@@ -21,7 +21,10 @@ Split backward (``schedule.split_backward``: ZB-H1, ZB-V, DualPipeV): forwards r
 (with only their input and output gradient) instead of running them, and the autograd graph is freed;
 ``W`` runs that (stage, micro-batch)'s queue, which accumulates the gradients and fires the parameters'
 post-accumulate hooks, and drops it. A pair counts in ``peak_live`` from its ``F`` to its ``W``.
-``grad_sync(chunk)`` is then called before the chunk's last ``W``. With the V placement two consecutive
+``grad_sync(chunk, still_to_come=...)`` is then called before the chunk's last ``W``, with the parameters
+that ``W`` will still give gradients (the ids of its queued weights): every other parameter of the chunk had
+its last gradient in a ``B``, so its buckets can reduce as soon as this ``W``'s weights arrive, under the
+rest of the schedule. With the V placement two consecutive
 stages can share a rank: the activation and its gradient are handed over in memory.
 
 A forward-only schedule (:func:`parallel.pipeline.schedules.forward_only`, evaluation) runs through the
@@ -187,7 +190,10 @@ def run_schedule(schedule: Schedule, *, rank: int, pp_group: Group, forward_step
         if a.op == last_op:
             remaining_b[chunk] -= 1
             if remaining_b[chunk] == 0 and grad_sync is not None:
-                grad_sync(chunk)
+                if a.op == WEIGHT:  # the chunk's other gradients (norms, biases, embeddings...) came in its Bs
+                    grad_sync(chunk, still_to_come={id(w) for w, _, _ in pending_w[key].items})
+                else:
+                    grad_sync(chunk)
         if a.op == WEIGHT:
             pending_w.pop(key).run()
             continue

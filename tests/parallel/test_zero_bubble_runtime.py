@@ -288,3 +288,35 @@ def test_split_backward_under_activation_recompute(recompute):
     ref(ids, labels=ids).mean().backward()
     for (n, a), b in zip(ours.named_parameters(), ref.parameters()):
         assert torch.equal(a.grad, b.grad), n
+
+
+def _launch_order(schedule: str):
+    """pp2 x dp2, tiny Llama: the order of DataParallel's bucket reductions against finish_grad_sync (the
+    optimizer's), and the case's gradients."""
+    from parallel.data_parallel import ddp as D
+    from parallel.mesh import Mesh, ParallelDims
+
+    order, launch, finish = [], D.DataParallel._launch, D.DataParallel.finish_grad_sync
+
+    def spy_launch(self, buf, b):
+        order.append("bucket")
+        return launch(self, buf, b)
+
+    def spy_finish(self):
+        order.append("finish")
+        return finish(self)
+    D.DataParallel._launch, D.DataParallel.finish_grad_sync = spy_launch, spy_finish
+    try:
+        mesh = Mesh.build(ParallelDims.for_world(dist.get_world_size(), pp=2, tp=1))
+        _llama_case(mesh, name=schedule, vp=1, m=4, tied=False, sp=False, data_parallel=True)
+    finally:
+        D.DataParallel._launch, D.DataParallel.finish_grad_sync = launch, finish
+    return order
+
+
+def test_split_backward_reduces_buckets_under_the_schedule():
+    """zb-h1: the norms, biases and embeddings get their last gradient in the last B, the linears' weights in the
+    last W; once that W's weights arrive, the chunk's buckets reduce at once, under the rest of the schedule, as
+    1F1B's do, not all after it in the optimizer's finish_grad_sync (before 2026-11-28)."""
+    for order in run_distributed(_launch_order, 4, "zb-h1", timeout=180):
+        assert "bucket" in order and order.index("bucket") < order.index("finish"), order

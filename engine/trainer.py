@@ -266,7 +266,7 @@ class Trainer:
     def train_step(self, loader) -> StepStats:
         t0 = time.perf_counter()
         sent_before = self.mesh.ledger.by_axis()
-        blocked_before = dict(self.mesh.ledger.blocked_s)
+        blocked_before = self.mesh.ledger.blocked_s  # a copy
         self.optimizer.zero_grad()
         if self.outer is not None:  # DiLoCo: this step's gradients all-reduced (warm-up) or kept local
             self.outer.begin_step(self.step + 1)

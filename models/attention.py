@@ -170,6 +170,14 @@ class KVCache:
         return ck[:, :self._length].transpose(0, 1), cv[:, :self._length].transpose(0, 1)  # (L, b, g, hd)
 
 
+def cp_attention_dropout_error(p: float) -> ValueError:
+    """Attention dropout under context parallelism (refused for training: the run's plan, and the layer's
+    forward)."""
+    return ValueError(f"attention dropout {p} under context parallelism is not built (the blocks of a row live on "
+                      "different ranks); set the model's attention dropout to 0 (attention_dropout, or GPT-2's "
+                      "attn_pdrop, in its config.json) or parallel.cp=1")
+
+
 def core_attention(q, k, v, *, mask: torch.Tensor | None, scale: float, dropout_p: float,
                    rng: RNGTracker | None) -> torch.Tensor:
     """Softmax attention. q (s, b, nh, hd); k, v (s, b, ng, hd) with nh a multiple of ng (query
@@ -266,9 +274,7 @@ class SelfAttention(nn.Module):
                 raise ValueError("a context-parallel attention layer takes the stage's ContextParallelMasks and no "
                                  "KV cache (generation runs at parallel.cp=1)")
             if self.training and self.dropout_p > 0:  # evaluation (no dropout) runs
-                raise ValueError(f"attention dropout {self.dropout_p} under context parallelism is not built (the "
-                                 "blocks of a row live on different ranks); set the model's attention dropout to 0 "
-                                 "or parallel.cp=1")
+                raise cp_attention_dropout_error(self.dropout_p)
             kw = dict(masks=masks.get(self.window), scale=self.scale)
             if self.recompute_core_attention and torch.is_grad_enabled():  # the ring runs again in backward
                 return self.out(checkpoint(self.cp.attention, q, k, v, tracker=self.rng, **kw))

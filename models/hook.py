@@ -188,9 +188,8 @@ class ModelHook:
                            moe_bias_update_rate=cfg.parallel.moe_bias_update_rate,
                            expert_tp=cfg.parallel.expert_tp)
         if cfg.parallel.cp > 1 and hook.config.attention_dropout > 0:  # training; evaluation at cp > 1 runs
-            raise ValueError(f"attention dropout {hook.config.attention_dropout} under context parallelism is not "
-                             f"built (the blocks of a row live on different ranks); set the model's attention dropout "
-                             "to 0 (attention_dropout, or GPT-2's attn_pdrop, in its config.json) or parallel.cp=1")
+            from models.attention import cp_attention_dropout_error
+            raise cp_attention_dropout_error(hook.config.attention_dropout)
         u = cfg.outer
         if (u.method == "streaming_diloco" and u.fragments > 1 and u.fragment_layout == "contiguous"
                 and cfg.parallel.pp > 1 and hook.config.tie_word_embeddings):
@@ -198,14 +197,9 @@ class ModelHook:
                              "each stage cuts its own fragments, so the embedding's copies on the first and last stage "
                              "would sync at different steps and drift apart; use outer.fragment_layout='strided' "
                              "(both copies in fragment 0) or model.tie_word_embeddings=false")
-        # The run's device (engine.assembly builds on CUDA when there is one): symm_mem needs it, and FP8's
-        # linears have no symmetric-memory form.
+        # The run's device (engine.assembly builds on CUDA when there is one): symm_mem needs it
         check_tp_overlap(cfg.parallel.tp_overlap, tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel,
-                         device_type="cuda" if torch.cuda.is_available() else "cpu")
-        if cfg.parallel.tp_overlap == "symm_mem" and cfg.model.fp8 != "none":
-            raise ValueError(f"model.fp8={cfg.model.fp8!r} with parallel.tp_overlap='symm_mem': the FP8 linears have no "
-                             "symmetric-memory collective matmul (PyTorch's scaled variants are not wired); use "
-                             "parallel.tp_overlap = 'ring', which FP8 runs as an FP8 ring")
+                         device_type="cuda" if torch.cuda.is_available() else "cpu", fp8=cfg.model.fp8)
         if cfg.parallel.moe_bias_update_rate and not hook.config.num_experts:
             raise ValueError(f"parallel.moe_bias_update_rate={cfg.parallel.moe_bias_update_rate} balances experts, but "
                              f"the {hook.config.model_type} model has none; remove it")

@@ -414,6 +414,15 @@ def all_reduce(t: torch.Tensor, group: Group, *, op: str = "sum", async_op: bool
     return work
 
 
+def average_at(t: torch.Tensor, idx: torch.Tensor, group: Group) -> None:
+    """Replace ``t[idx]`` by its mean over ``group`` (a sum all-reduce, then a division: the same bits on every
+    backend), e.g. elements of parameter copies that must stay equal after a compression that is not
+    elementwise."""
+    vals = t[idx]
+    all_reduce(vals, group)
+    t[idx] = vals.div_(group.size)
+
+
 @_blocking
 def all_gather(t: torch.Tensor, group: Group, *, dim: int = 0, async_op: bool = False,
                out: torch.Tensor | None = None):

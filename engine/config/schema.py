@@ -169,7 +169,8 @@ class TesselConfig:
         from parallel.tensor_parallel.overlap import check_tp_overlap
 
         par = self.parallel
-        check_tp_overlap(par.tp_overlap, tp=par.tp, sequence_parallel=par.sequence_parallel, device_type="any")
+        check_tp_overlap(par.tp_overlap, tp=par.tp, sequence_parallel=par.sequence_parallel, device_type="any",
+                         fp8=self.model.fp8)
 
     def _check_expert_parallel(self) -> None:
         p, o = self.parallel, self.optim

@@ -139,15 +139,14 @@ class PowerSGD(GradCompressor):
                 safe = torch.where(ok, part.view(p.shape), 0.0)  # QR of a non-finite matrix may fail
                 p_hat, _ = torch.linalg.qr(safe)  # (m, r) orthonormal columns
                 p_hats.append(p_hat)
-            qs = [torch.where(ok, m, 0.0).t() @ p_hat for m, p_hat in zip(ms, p_hats)]  # each (n, r)
+            qs = [m.t() @ p_hat for m, p_hat in zip(ms, p_hats)]  # each (n, r); discarded below if not ok
             qflat = torch.cat([q.reshape(-1) for q in qs])
             comm.all_reduce(qflat, self.group)  # sum of Q over dp
             p_size = self.group.size
-            nan = torch.tensor(float("nan"), device=grad.device)
             for (name, g), m, p_hat, q, part in zip(mats, ms, p_hats, qs, qflat.split([q.numel() for q in qs])):
                 q_sum = part.view(q.shape)  # (n, r)
                 approx_sum = p_hat @ q_sum.t()  # (m, n): the rank-r estimate of the SUM of M over dp
-                g.copy_(torch.where(ok, approx_sum, nan))  # non-finite: the optimizer sees it and skips
+                g.copy_(torch.where(ok, approx_sum, float("nan")))  # non-finite: the optimizer sees it and skips
                 # error feedback: what this rank's share lost; kept as it was on a non-finite step
                 self.error[name] = torch.where(ok, m.sub_(approx_sum, alpha=1.0 / p_size), self.error[name])
                 self.q[name] = torch.where(ok, q_sum, self.q[name])  # warm start for the next step
@@ -243,9 +242,7 @@ class OneBit(GradCompressor):
             total = (signs * all_scales.view(p, -1, 1)).sum(dim=0).view(-1) * mask  # (n_pad,)
             idx = self.replicated.get(k)
             if idx is not None:  # the same bucket layout on every TP rank: all of them call it
-                vals = total[idx]
-                comm.all_reduce(vals, self.tp_group)
-                total[idx] = vals.div_(self.tp_group.size)
+                comm.average_at(total, idx, self.tp_group)
             grad.copy_(torch.where(ok, total[:n], float("nan")))  # non-finite: the optimizer skips
 
     def bytes_per_step(self, numels: list[int]) -> int:

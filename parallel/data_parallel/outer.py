@@ -175,6 +175,9 @@ class OuterOptimizer:
         self.error = torch.zeros_like(self.anchor) if compression == "topk" else None
         self.pending: list[_Pending] = []
         self.syncs = 0  # fragment synchronisations applied
+        # per fragment, the positions _equalise averages (fixed with the layout: found once, not per sync)
+        self._equal_idx = [self._equal_positions(lo, hi) for lo, hi in self.bounds] \
+            if self.compression in ("int8", "topk") else None
 
     # -- layout ----------------------------------------------------------------------------------------
     def _strided_fragments(self, ddp, params: list) -> list[int]:
@@ -367,33 +370,36 @@ class OuterOptimizer:
             comm.all_reduce(applied_sq, g)
         return {"outer_step_norm": float(applied_sq.sqrt()), "outer_syncs": float(self.syncs)}
 
-    def _equalise(self, avg: torch.Tensor, lo: int, hi: int) -> None:
-        """Average, in place, the elements of ``avg`` (the fragment ``[lo, hi)``) that belong to copies which
+    def _equal_positions(self, lo: int, hi: int):
+        """``(rep, a, b)`` in the fragment ``[lo, hi)``: the TP-replicated positions (None without tp or
+        none there; the same positions on every TP rank), and the first and second tied copy's (None where
+        this rank holds none)."""
+        def found(mask):
+            idx = mask.nonzero().squeeze(1)
+            return idx if idx.numel() else None
+        ids = self._tied_ids[lo:hi]
+        return (found(self._rep_mask[lo:hi]) if self.tp_group is not None else None, found(ids == 1), found(ids == 2))
+
+    def _equalise(self, avg: torch.Tensor, fragment: int) -> None:
+        """Average, in place, the elements of ``avg`` (fragment ``fragment``'s) that belong to copies which
         must stay equal, over the copies: TP-replicated parameters over tp; a tied embedding's two copies on
         this rank (V placement), then over the embedding group (first and last pipeline stage). Only after a
         compression that is not elementwise (int8, top-k); every rank of each group calls it at the same
         sync (a tied embedding's copies are in the same fragment, fragment 0)."""
-        if self.compression not in ("int8", "topk"):
+        if self._equal_idx is None:
             return
-        if self.tp_group is not None:
-            idx = self._rep_mask[lo:hi].nonzero().squeeze(1)  # (n_rep,): the same positions on every TP rank
-            if idx.numel():
-                vals = avg[idx]
-                comm.all_reduce(vals, self.tp_group)
-                avg[idx] = vals.div_(self.tp_group.size)
-        ids = self._tied_ids[lo:hi]
-        a, b = (ids == 1).nonzero().squeeze(1), (ids == 2).nonzero().squeeze(1)
-        if a.numel() and b.numel():  # both copies on this rank
+        rep, a, b = self._equal_idx[fragment]
+        if rep is not None:
+            comm.average_at(avg, rep, self.tp_group)
+        if a is not None and b is not None:  # both copies on this rank
             avg[a] = avg[b] = (avg[a] + avg[b]) / 2
-        elif self.embedding_group is not None and a.numel():
-            vals = avg[a]
-            comm.all_reduce(vals, self.embedding_group)
-            avg[a] = vals.div_(self.embedding_group.size)
+        elif self.embedding_group is not None and a is not None:
+            comm.average_at(avg, a, self.embedding_group)
 
     def _apply(self, pend: _Pending) -> torch.Tensor:
         lo, hi = self.bounds[pend.fragment]
         avg = pend.result if pend.result is not None else pend.finish()  # (hi - lo,)
-        self._equalise(avg, lo, hi)
+        self._equalise(avg, pend.fragment)
         if self.mom is not None:
             m = self.mom[lo:hi]
             m.mul_(self.momentum).add_(avg)

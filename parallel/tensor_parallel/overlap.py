@@ -287,7 +287,7 @@ class RingLinearImpl(CollectiveMatmulImpl):
         return "RingLinearImpl()"
 
 
-def check_tp_overlap(mode: str, *, tp: int, sequence_parallel: bool, device_type: str) -> None:
+def check_tp_overlap(mode: str, *, tp: int, sequence_parallel: bool, device_type: str, fp8: str = "none") -> None:
     """Start-up check of ``parallel.tp_overlap`` (before any process group). ``device_type``: "cpu" or
     "cuda" where the run's device is known, "any" in the config's own check (which cannot know it)."""
     if mode not in TP_OVERLAP:
@@ -300,6 +300,10 @@ def check_tp_overlap(mode: str, *, tp: int, sequence_parallel: bool, device_type
                          f"(got tp={tp}, sequence_parallel={str(sequence_parallel).lower()}); set them or "
                          "parallel.tp_overlap = 'none'")
     if mode == "symm_mem":
+        if fp8 != "none":
+            raise ValueError(f"model.fp8={fp8!r} with parallel.tp_overlap='symm_mem': the FP8 linears have no "
+                             "symmetric-memory collective matmul (PyTorch's scaled variants are not wired); use "
+                             "parallel.tp_overlap = 'ring', which FP8 runs as an FP8 ring")
         if device_type == "cpu":
             raise ValueError("parallel.tp_overlap='symm_mem' needs CUDA GPUs with peer access (NVLink): there is no "
                              "symmetric memory on the CPU (gloo); use parallel.tp_overlap = 'ring'")

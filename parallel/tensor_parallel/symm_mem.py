@@ -126,18 +126,18 @@ class _SymmColumn(torch.autograd.Function):
     """(s/tp, b, in) -> (s, b, out/tp) = all_gather(x) @ W^T (+ bias), fused."""
 
     @staticmethod
-    def forward(ctx, x_shard, weight, bias, group, ops):
-        ctx.group, ctx.ops, ctx.has_bias = group, ops, bias is not None
+    def forward(ctx, x_shard, weight, bias, group, ops, name):
+        ctx.group, ctx.ops, ctx.name, ctx.has_bias = group, ops, name, bias is not None
         x_shard = x_shard.contiguous()
         ctx.save_for_backward(x_shard, weight)
         with comm.fused("all_gather", x_shard, group):
-            _, (y,) = ops.all_gather_matmul(x_shard, [weight.t()], 0, _group_name(group), return_A=False)
+            _, (y,) = ops.all_gather_matmul(x_shard, [weight.t()], 0, name, return_A=False)
         return y if bias is None else y + bias  # (s, b, out/tp)
 
     @staticmethod
     def backward(ctx, dy):
         x_shard, weight = ctx.saved_tensors
-        group, ops = ctx.group, ctx.ops
+        group, ops, name = ctx.group, ctx.ops, ctx.name
         dy = dy.contiguous()  # (s, b, out/tp)
         grad_x = grad_w = grad_b = None
         gather = None
@@ -147,7 +147,7 @@ class _SymmColumn(torch.autograd.Function):
             # (s, b, in): what is reduced, for the ledger's bytes only (meta: no memory)
             full = torch.empty((*dy.shape[:-1], weight.shape[1]), dtype=dy.dtype, device="meta")
             with comm.fused("reduce_scatter", full, group):
-                grad_x = ops.matmul_reduce_scatter(dy, weight, "sum", 0, _group_name(group))  # (s/tp, b, in)
+                grad_x = ops.matmul_reduce_scatter(dy, weight, "sum", 0, name)  # (s/tp, b, in)
         if gather is not None:
             x_full, work = gather
             comm.wait(work, group)
@@ -155,33 +155,33 @@ class _SymmColumn(torch.autograd.Function):
                 grad_w = _rows(dy).t().matmul(_rows(x_full))  # (out/tp, in)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = _rows(dy).sum(0)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 class _SymmRow(torch.autograd.Function):
     """(s, b, in/tp) -> (s/tp, b, out) = reduce_scatter(x @ W^T), fused."""
 
     @staticmethod
-    def forward(ctx, x, weight, group, ops):
-        ctx.group, ctx.ops = group, ops
+    def forward(ctx, x, weight, group, ops, name):
+        ctx.group, ctx.ops, ctx.name = group, ops, name
         x = x.contiguous()
         ctx.save_for_backward(x, weight)
         full = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device="meta")  # (s, b, out), bytes only
         with comm.fused("reduce_scatter", full, group):
-            return ops.matmul_reduce_scatter(x, weight.t(), "sum", 0, _group_name(group))  # (s/tp, b, out)
+            return ops.matmul_reduce_scatter(x, weight.t(), "sum", 0, name)  # (s/tp, b, out)
 
     @staticmethod
     def backward(ctx, dy_shard):
         x, weight = ctx.saved_tensors
-        group, ops = ctx.group, ctx.ops
+        group, ops, name = ctx.group, ctx.ops, ctx.name
         dy_shard = dy_shard.contiguous()  # (s/tp, b, out)
         with comm.fused("all_gather", dy_shard, group):
-            dy, (grad_x,) = ops.all_gather_matmul(dy_shard, [weight], 0, _group_name(group), return_A=True)
+            dy, (grad_x,) = ops.all_gather_matmul(dy_shard, [weight], 0, name, return_A=True)
         # dy: (s, b, out) gathered; grad_x: (s, b, in/tp)
         grad_w = None
         if ctx.needs_input_grad[1] and not defer_weight_grad(weight, x, dy):  # or queued for a W action
             grad_w = _rows(dy).t().matmul(_rows(x))  # (out, in/tp)
-        return (grad_x if ctx.needs_input_grad[0] else None), grad_w, None, None
+        return (grad_x if ctx.needs_input_grad[0] else None), grad_w, None, None, None
 
 
 class SymmMemLinearImpl(CollectiveMatmulImpl):
@@ -195,17 +195,24 @@ class SymmMemLinearImpl(CollectiveMatmulImpl):
 
     def __init__(self, ops: FusedOps | None = None):
         self._ops = ops
+        self._names: dict[int, str] = {}  # id(process group) -> its name, symmetric memory enabled once
 
     def ops_for(self, x: torch.Tensor) -> FusedOps:
         if self._ops is None:
             self._ops = cuda_ops() if x.is_cuda else reference_ops()
         return self._ops
 
+    def _name(self, group: Group) -> str:
+        key = id(group.pg)
+        if key not in self._names:
+            self._names[key] = _group_name(group)
+        return self._names[key]
+
     def _column(self, x, weight, bias, group):
-        return _SymmColumn.apply(x, weight, bias, group, self.ops_for(x))
+        return _SymmColumn.apply(x, weight, bias, group, self.ops_for(x), self._name(group))
 
     def _row(self, x, weight, group):
-        return _SymmRow.apply(x, weight, group, self.ops_for(x))
+        return _SymmRow.apply(x, weight, group, self.ops_for(x), self._name(group))
 
     def __repr__(self) -> str:
         return f"SymmMemLinearImpl({'by device' if self._ops is None else self._ops.name})"

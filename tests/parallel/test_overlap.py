@@ -159,8 +159,8 @@ def test_symm_mem_with_fp8_is_refused_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    cfg = load_config("tiny_llama_cpu", ["parallel.tp_overlap=symm_mem", "model.fp8=tensorwise"])
     with pytest.raises(ValueError, match="model.fp8='tensorwise' with parallel.tp_overlap='symm_mem'.*'ring'"):
+        cfg = load_config("tiny_llama_cpu", ["parallel.tp_overlap=symm_mem", "model.fp8=tensorwise"])
         ModelHook.from_run_config(cfg, tokenizer_vocab=None)
 
 
@@ -246,7 +246,7 @@ def _symm_mem_on_one_gpu():
     import torch.nn.functional as F
 
     from parallel.comm import Group, Ledger
-    from parallel.tensor_parallel.symm_mem import _SymmColumn, _SymmRow, cuda_ops
+    from parallel.tensor_parallel.symm_mem import _group_name, _SymmColumn, _SymmRow, cuda_ops
 
     torch.cuda.set_device(0)
     g = Group(axis="tp", ranks=[0], rank=0, pg=dist.group.WORLD, ledger=Ledger())
@@ -261,7 +261,9 @@ def _symm_mem_on_one_gpu():
     for name in ("symm_mem", "plain"):
         xi, w1i, b1i, w2i = (t.clone().requires_grad_() for t in (x, w1, b1, w2))
         if name == "symm_mem":
-            y = _SymmRow.apply(torch.relu(_SymmColumn.apply(xi, w1i, b1i, g, cuda_ops())), w2i, g, cuda_ops())
+            name = _group_name(g)
+            y = _SymmRow.apply(torch.relu(_SymmColumn.apply(xi, w1i, b1i, g, cuda_ops(), name)), w2i, g, cuda_ops(),
+                               name)
         else:
             y = F.linear(torch.relu(F.linear(xi, w1i, b1i)), w2i)
         (y.float() * dy.float()).sum().backward()

@@ -8,7 +8,8 @@
    checked against the plain-PyTorch reference of its recipe (max relative difference printed).
 2. **Host time per linear** (``--host-shape``, default 16 x 16 x 16, where the device work is
    negligible): the time to issue one forward + backward (no synchronisation per call), and the
-   aten ops it dispatches that compute, for bf16 (fp32 on the CPU) ``F.linear`` and each recipe. A
+   aten ops it dispatches that compute, for bf16 (fp32 on the CPU) ``F.linear`` and each recipe
+   (``--host-profile TOP``: and where it goes, function by function, under cProfile). A
    GPU runs ahead of the host only while the host issues work faster than the GPU drains it; the
    first GPU session measured the 8B layer's FP8 calls at 1.6x their kernel time (docs/fp8.md).
 3. **Training step** of ``--preset`` (gpu-1b on CUDA, cpu-tiny on CPU; tools/bench_train_step.py's
@@ -174,7 +175,28 @@ def bench_host(args) -> dict:
             sync()
         ops = dispatched_ops(fn)
         out["sides"][name] = {"host_us": statistics.median(batches) * 1e6, "ops": sum(ops.values()), "op_counts": ops}
+        if args.host_profile:
+            out["sides"][name]["profile"] = _host_profile(fn, sync, args.host_profile)
     return out
+
+
+def _host_profile(fn, sync, top: int, calls: int = 200) -> list[dict]:
+    """``--host-profile``: where the host time of ``calls`` calls of ``fn`` goes, by Python function and
+    builtin (cProfile, the functions' own time, not their callees'), per call; the ``top`` largest."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    sync()
+    rows = []
+    for (file, line, func), (_, ncalls, own, _, _) in pstats.Stats(prof).stats.items():
+        where = func if file == "~" else f"{os.path.relpath(file) if file.startswith(os.getcwd()) else os.path.basename(file)}:{line}({func})"
+        rows.append({"where": where, "own_us": own / calls * 1e6, "calls": ncalls / calls})
+    return sorted(rows, key=lambda r: -r["own_us"])[:top]
 
 
 def bench_gemms(args, run) -> dict:
@@ -356,6 +378,9 @@ def main(argv=None) -> int:
     p.add_argument("--skip", choices=("gemms", "host", "step"), action="append", default=[])
     p.add_argument("--host-shape", type=int, nargs=3, default=[16, 16, 16], metavar=("M", "N", "K"),
                    help="the linear the host time is measured at (multiples of 16)")
+    p.add_argument("--host-profile", type=int, default=0, metavar="TOP",
+                   help="with the host section: each side's host time by function (cProfile, own time per call), "
+                        "the TOP largest")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--profile", default=None, metavar="MODEL:LINEAR",
                    help="only profile one linear's forward + backward per recipe, kernel by kernel (e.g. 8b:qkv)")
@@ -377,6 +402,10 @@ def main(argv=None) -> int:
         p.error("--skip gemms --skip host --skip step leaves nothing to run")
     if "host" in args.skip and args.host_shape != [16, 16, 16]:
         p.error("--host-shape applies to the host section, which --skip host leaves out")
+    if args.host_profile and ("host" in args.skip or args.profile):
+        p.error("--host-profile profiles the host section, which --skip host (or --profile) leaves out")
+    if args.host_profile < 0:
+        p.error(f"--host-profile={args.host_profile}: give the number of functions to list (e.g. 12)")
     args.recipes = args.recipes or [r for r in RECIPES if not (cuda and r == "mxfp8")]
     args.tokens = args.tokens if args.tokens is not None else (8192 if cuda else 128)
     args.ceiling_n = args.ceiling_n if args.ceiling_n is not None else (8192 if cuda else 1024)
@@ -441,6 +470,8 @@ def main(argv=None) -> int:
             label = f"{h['baseline_dtype']} F.linear" if name == "hp" else name
             print(f"  {label:<18} {v['host_us']:8.1f} us  ({v['host_us'] / base['host_us']:.2f}x)  {v['ops']:3d} ops: "
                   + ", ".join(f"{k} {c}" for k, c in v["op_counts"].items()))
+            for r in v.get("profile", []):  # --host-profile: own time per call (under cProfile, which adds its own)
+                print(f"      {r['own_us']:8.1f} us  x{r['calls']:<5.3g} {r['where']}")
     if "step" not in args.skip:
         res["step"] = bench_step(args)
         s = res["step"]

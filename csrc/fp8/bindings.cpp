@@ -92,12 +92,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& 
 // is folded into where the cast runs; the returned amax is then None. With from_amax, scale holds an amax (max |x| of the
 // tensor the scale is for, e.g. all-reduced over a TP group) and the scale is scale_from_amax of it
 // (fp8.h), computed where the cast runs (no host sync on a GPU); scale_inv is a 0-dim fp32 1 / scale.
+// scale None: current scaling from the input's own amax, reduced here before the cast (the launch issued
+// from C++, not from Python: the per-tensor recipes' host cost per linear); the amax returned (want_amax)
+// is that reduction's, and the cast computes none of its own.
 std::tuple<at::Tensor, py::object, py::object, at::Tensor> cast_transpose_scaled(const at::Tensor& input,
-                                                                                 const at::Tensor& scale,
+                                                                                 const py::object& scale_obj,
                                                                                  bool from_amax, bool e5m2,
                                                                                  bool want_out_t, bool want_amax,
                                                                                  const py::object& amax_into) {
   check_input(input);
+  const bool own = scale_obj.is_none();
+  if (own && from_amax) fail("from_amax=True needs the amax in scale; give None only for the input's own amax");
+  at::Tensor own_amax;  // (1,) fp32 max |input| (0 for an empty input; NaN if it has one)
+  if (own) {
+    own_amax = input.numel() ? at::linalg_vector_norm(input, INFINITY, at::OptionalIntArrayRef(), false, at::kFloat)
+                                   .reshape({1})
+                             : at::zeros({1}, input.options().dtype(at::kFloat));
+    from_amax = true;
+  }
+  const at::Tensor scale = own ? own_amax : scale_obj.cast<at::Tensor>();
   if (scale.scalar_type() != at::kFloat || scale.numel() != 1 || scale.device() != input.device()) {
     fail(std::string(from_amax ? "amax" : "scale") + " must be a one-element float32 tensor on the input's device, "
          "got " + std::string(c10::toString(scale.scalar_type())) + " with " + std::to_string(scale.numel()) +
@@ -121,12 +134,14 @@ std::tuple<at::Tensor, py::object, py::object, at::Tensor> cast_transpose_scaled
   const auto fp8 = input.options().dtype(e5m2 ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn);
   at::Tensor out = at::empty({rows, cols}, fp8);
   at::Tensor out_t = want_out_t ? at::empty({cols, rows}, fp8) : at::Tensor();  // (cols, rows): the transpose
-  at::Tensor amax = want_amax ? at::empty({1}, input.options().dtype(at::kFloat)) : at::Tensor();
+  // The cast's own amax: wanted and not already reduced (own), or folded into a running maximum.
+  const bool cast_amax = want_amax && !own;
+  at::Tensor amax = cast_amax ? at::empty({1}, input.options().dtype(at::kFloat)) : own_amax;
   at::Tensor scale_inv = at::empty({}, input.options().dtype(at::kFloat));
   const bool bf16 = input.scalar_type() == at::kBFloat16;
   auto* out_ptr = reinterpret_cast<uint8_t*>(out.data_ptr());
   auto* out_t_ptr = want_out_t ? reinterpret_cast<uint8_t*>(out_t.data_ptr()) : nullptr;
-  float* amax_ptr = want_amax ? amax.data_ptr<float>() : (into.defined() ? into.data_ptr<float>() : nullptr);
+  float* amax_ptr = cast_amax ? amax.data_ptr<float>() : (into.defined() ? into.data_ptr<float>() : nullptr);
   auto wrap = [&]() -> std::tuple<at::Tensor, py::object, py::object, at::Tensor> {
     return {out, want_out_t ? py::cast(out_t) : py::none(), want_amax ? py::cast(amax) : py::none(), scale_inv};
   };
@@ -258,7 +273,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("from_amax") = false, py::arg("e5m2") = false, py::arg("want_out_t") = true,
         py::arg("want_amax") = true, py::arg("amax_into") = py::none(),
         "cast_transpose for per-tensor scaling: with from_amax, scale is an amax and the scale is derived "
-        "where the cast runs; returns (out, out_t or None, amax or None (want_amax=False: not computed; "
+        "where the cast runs; scale None: from the input's own amax, reduced first; returns (out, out_t or None, amax or None (want_amax=False: not computed; "
         "amax_into: folded into that running maximum), 0-dim scale_inv = 1 / scale).");
   m.def("scales_from_amax", &scales_from_amax, py::arg("amax"), py::arg("e5m2") = false, py::arg("pow2") = false,
         "(scale, 1 / scale) of each float32 amax: fp8_max / amax (IEEE), 1 where amax is not positive and "

@@ -116,6 +116,8 @@ def fp8_cast_transpose_scaled_reference(x: Tensor, *, scale: Tensor | None = Non
                                         want_amax: bool = True, amax_into: Tensor | None = None
                                         ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
     """Plain-PyTorch version of :func:`fp8_cast_transpose_scaled` (same promises, bit for bit)."""
+    if scale is None and amax is None:  # current scaling from x's own amax
+        amax = x.float().abs().amax().reshape(1) if x.numel() else x.new_zeros(1, dtype=torch.float32)
     s = scale_from_amax(amax, fmt) if scale is None else scale.float()
     q, q_t, x_amax = fp8_cast_transpose_reference(x, s.reshape(1), fmt=fmt)
     if amax_into is not None:
@@ -129,17 +131,19 @@ def fp8_cast_transpose_scaled(x: Tensor, *, scale: Tensor | None = None, amax: T
                               ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
     """:func:`fp8_cast_transpose` for per-tensor scaling, in one call: given ``scale``, or ``amax`` (the
     current amax of the tensor the scale is for, e.g. all-reduced over a TP group; the scale is then
-    :func:`scale_from_amax` of it, computed on x's device with no host sync). Returns (out, out_t or
+    :func:`scale_from_amax` of it, computed on x's device with no host sync), or neither: current scaling
+    from x's own amax, reduced by the native op before its cast (that launch issued from C++, not from
+    Python; the amax returned is that reduction's). Returns (out, out_t or
     None (``want_out_t=False``), amax of x (1,) or None (``want_amax=False``: not computed, and on a GPU
     no memset launched for it), the 0-dim dequantisation scale ``1 / scale``): what an FP8 GEMM takes,
     with no scale arithmetic left to launch from Python. ``amax_into`` (with ``want_amax=False``): a
     one-element float32 running maximum on x's device (a delayed-scaling state's pending amax, so
     non-negative or NaN) that max |x| is folded into by the cast itself, with no op of its own."""
     _check_common(f"{_OP}_scaled", x, fmt, backend)
-    if (scale is None) == (amax is None):
-        raise ValueError(f"{_OP}_scaled: give exactly one of scale= and amax=")
+    if scale is not None and amax is not None:
+        raise ValueError(f"{_OP}_scaled: give at most one of scale= and amax= (neither: x's own amax)")
     given = scale if amax is None else amax
-    if given.dtype != torch.float32 or given.numel() != 1 or given.device != x.device:
+    if given is not None and (given.dtype != torch.float32 or given.numel() != 1 or given.device != x.device):
         raise ValueError(f"{_OP}_scaled: {'scale' if amax is None else 'amax'} must be a one-element float32 "
                          f"tensor on {x.device}, got {given.dtype} with {given.numel()} elements on {given.device}.")
     if amax_into is not None:
@@ -150,7 +154,7 @@ def fp8_cast_transpose_scaled(x: Tensor, *, scale: Tensor | None = None, amax: T
                 or not amax_into.is_contiguous()):
             raise ValueError(f"{_OP}_scaled: amax_into must be a contiguous one-element float32 tensor on {x.device}, "
                              f"got {amax_into.dtype} with {amax_into.numel()} elements on {amax_into.device}.")
-        if amax_into.data_ptr() == given.data_ptr():
+        if given is not None and amax_into.data_ptr() == given.data_ptr():
             raise ValueError(f"{_OP}_scaled: amax_into is the {'scale' if amax is None else 'amax'} tensor itself: "
                              "the cast would read it while folding into it; give a separate running maximum")
     if backend == "native" or (backend == "auto" and _native.available("fp8")):

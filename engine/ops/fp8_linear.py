@@ -171,7 +171,8 @@ def quantize_tensorwise(t: Tensor, fmt: torch.dtype, scale: Optional[Tensor] = N
                         amax: Optional[Tensor] = None, transpose: bool = False, want_amax: bool = True,
                         amax_into: Optional[Tensor] = None) -> tuple[Quantized, Optional[Quantized], Optional[Tensor]]:
     """``t`` (rows, cols) with one scale, given as ``scale`` or as the ``amax`` it derives from
-    (:func:`amax_to_scale`, margin 0): (q, q.T or None, amax of t, or None with ``want_amax=False``:
+    (:func:`amax_to_scale`, margin 0), or neither: t's own amax (current scaling, reduced by the native
+    cast itself): (q, q.T or None, amax of t, or None with ``want_amax=False``:
     only delayed scaling keeps it, and skipping it saves the cast's reduction and, on a GPU, a memset
     launch; ``amax_into``: a delayed state's pending slot the cast folds the amax into itself). One call
     of the fused
@@ -439,6 +440,17 @@ class DelayedScaling(torch.nn.Module):
         self.register_buffer("scale", torch.ones(3, device=device))
         self.register_buffer("steps", torch.zeros(1, dtype=torch.int64))  # stays on the CPU: read on the host
         self.register_buffer("pending", torch.zeros(3, device=device), persistent=False)
+        self._slots: dict[str, tuple[Tensor, dict[str, Tensor]]] = {}
+
+    def slot(self, buffer: str, role: str) -> Tensor:
+        """``role``'s (1,) view of the ``buffer`` ("scale" or "pending"), made once per buffer tensor (a
+        call's host time: slicing is a Python op; the buffers are updated in place, so the views stay
+        current, and a buffer replaced by a move is sliced afresh)."""
+        t = getattr(self, buffer)
+        hit = self._slots.get(buffer)
+        if hit is None or hit[0] is not t or hit[1][ROLES[0]].data_ptr() != t.data_ptr():  # (a deep copy)
+            hit = self._slots[buffer] = (t, {r: t[i:i + 1] for i, r in enumerate(ROLES)})
+        return hit[1][role]
 
     def _apply(self, fn, recurse=True):  # keep ``steps`` on the CPU when the module moves
         steps = self.steps
@@ -452,8 +464,7 @@ class DelayedScaling(torch.nn.Module):
 
     def record(self, role: str, amax: Tensor) -> None:
         """Fold a call's (local) amax into this step's pending maximum (no host sync)."""
-        i = ROLES.index(role)
-        pending = self.pending[i:i + 1]
+        pending = self.slot("pending", role)
         if amax.dtype != torch.float32 or amax.device != pending.device:
             amax = amax.float().to(pending.device)
         torch.maximum(pending, amax.reshape(1), out=pending)
@@ -707,15 +718,13 @@ class Scaler:
 
     def scale(self, role: str, t: Tensor) -> dict[str, Tensor]:
         """Where ``t``'s scale comes from, as :func:`quantize_tensorwise`'s keyword: ``{"scale": s}``
-        (from the delayed state) or ``{"amax": a}`` (current, reduced over its group; the cast derives
-        the scale)."""
+        (from the delayed state), ``{"amax": a}`` (current, reduced over its group; the cast derives
+        the scale) or ``{}`` (current, t unsharded: the cast reduces t's amax itself, with no Python op)."""
         if not self.current:
-            i = ROLES.index(role)
-            return {"scale": self.state.scale[i:i + 1]}
-        amax = _amax(t)
-        if role in self.reduce:
-            amax = self.reduce[role](amax)
-        return {"amax": amax}
+            return {"scale": self.state.slot("scale", role)}
+        if role not in self.reduce:
+            return {}
+        return {"amax": self.reduce[role](_amax(t))}
 
     def scales(self, items: list[tuple[str, Tensor]], reduce: AmaxReduce) -> list[dict[str, Tensor]]:
         """:meth:`scale` of several operands, their current amaxes reduced by ONE call of ``reduce`` on
@@ -744,9 +753,8 @@ class Scaler:
         where the state lives on t's device."""
         scale = self.scale(role, t) if scale is None else scale
         if self.keeps_amax and self.state.pending.device == t.device:
-            i = ROLES.index(role)
             q, q_t, _ = quantize_tensorwise(t, _FORMAT[role], **scale, transpose=transpose, want_amax=False,
-                                            amax_into=self.state.pending[i:i + 1])
+                                            amax_into=self.state.slot("pending", role))
             return q, q_t
         q, q_t, amax = quantize_tensorwise(t, _FORMAT[role], **scale, transpose=transpose, want_amax=self.keeps_amax)
         self.record(role, amax)

@@ -234,9 +234,37 @@ def test_scaled_cast_folds_its_amax_into_a_running_maximum(backend):
         fp8_cast_transpose_scaled(x, amax=same, want_amax=False, amax_into=pending[:2], backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaled_cast_from_its_own_amax_bit_for_bit(backend, fmt, dtype):
+    """Neither scale nor amax: current scaling from x's own amax, reduced by the op itself (the native
+    op issues the reduction from C++). The same bits as the call given that amax, the amax returned is
+    x's; a NaN in x gives a NaN amax and scale 1; an empty x amax 0; amax_into folds it in; and with
+    want_amax=False nothing is returned for it."""
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(37, 129, generator=gen) * 7).to(dtype)
+    own = fp8_cast_transpose_scaled(x, fmt=fmt, backend=backend)
+    x_amax = x.float().abs().amax().reshape(1)
+    given = fp8_cast_transpose_scaled(x, amax=x_amax, fmt=fmt, backend=backend)
+    for a, b in zip(own[:2], given[:2]):
+        assert torch.equal(_bits(a), _bits(b))
+    assert torch.equal(own[2], x_amax) and torch.equal(own[3], given[3])
+    lean = fp8_cast_transpose_scaled(x, fmt=fmt, want_out_t=False, want_amax=False, backend=backend)
+    assert lean[1] is None and lean[2] is None and torch.equal(_bits(lean[0]), _bits(own[0]))
+    pending = torch.tensor([0.5])
+    fp8_cast_transpose_scaled(x, fmt=fmt, want_amax=False, amax_into=pending, backend=backend)
+    assert torch.equal(pending, x_amax)
+    y = x.clone()
+    y[3, 4] = float("nan")
+    nan = fp8_cast_transpose_scaled(y, fmt=fmt, backend=backend)
+    assert torch.isnan(nan[2]).all() and nan[3] == 1.0
+    empty = fp8_cast_transpose_scaled(x[:0], fmt=fmt, backend=backend)
+    assert empty[0].shape == (0, 129) and empty[2].item() == 0.0 and empty[3] == 1.0
+
+
 @pytest.mark.parametrize("kw, match", [
-    (dict(), "exactly one of scale= and amax="),
-    (dict(scale=torch.ones(1), amax=torch.ones(1)), "exactly one of scale= and amax="),
+    (dict(scale=torch.ones(1), amax=torch.ones(1)), "at most one of scale= and amax="),
     (dict(amax=torch.ones(2)), "amax must be a one-element float32 tensor"),
     (dict(scale=torch.ones(1, dtype=torch.float64)), "scale must be a one-element float32 tensor"),
 ])

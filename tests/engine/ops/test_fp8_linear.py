@@ -477,3 +477,25 @@ def test_sequence_gather_takes_any_shard_length():
     x = torch.randn(5, 2, 32)
     y = fp8_linear(x, torch.randn(16, 32), sequence_gather=_shards(4))
     assert y.shape == (20, 2, 16)
+
+
+def test_delayed_slots_follow_their_buffers():
+    """DelayedScaling.slot: a role's (1,) view of scale / pending, made once; writes in place (an update, a
+    checkpoint load) show through it, and a buffer replaced (a move, load with assign, a deep copy) is
+    sliced afresh, so a call never reads or folds into a stale tensor."""
+    import copy
+
+    st = DelayedScaling()
+    v = st.slot("scale", "weight")
+    assert st.slot("scale", "weight") is v
+    st.scale.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    assert v.item() == 2.0
+    st.load_state_dict({**st.state_dict(), "scale": torch.tensor([4.0, 5.0, 6.0])})
+    assert st.slot("scale", "weight").item() == 5.0
+    st.load_state_dict({**st.state_dict(), "scale": torch.tensor([7.0, 8.0, 9.0])}, assign=True)
+    assert st.slot("scale", "grad_output").item() == 9.0
+    twin = copy.deepcopy(st)
+    twin.slot("pending", "input").fill_(3.0)
+    assert twin.pending[0].item() == 3.0 and st.pending[0].item() == 0.0
+    st.double()
+    assert st.slot("scale", "input").dtype == torch.float64 and st.slot("scale", "input").item() == 7.0

@@ -219,6 +219,27 @@ def test_fp8_cast_transpose_scaled_cuda_given_scale_nan_and_lean_outputs():
 
 
 @pytest.mark.skipif(not _native.has_cuda("fp8"), reason="engine._fp8 was built without CUDA")
+def test_fp8_cast_transpose_scaled_cuda_from_its_own_amax():
+    """Neither scale nor amax (tensorwise, unsharded): the native op reduces x's amax on the GPU, then casts;
+    the same bits as the CPU's, the amax returned is x's (NaN where x has one), and an empty x gives 0."""
+    from engine.ops.fp8_cast_transpose import fp8_cast_transpose_scaled
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+            for rows, cols in CAST_SHAPES[:2]:
+                x = (torch.randn(rows, cols) * 30).to(dtype)
+                want = fp8_cast_transpose_scaled(x, fmt=fmt, backend="native")
+                got = fp8_cast_transpose_scaled(x.cuda(), fmt=fmt, backend="native")
+                for g, w in zip(got, want):
+                    assert torch.equal(g.cpu().view(torch.uint8) if g.dtype == fmt else g.cpu(),
+                                       w.view(torch.uint8) if w.dtype == fmt else w), (dtype, fmt, rows)
+    x = torch.randn(64, 32, device="cuda")
+    x[1, 2] = float("nan")
+    assert torch.isnan(fp8_cast_transpose_scaled(x, backend="native")[2]).all()
+    assert fp8_cast_transpose_scaled(x[:0], backend="native")[2].item() == 0.0
+
+
+@pytest.mark.skipif(not _native.has_cuda("fp8"), reason="engine._fp8 was built without CUDA")
 def test_fp8_cast_transpose_grid_cuda_bit_for_bit():
     """The row-, column-, tile- and block-scaled casts (the row- and block-wise recipes' quantisation)."""
     from engine.ops.fp8_cast_transpose import fp8_cast_transpose_grid, fp8_cast_transpose_grid_reference

@@ -261,6 +261,8 @@ def case_rmsnorm(m, tokens, device, gpu, *, dtype=torch.bfloat16, **_):
     impls = {"eager": lambda x, r, w: rmsnorm.rms_norm_reference(x, w, 1e-5, residual=r)}
     if gpu:
         impls["tessel"] = lambda x, r, w: rmsnorm.rms_norm(x, w, 1e-5, residual=r)
+        if rmsnorm.bwd_tile_rows(h) > 1:  # A/B: the backward a row at a time (its kernel before the tiles)
+            impls["tessel_r1"] = lambda x, r, w: rmsnorm.rms_norm(x, w, 1e-5, residual=r, bwd_tile_rows=1)
         liger = _liger()
         if liger is not None:
             from liger_kernel.transformers import LigerRMSNorm

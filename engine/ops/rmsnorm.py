@@ -8,7 +8,8 @@ Statistics and the product are computed in float32 (float64 for float64 inputs) 
 ``x.dtype`` once. Backward: ``dh = rstd * (g - n * mean(g * n))`` with ``g = dy * weight`` and
 ``n = h * rstd``; the weight gradient ``sum_rows(dy * n)`` is reduced in two stages (each Triton
 program sums its block of rows into one fp32 partial row, then the partials are summed), so no
-atomics and a deterministic result.
+atomics and a deterministic result. The backward program takes its rows a tile of several at a
+time (``bwd_tile_rows``), the forward one row per program.
 """
 from __future__ import annotations
 
@@ -65,27 +66,39 @@ def _rms_norm_fwd_kernel(X, R, W, Y, H, RSTD, stride_x, stride_r, stride_y, stri
 @Kernel
 def _rms_norm_bwd_kernel(DY, H, W, RSTD, DRES, DX, DW_PARTIAL, stride_dy, stride_h, stride_dres,
                          stride_dx, n_rows, n_cols, rows_per_program,
-                         HAS_DRES: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_DRES: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    # Each program: rows_per_program rows, ROWS of them per iteration as one (ROWS, BLOCK) tile (more
+    # loads in flight than a row at a time: the row loop waits on each row's load, reduction and store).
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    cmask = cols < n_cols
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros((BLOCK,), dtype=tl.float32)
     row_start = pid.to(tl.int64) * rows_per_program
     row_count = tl.minimum(row_start + rows_per_program, n_rows) - row_start
-    for i in range(0, row_count):
-        row64 = row_start + i
-        dy = tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-        h = tl.load(H + row64 * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + row64)
-        n = h * rstd
-        g = dy * w
-        dx = rstd * (g - n * (tl.sum(g * n, axis=0) / n_cols))
+    for i in range(0, row_count, ROWS):
+        r = tl.arange(0, ROWS)
+        rmask = (i + r) < row_count
+        rows64 = row_start + i + r  # (ROWS,)
+        mask = rmask[:, None] & cmask[None, :]  # (ROWS, BLOCK)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        h = tl.load(H + rows64[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows64, mask=rmask, other=0.0)  # (ROWS,)
+        n = h * rstd[:, None]
+        g = dy * w[None, :]
+        dx = rstd[:, None] * (g - n * (tl.sum(g * n, axis=1) / n_cols)[:, None])
         if HAS_DRES:
-            dx += tl.load(DRES + row64 * stride_dres + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
-        dw_acc += dy * n
-    tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=mask)
+            dx += tl.load(DRES + rows64[:, None] * stride_dres + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        dw_acc += tl.sum(dy * n, axis=0)  # masked rows add 0
+    tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=cmask)
+
+
+def bwd_tile_rows(n_cols: int) -> int:
+    """Rows per backward iteration by default: a (rows, hidden) tile of 16384 elements, 32 per thread at 16
+    warps (hidden 4096: 4 rows; 8192: 2; 1024: 16), 1 from 16384 columns up. Chosen without a GPU
+    measurement: tools/bench_kernels.py times it against 1 row (``tessel_r1``) in the same run."""
+    return max(1, min(16, 16384 // triton.next_power_of_2(max(n_cols, 1))))
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -111,7 +124,7 @@ def _fwd_launch(x: Tensor, weight: Tensor, residual: Optional[Tensor], eps: floa
     return y.view(x.shape), h.view(x.shape) if residual is not None else h, rstd
 
 
-def _bwd_launch(dy: Tensor, h: Tensor, weight: Tensor, rstd: Tensor, dres: Optional[Tensor]):
+def _bwd_launch(dy: Tensor, h: Tensor, weight: Tensor, rstd: Tensor, dres: Optional[Tensor], tile_rows: int = 0):
     dy2, h2 = _rows(dy), _rows(h)  # (rows, hidden)
     dres2 = _rows(dres) if dres is not None else dy2  # (rows, hidden)
     rows, n_cols = h2.shape
@@ -119,11 +132,12 @@ def _bwd_launch(dy: Tensor, h: Tensor, weight: Tensor, rstd: Tensor, dres: Optio
     programs = num_programs_for(rows, h.device)
     dw_partial = torch.zeros(programs, n_cols, dtype=torch.float32, device=h.device)
     block = triton.next_power_of_2(n_cols)
+    tile = tile_rows or bwd_tile_rows(n_cols)
     if rows > 0:
         _rms_norm_bwd_kernel.on(h.device)[(programs,)](
             dy2, h2, weight, rstd, dres2, dx, dw_partial, dy2.stride(0), h2.stride(0),
             dres2.stride(0), dx.stride(0), rows, n_cols, triton.cdiv(rows, programs),
-            HAS_DRES=dres is not None, BLOCK=block, num_warps=num_warps_for(block))
+            HAS_DRES=dres is not None, BLOCK=block, ROWS=tile, num_warps=num_warps_for(block * tile))
     dw = dw_partial.sum(0).to(weight.dtype)  # second stage of the weight-grad reduction
     return dx.view(h.shape), dw
 
@@ -132,42 +146,42 @@ def _bwd_launch(dy: Tensor, h: Tensor, weight: Tensor, rstd: Tensor, dres: Optio
 # torch.library registration: opaque to torch.compile, with fake (meta) and autograd rules
 # ----------------------------------------------------------------------------------------------
 @torch.library.custom_op("tessel::rms_norm_fwd", mutates_args=())
-def _rms_norm_fwd(x: Tensor, weight: Tensor, residual: Optional[Tensor], eps: float
+def _rms_norm_fwd(x: Tensor, weight: Tensor, residual: Optional[Tensor], eps: float, bwd_tile_rows: int
                   ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (y, h, rstd); h is empty when residual is None (then h is x itself)."""
     return _fwd_launch(x, weight, residual, eps)
 
 
 @_rms_norm_fwd.register_fake
-def _(x, weight, residual, eps):
+def _(x, weight, residual, eps, bwd_tile_rows):
     h = torch.empty_like(x) if residual is not None else x.new_empty(0)
     return torch.empty_like(x), h, x.new_empty(x.numel() // max(x.shape[-1], 1), dtype=torch.float32)
 
 
 @torch.library.custom_op("tessel::rms_norm_bwd", mutates_args=())
-def _rms_norm_bwd(dy: Tensor, h: Tensor, weight: Tensor, rstd: Tensor, dres: Optional[Tensor]
+def _rms_norm_bwd(dy: Tensor, h: Tensor, weight: Tensor, rstd: Tensor, dres: Optional[Tensor], tile_rows: int
                   ) -> tuple[Tensor, Tensor]:
     """Returns (dh, dweight); dh already includes dres (the gradient of the new residual)."""
-    return _bwd_launch(dy, h, weight, rstd, dres)
+    return _bwd_launch(dy, h, weight, rstd, dres, tile_rows)
 
 
 @_rms_norm_bwd.register_fake
-def _(dy, h, weight, rstd, dres):
+def _(dy, h, weight, rstd, dres, tile_rows):
     return torch.empty_like(h), torch.empty_like(weight)
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, residual, eps = inputs
+    x, weight, residual, eps, tile_rows = inputs
     _, h, rstd = output
-    ctx.has_residual = residual is not None
+    ctx.has_residual, ctx.tile_rows = residual is not None, tile_rows
     ctx.save_for_backward(h if residual is not None else x, weight, rstd)
 
 
 def _backward(ctx, dy, dh_out, drstd):
     h, weight, rstd = ctx.saved_tensors
     dres = dh_out if ctx.has_residual else None
-    dx, dw = _rms_norm_bwd(dy, h, weight, rstd, dres)
-    return dx, dw, (dx if ctx.has_residual else None), None
+    dx, dw = _rms_norm_bwd(dy, h, weight, rstd, dres, ctx.tile_rows)
+    return dx, dw, (dx if ctx.has_residual else None), None, None
 
 
 _rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -194,14 +208,19 @@ def _check(x: Tensor, weight: Tensor, eps: float, residual: Optional[Tensor]) ->
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, *, residual: Optional[Tensor] = None,
-             backend: str = "auto"):
+             backend: str = "auto", bwd_tile_rows: int = 0):
     """RMSNorm over the last dim of ``x`` (any leading shape, e.g. (s, b, h)).
 
     Returns ``y`` (shape and dtype of ``x``), or ``(y, new_residual)`` when ``residual`` is given,
     where ``new_residual = x + residual`` (dtype of ``x``) and ``y = rmsnorm(new_residual)``.
-    ``weight``: (h,), any float dtype; its gradient comes back in its dtype.
+    ``weight``: (h,), any float dtype; its gradient comes back in its dtype. ``bwd_tile_rows`` (Triton):
+    rows per iteration of the backward kernel, a power of two up to 16; 0 chooses by the hidden size
+    (:func:`bwd_tile_rows`); 1 is the row-at-a-time loop (for A/B timing).
     """
     _check(x, weight, eps, residual)
+    if bwd_tile_rows not in (0, 1, 2, 4, 8, 16):
+        raise ValueError(f"{_OP}: bwd_tile_rows={bwd_tile_rows!r} must be 0 (by hidden size) or a power of two "
+                         "up to 16 (rows per backward iteration).")
     if not use_triton(backend, x, op=_OP):
         return rms_norm_reference(x, weight, eps, residual=residual)
     check_triton_dtype(x, name="x", op=_OP)
@@ -209,7 +228,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, residual: Optional[Tensor
     if x.shape[-1] > _MAX_HIDDEN:
         raise ValueError(f"{_OP}: hidden size {x.shape[-1]} > {_MAX_HIDDEN} is not supported by the "
                          "Triton kernel (one row per program); use backend='reference'.")
-    y, h, _ = _rms_norm_fwd(x, weight.contiguous(), residual, float(eps))
+    y, h, _ = _rms_norm_fwd(x, weight.contiguous(), residual, float(eps), int(bwd_tile_rows))
     return y if residual is None else (y, h)
 
 

@@ -85,6 +85,29 @@ def test_weight_grad_reduces_across_many_programs():
     torch.testing.assert_close(got, w.grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tile_rows", [1, 2, 4, 16])
+def test_backward_row_tiles_match_the_reference(tile_rows):
+    """The backward's (rows, hidden) tiles: each tile size gives the reference's dx, dw and dres, where the
+    rows per program (37 over 4 programs: 10, 10, 10, 7) are not a multiple of the tile (masked rows
+    must add nothing to dw), and one row at a time (1, the A/B baseline) too."""
+    torch.manual_seed(7)
+    x, r, dy, dh = (torch.randn(37, 40) for _ in range(4))
+    w = torch.randn(40)
+    xs, ws, rs = (t.detach().requires_grad_() for t in (x, w, r))
+    y, h = rms_norm(xs, ws, EPS, residual=rs, backend="triton", bwd_tile_rows=tile_rows)
+    torch.autograd.backward([y, h], [dy, dh])
+    got = (y, h, xs.grad, ws.grad, rs.grad)
+    want = _run(x, w, r, "reference", dy, dh)
+    for name, a, b in zip(("y", "h", "dx", "dw", "dres"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_default_backward_tile_by_hidden_size():
+    from engine.ops.rmsnorm import bwd_tile_rows
+
+    assert [bwd_tile_rows(h) for h in (40, 1000, 2048, 4096, 5120, 8192, 16384)] == [16, 16, 8, 4, 2, 2, 1]
+
+
 def test_non_contiguous_input():
     torch.manual_seed(5)
     x = torch.randn(16, 6).t()  # (6, 16) with stride (1, 6)
@@ -97,7 +120,8 @@ def test_opcheck_and_compile():
 
     torch.manual_seed(6)
     x, w, r = torch.randn(5, 24, requires_grad=True), torch.randn(24, requires_grad=True), torch.randn(5, 24)
-    torch.library.opcheck(_rms_norm_fwd, (x, w, r, EPS))
+    torch.library.opcheck(_rms_norm_fwd, (x, w, r, EPS, 0))
+    torch.library.opcheck(_rms_norm_fwd, (x, w, r, EPS, 4))
 
     def f(x, w, r):
         y, h = rms_norm(x, w, EPS, residual=r, backend="triton")
@@ -122,6 +146,7 @@ def test_opcheck_and_compile():
     (dict(eps=-1.0), "eps=-1.0 must be >= 0"),
     (dict(backend="cuda"), "backend='cuda' is not one of"),
     (dict(x=torch.ones(3, 8, dtype=torch.float64), backend="triton"), "does not support float64"),
+    (dict(bwd_tile_rows=3), "bwd_tile_rows=3 must be 0"),
 ])
 def test_bad_inputs_raise(kwargs, match):
     args = dict(x=torch.ones(3, 8), weight=torch.ones(8), eps=EPS, residual=None, backend="auto")

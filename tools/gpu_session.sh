@@ -21,7 +21,8 @@
 #   train_step.log     tools/bench_train_step.py --device cuda --preset gpu-1b --compare-kernels; its JSON
 #                      results at the end of the same file
 #   bench_fp8.log      tools/bench_fp8.py --device cuda: FP8 vs bf16 GEMMs (8B/70B layers), the host time to
-#                      issue one linear per recipe, and the gpu-1b train step per recipe; its JSON results at the end of the same file; then one linear's
+#                      issue one linear per recipe (by function), and the gpu-1b train step per recipe with its
+#                      kernels per step; its JSON results at the end of the same file; then one linear's
 #                      kernel profile, and the gpu-1b step in 4 micro-batches with and without the weight cache,
 #                      each side's kernels per step against its step time (--profile-step)
 #   bench_parallel.log four steps, one after another, each with its JSON at its end:
@@ -139,7 +140,10 @@ EOF
     fi
     if wanted fp8; then
         # shellcheck disable=SC2086
-        run_json_step fp8 100 "$OUT/bench_fp8.log" "$PY" tools/bench_fp8.py --device cuda ${FP8_ARGS:-}
+        # with each side's host time by function (--host-profile) and the step's kernels against its time
+        # (--profile-step): the H200 session found the FP8 step host-bound (docs/fp8.md)
+        run_json_step fp8 100 "$OUT/bench_fp8.log" "$PY" tools/bench_fp8.py --device cuda --host-profile 10 \
+            --profile-step --profile-top 8 ${FP8_ARGS:-}
         # where one linear's time goes, kernel by kernel (docs/fp8.md, "Where the time goes")
         run_json_step fp8_profile 30 "$OUT/bench_fp8.log" "$PY" tools/bench_fp8.py --device cuda --profile 8b:qkv \
             --repeats 5

@@ -54,6 +54,20 @@ def test_bench_fp8_profile_lists_each_sides_kernels(tmp_path):
     assert any("_scaled_mm" in k["name"] for k in prof["sides"]["tensorwise"]["kernels"])
 
 
+def test_bench_fp8_host_profile_lists_functions(tmp_path, capsys):
+    """--host-profile: per side, where its host time goes (own time per call, largest first): the FP8
+    side's list names its GEMM and its casts."""
+    out = tmp_path / "host.json"
+    assert bench_fp8.main(["--skip", "gemms", "--skip", "step", "--recipes", "tensorwise", "--host-profile", "6",
+                           "--json", str(out)]) == 0
+    sides = json.loads(out.read_text())["host"]["sides"]
+    for side in sides.values():
+        prof = side["profile"]
+        assert 0 < len(prof) <= 6 and all(a["own_us"] >= b["own_us"] for a, b in zip(prof, prof[1:]))
+    assert any("_scaled_mm" in r["where"] for r in sides["tensorwise"]["profile"])
+    assert "us  x" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, match", [(["--profile-top", "3"], "read with --profile or --profile-step only"),
                                          (["--profile-step"], "profiles the train step on CUDA"),
                                          (["--profile", "8b"], "give MODEL:LINEAR"),
@@ -63,7 +77,9 @@ def test_bench_fp8_profile_lists_each_sides_kernels(tmp_path):
                                          (["--host-shape", "0", "16", "16"], "must be positive multiples of 16"),
                                          (["--tokens", "0"], "--tokens=0 must be a positive integer"),
                                          (["--skip", "gemms", "--skip", "host", "--skip", "step"], "nothing to run"),
-                                         (["--skip", "host", "--host-shape", "32", "32", "32"], "which --skip host leaves out")])
+                                         (["--skip", "host", "--host-shape", "32", "32", "32"], "which --skip host leaves out"),
+                                         (["--skip", "host", "--host-profile", "5"], "which --skip host (or --profile) leaves out"),
+                                         (["--host-profile", "-1"], "give the number of functions to list")])
 def test_bench_fp8_profile_flags_are_checked(argv, match, capsys):
     with pytest.raises(SystemExit):
         bench_fp8.main(argv)

@@ -338,13 +338,16 @@ class Run:
             if on_step is not None:
                 on_step(tr, st)
         from engine.fault import RunStopped
+        from engine.optim import NonFiniteGradError
 
         watchdog = self.trainer.watchdog or contextlib.nullcontext()  # fault.hang_timeout_s: armed for the loop
         try:
             with watchdog:
                 history = self.trainer.train(self.train_loader, self.valid_loader,
                                              save=self.save if ck is not None else None, on_step=after_step)
-        except RunStopped:  # every rank stops at the same step: an earlier async save can still commit
+        except (RunStopped, NonFiniteGradError):
+            # Every rank stops at the same step (the skip limit, or optim.nonfinite="stop" on the all-reduced
+            # norm): a save started before the divergence holds healthy weights and still commits.
             if ck is not None:
                 ck.finalize()
             raise

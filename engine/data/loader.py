@@ -135,8 +135,12 @@ class DataParallelLoader:
             dp_size=self.sampler.dp_size, consumed_samples=self.sampler.consumed_samples)
         if self.num_workers == 0:
             return (self.collate_fn([self.dataset[i] for i in idx]) for idx in snapshot)
+        # Its own generator for the workers' base seed: a DataLoader iterator otherwise draws that seed from
+        # torch's global CPU generator, the stream dropout draws from, and a resumed run (which starts a new
+        # iterator right after restoring the RNG state) would shift every later dropout mask.
         return iter(torch.utils.data.DataLoader(self.dataset, batch_sampler=snapshot, num_workers=self.num_workers,
-                                                collate_fn=self.collate_fn, persistent_workers=False))
+                                                collate_fn=self.collate_fn, persistent_workers=False,
+                                                generator=torch.Generator().manual_seed(0)))
 
     def __iter__(self) -> "DataParallelLoader":
         return self

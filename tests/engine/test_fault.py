@@ -292,3 +292,30 @@ def test_a_usage_error_is_said_once_under_torchrun(tool, monkeypatch, capsys):
         assert ("error: " in err and "usage:" in err) == says, (rank, err)
         if not says:
             assert err == ""
+
+
+@pytest.mark.parametrize("stop", [["optim.nonfinite=stop"], ["optim.nonfinite=skip", "optim.max_skipped_steps=0"]])
+def test_a_divergence_keeps_the_async_save_started_before_it(tmp_path, keep_signal_handlers, stop):
+    """An asynchronous save of step 2, then a NaN in step 3: whether the run stops at once
+    (optim.nonfinite="stop") or at the skip limit, the save, made before the divergence, commits, and is
+    what a relaunch resumes from (a .tmp_ directory left behind would be removed at start-up)."""
+    from engine.checkpoint.format import list_checkpoints
+    from engine.fault import RunStopped
+    from engine.optim import NonFiniteGradError
+
+    run_dir = tmp_path / "run"
+    run = _build(_cfg(run_dir, "checkpoint.async_save=true", "fault.nan_replay=false", *stop), run_dir)
+    tr = run.trainer
+
+    def nan_in_step_3(mod, inputs, output):
+        if tr.step == 2:
+            output = output.clone()
+            output.view(-1)[5] = float("nan")
+        return output
+    tr.chunks[0].layers["1"].register_forward_hook(nan_in_step_3)
+    with pytest.raises((NonFiniteGradError, RunStopped)):
+        run.train()
+    tr.logger.close()
+    ckpts = run_dir / "checkpoints"
+    assert [s for s, _ in list_checkpoints(str(ckpts))] == [2]
+    assert not [p.name for p in ckpts.iterdir() if p.name.startswith(".tmp_")]

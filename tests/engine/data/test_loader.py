@@ -85,6 +85,20 @@ def test_resume_exactly(gpt, num_workers):
     assert torch.equal(next(first)["tokens"], straight[2])
 
 
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_reading_leaves_the_global_rng_alone(gpt, num_workers):
+    """Starting to read (also with worker processes) draws nothing from torch's global generator, which
+    dropout uses: a resumed run starts a new iterator right after restoring the RNG state, so a draw there
+    would shift every later dropout mask against the uninterrupted run."""
+    torch.manual_seed(0)
+    want = torch.rand(3)
+    torch.manual_seed(0)
+    loader = DataParallelLoader(gpt, global_batch_size=4, micro_batch_size=2, dp_rank=0, dp_size=2,
+                                num_workers=num_workers)
+    next(loader)
+    assert torch.equal(torch.rand(3), want)
+
+
 def test_exhaustion_and_errors(gpt):
     loader = DataParallelLoader(gpt, global_batch_size=100, micro_batch_size=50, dp_rank=0, dp_size=2)
     n = len(loader)

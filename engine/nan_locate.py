@@ -86,6 +86,8 @@ def localise_nonfinite(trainer, micro: list[dict]) -> dict:
     # MoE layers add every training forward's routing counts into step_load (the next step's metrics and
     # bias update): the replay's must not count
     loads = [(m, m.step_load) for m in trainer.chunks.modules() if hasattr(m, "step_load")]
+    # likewise the objective's sums (DPO / GRPO metrics, Trainer._stats): the step reported its own already
+    stats = dict(trainer._stats)
     try:
         trainer._pipeline(micro, train=True)
         trainer.ddp.finish_grad_sync()
@@ -94,6 +96,7 @@ def localise_nonfinite(trainer, micro: list[dict]) -> dict:
         trainer.optimizer.zero_grad()
         for m, load in loads:
             m.step_load = load
+        trainer._stats = stats
     mine = {k: v for k, v in (("parameter", bad_param), ("forward", probe.forward), ("backward", probe.backward))
             if v is not None}
     found = {r: f for r, f in enumerate(all_gather_json(mine, trainer.mesh.world)) if f}

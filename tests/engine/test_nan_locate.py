@@ -89,3 +89,58 @@ def _poisoned_parameter_under_zero3(run_dir: str):
 def test_a_nonfinite_parameter_is_named_under_zero3(tmp_path):
     found = run_distributed(_poisoned_parameter_under_zero3, 2, str(tmp_path), timeout=180)[0]
     assert "0.layers.1.mlp.fc2.weight" in found.values(), found
+
+
+class _Pairs:
+    """DPO pairs (chosen, rejected) of the test model's vocabulary: 2 rows per sample."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import numpy as np
+
+        from tests.engine.test_fault import SEQ, VOCAB
+
+        rows = np.stack([np.random.default_rng(7 + 2 * i + j).integers(0, VOCAB, SEQ + 1) for j in range(2)])
+        return {"tokens": rows[:, :-1], "labels": rows[:, 1:], "position_ids": np.stack([np.arange(SEQ)] * 2),
+                "loss_mask": np.ones((2, SEQ), dtype=np.float32), "pair": np.asarray(i),
+                "units": np.asarray(1.0, dtype=np.float32), "ref_logp": np.zeros(2)}
+
+
+def _dpo_metrics(run_dir, nan_replay: bool):
+    from engine.assembly import build_run
+    from engine.posttrain.datasets import collate_pairs
+    from engine.posttrain.objectives import DPOObjective
+    from models.hook import ModelHook
+    from tests.engine.test_fault import HF, _cfg
+
+    cfg = _cfg(run_dir, "train.steps=3", "checkpoint.interval=0", "logging.memory_report=false",
+               f"fault.nan_replay={str(nan_replay).lower()}")
+    model = ModelHook.from_hf(HF, dtype=torch.float32, seed=cfg.train.seed, sequence_parallel=False)
+    run = build_run(cfg, model=model, train_data=_Pairs(6), run_dir=str(run_dir), log_stream=io.StringIO(),
+                    checkpoints=False, objective=DPOObjective(beta=0.1), rows_per_sample=2, collate_fn=collate_pairs)
+    tr = run.trainer
+
+    def inject(mod, inputs, output):  # a NaN in step 2 (the replay sees it again)
+        if tr.step == 1:
+            output = output.clone()
+            output.view(-1)[5] = float("nan")
+        return output
+    tr.chunks[0].layers["1"].register_forward_hook(inject)
+    history = run.train()
+    tr.logger.close()
+    return [(st.applied, st.extra) for st in history]
+
+
+def test_the_replay_adds_nothing_to_the_next_steps_objective_metrics(tmp_path):
+    """DPO's metrics are sums over the step's pairs (Trainer._stats): the replay of a non-finite step runs
+    the objective again and must not leave its sums for the next step, which would then count 4 pairs
+    and log the replay's NaN rewards. The step after the replay logs what it logs without the replay."""
+    plain = _dpo_metrics(tmp_path / "plain", False)
+    replayed = _dpo_metrics(tmp_path / "replay", True)
+    assert [a for a, _ in replayed] == [True, False, True]
+    assert replayed[2][1] == plain[2][1] and all(v == v for v in replayed[2][1].values())  # no NaN

@@ -297,7 +297,7 @@ class Run:
 
             t0 = time.perf_counter()
             result = load_trainer(self.trainer, latest, group=self.mesh.world, loader=self.train_loader,
-                                  params="trainable" if self.lora else "all")
+                                  valid_loader=self.valid_loader, params="trainable" if self.lora else "all")
             self.trainer.logger.rewind(self.trainer.step)  # the steps after the checkpoint run again
             if self.checkpointer.peer is not None:  # what the restart read: the files it opened, every rank
                 from engine.checkpoint._dist import all_gather_json
@@ -323,7 +323,7 @@ class Run:
         """Save the run at its current step (collective over the world)."""
         from engine.checkpoint.trainer_state import save_trainer
 
-        return save_trainer(self.checkpointer, self.trainer, loader=self.train_loader,
+        return save_trainer(self.checkpointer, self.trainer, loader=self.train_loader, valid_loader=self.valid_loader,
                             model_config=self.model.hf_config, side_files=self.side_files,
                             params="trainable" if self.lora else "all")
 

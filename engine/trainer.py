@@ -120,6 +120,7 @@ class Trainer:
                            vp=cfg.parallel.vp, device=self.device)
         self.step = 0
         self.consumed_samples = 0
+        self.skipped_streak = 0  # consecutive steps skipped for a non-finite gradient norm (optim.max_skipped_steps)
         self._stop_signal: int | None = None
         self.watchdog = None  # engine.watchdog.Watchdog (fault.hang_timeout_s): set and armed by engine.assembly.Run
         self._nonfinite_streak = False  # fault.nan_replay: the current run of non-finite steps was replayed
@@ -141,11 +142,13 @@ class Trainer:
 
     # -- state (the checkpoint composes it) ------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"step": self.step, "consumed_samples": self.consumed_samples}
+        return {"step": self.step, "consumed_samples": self.consumed_samples, "skipped_streak": self.skipped_streak}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.consumed_samples = int(state["consumed_samples"])
+        # saves go on during a streak of skipped steps: a restart inside one keeps counting it
+        self.skipped_streak = int(state.get("skipped_streak", 0))  # 0: written before the streak was kept
 
     def rng_state(self) -> dict:
         """This rank's random streams: torch's generators and each chunk's TP-aware tracker."""
@@ -455,7 +458,6 @@ class Trainer:
         c = self.cfg.train
         self.log_start()
         history = []
-        skipped = 0  # consecutive steps skipped for a non-finite gradient norm (optim.max_skipped_steps)
         tokens_per_step = c.global_batch_size * self.rows_per_sample * c.seq_length
         max_steps = c.steps
         if c.max_tokens:
@@ -496,8 +498,8 @@ class Trainer:
                 if self.outer is not None and self.step == self.outer.start_step:
                     self.logger.info(f"tessel: steps 1-{self.step} ran as plain data parallelism (outer.start_step); "
                                      f"{self.outer.method} starts now from these weights")
-                skipped = 0 if st.applied else skipped + 1
-                self._check_diverged(skipped)
+                self.skipped_streak = 0 if st.applied else self.skipped_streak + 1
+                self._check_diverged(self.skipped_streak)
                 if on_step is not None:
                     on_step(self, st)
                 if valid_loader is not None and c.eval_interval and self.step % c.eval_interval == 0:

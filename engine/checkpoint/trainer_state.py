@@ -151,18 +151,19 @@ def _local_tensors(trainer, name: str, tensors: dict, *, fresh: bool) -> dict[st
 
 def save_trainer(checkpointer: Checkpointer, trainer, *, loader=None, model_config: dict | None = None,
                  hook: Callable | None = None, side_files: dict[str, str] | None = None,
-                 params: str = "all") -> SaveHandle:
+                 params: str = "all", valid_loader=None) -> SaveHandle:
     """Save ``trainer`` at its current step through ``checkpointer`` (collective over its group).
 
     Waits for an in-flight parameter all-gather first (with ZeRO the parameters are only complete
-    once it lands). ``loader`` (``state_dict()``) and ``model_config`` (the HF config dict) go in
-    the metadata; ``side_files`` (e.g. the run's tokenizer as ``hf/tokenizer.json``) go in the step directory.
+    once it lands). ``loader`` and ``valid_loader`` (their ``state_dict()``: each evaluation reads new
+    validation batches) and ``model_config`` (the HF config dict) go in the metadata; ``side_files`` (e.g. the run's tokenizer as ``hf/tokenizer.json``) go in the step directory.
     ``params="trainable"`` writes only the trainable parameters (a LoRA run's adapters) besides the
     optimizer state; resume it with ``load_trainer(..., params="trainable")`` after loading the base.
     """
     trainer.ddp.finish_param_sync()
     state = {**trainer.state_dict(), "optimizer": trainer.optimizer.state_dict(),
              "loader": loader.state_dict() if loader is not None else None,
+             "valid_loader": valid_loader.state_dict() if valid_loader is not None else None,
              "config": trainer.cfg.to_dict() if hasattr(trainer.cfg, "to_dict") else None}
     lora = lora_settings(trainer.chunks)
     if lora is not None:
@@ -178,11 +179,12 @@ def save_trainer(checkpointer: Checkpointer, trainer, *, loader=None, model_conf
 
 def load_trainer(trainer, path: str | os.PathLike, *, group: Group | None, loader=None, model_only: bool = False,
                  strict: bool = True, verify: bool = True, hook: Callable | None = None,
-                 params: str = "all") -> LoadResult:
+                 params: str = "all", valid_loader=None) -> LoadResult:
     """Restore ``trainer`` from a checkpoint written in any layout (collective over ``group``).
 
-    Full resume: parameters, optimizer shards, step counters, the loader position and (same layout
-    only) the RNG streams. ``model_only=True`` (fine-tuning): only the parameters are read, the
+    Full resume: parameters, optimizer shards, step counters, the loaders' positions (``valid_loader``'s
+    where the checkpoint has it: written before, it starts from the first validation batch again) and
+    (same layout only) the RNG streams. ``model_only=True`` (fine-tuning): only the parameters are read, the
     optimizer's fp32 masters are re-derived from them and the counters stay at zero. ``params``
     restricts the parameters read: a LoRA run loads its base with ``model_only=True,
     params="frozen"`` (from ``checkpoint.load``), then resumes an adapter-only checkpoint with
@@ -223,6 +225,8 @@ def load_trainer(trainer, path: str | os.PathLike, *, group: Group | None, loade
     trainer.optimizer.load_state_dict(state["optimizer"])
     if loader is not None:
         loader.load_state_dict(state.get("loader") or {"consumed_samples": trainer.consumed_samples})
+    if valid_loader is not None and state.get("valid_loader") is not None:
+        valid_loader.load_state_dict(state["valid_loader"])
     if result.rank_state is not None:
         trainer.load_rng_state(result.rank_state)
     for name, comp in _local_components(trainer):

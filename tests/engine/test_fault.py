@@ -319,3 +319,79 @@ def test_a_divergence_keeps_the_async_save_started_before_it(tmp_path, keep_sign
     ckpts = run_dir / "checkpoints"
     assert [s for s, _ in list_checkpoints(str(ckpts))] == [2]
     assert not [p.name for p in ckpts.iterdir() if p.name.startswith(".tmp_")]
+
+
+class _Valid(_Data):
+    def __getitem__(self, i):
+        ids = np.random.default_rng(1000 + i).integers(0, VOCAB, SEQ + 1)
+        return {"tokens": ids[:-1], "labels": ids[1:], "position_ids": np.arange(SEQ),
+                "loss_mask": np.ones(SEQ, dtype=np.float32)}
+
+
+def test_a_resume_continues_the_validation_batches(tmp_path, keep_signal_handlers):
+    """Each evaluation reads the next validation batches: after a crash at step 3 and a resume from step 2,
+    step 4's evaluation reads the batches the uninterrupted run's step 4 read (the position is saved),
+    not the first ones again, so the logged validation losses are the same."""
+    from engine.assembly import build_run
+    from models.hook import ModelHook
+
+    def build(run_dir):
+        cfg = _cfg(run_dir, "train.eval_interval=2", "train.eval_iters=1", "logging.memory_report=false")
+        model = ModelHook.from_hf(HF, dtype=torch.float32, seed=cfg.train.seed, sequence_parallel=False)
+        return build_run(cfg, model=model, train_data=_Data(10), valid_data=_Valid(6), run_dir=str(run_dir),
+                         log_stream=open(os.devnull, "w"))
+
+    def valid(run_dir):
+        return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                if r["split"] == "valid"}
+
+    full = build(tmp_path / "full")
+    full.train()
+    full.trainer.logger.close()
+    first = build(tmp_path / "run")
+
+    def crash_at_3(tr, st):
+        if st.step == 3:
+            raise _Crash
+    with pytest.raises(_Crash):
+        first.train(on_step=crash_at_3)
+    first.trainer.logger.close()
+    second = build(tmp_path / "run")
+    second.resume()
+    assert second.valid_loader.consumed_samples == 2  # step 2's evaluation: one global batch of 2
+    second.train()
+    second.trainer.logger.close()
+    assert valid(tmp_path / "run") == valid(tmp_path / "full") and sorted(valid(tmp_path / "full")) == [2, 4]
+
+
+def test_a_restart_inside_a_streak_of_skipped_steps_keeps_counting(tmp_path, keep_signal_handlers):
+    """optim.max_skipped_steps counts consecutive skipped steps across a restart: checkpoints are still
+    written during the streak, and one resumed from inside it must stop where the uninterrupted run stops
+    (steps 2-4 skipped with a limit of 2: step 4), not count the streak from 0 again."""
+    from engine.fault import RunStopped
+
+    def build(run_dir):
+        cfg = _cfg(run_dir, "optim.lr=1e30", "optim.max_skipped_steps=2", "checkpoint.interval=1", "train.steps=9",
+                   "logging.memory_report=false", "fault.nan_replay=false")
+        from engine.assembly import build_run
+        from models.hook import ModelHook
+
+        model = ModelHook.from_hf(HF, dtype=torch.float32, seed=cfg.train.seed, sequence_parallel=False)
+        return build_run(cfg, model=model, train_data=_Data(18), run_dir=str(run_dir), log_stream=open(os.devnull, "w"))
+
+    full = build(tmp_path / "full")
+    with pytest.raises(RunStopped, match="stopped at step 4: 3 consecutive steps \\(2-4\\)"):
+        full.train()
+    first = build(tmp_path / "run")
+
+    def crash_at_3(tr, st):
+        if st.step == 3:
+            raise _Crash
+    with pytest.raises(_Crash):
+        first.train(on_step=crash_at_3)
+    first.trainer.logger.close()
+    second = build(tmp_path / "run")
+    second.resume()
+    assert second.trainer.step == 2 and second.trainer.skipped_streak == 1  # step 2's save: step 2 skipped
+    with pytest.raises(RunStopped, match="stopped at step 4: 3 consecutive steps \\(2-4\\)"):
+        second.train()

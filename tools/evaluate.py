@@ -342,6 +342,7 @@ def load_weights(stage, mesh: Mesh, step_dir: Path, meta: dict, *, base: str | N
     weights from ``base`` when it holds only the adapters)."""
     from engine.checkpoint.trainer_state import select_params
     from engine.posttrain.lora import apply_lora, settings_from_metadata
+    from engine.checkpoint.trainer_state import model_vocab, same_vocab
     from models.convert import model_param_spec
 
     lora = settings_from_metadata(meta)
@@ -363,7 +364,8 @@ def load_weights(stage, mesh: Mesh, step_dir: Path, meta: dict, *, base: str | N
         tensors = module_sharded_tensors(stage, ctx=ctx, hook=select_params(model_param_spec, params))
         if params != "frozen":
             tensors += biases
-        load_checkpoint(path, tensors=tensors, group=mesh.world, strict=True, verify=verify, allow_dtype_cast=True)
+        load_checkpoint(path, tensors=tensors, group=mesh.world, strict=True, verify=verify, allow_dtype_cast=True,
+                        check_meta=same_vocab(model_vocab(stage), path), unexpected="model." if params == "all" else None)
 
 
 def _routing_biases(stage, meta: dict) -> list:

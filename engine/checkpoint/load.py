@@ -302,16 +302,33 @@ def _execute(step_dir: Path, reads: list[_Read], memory: dict | None = None) -> 
     return opened
 
 
+def _unclaimed(meta: dict, tensors: Sequence[ShardedTensor], prefix: str, group: Group | None) -> list[str]:
+    """The saved keys starting with ``prefix`` that no rank of ``group`` loads (collective: one bitmap per
+    rank over the saved keys, in the metadata's order, which every rank reads alike)."""
+    saved = sorted(k for k in meta.get("tensors", {}) if k.startswith(prefix))
+    mine = {t.key for t in tensors if isinstance(t, ShardedTensor)}
+    bits = sum(1 << i for i, k in enumerate(saved) if k in mine)
+    claimed = 0
+    for b in _dist.all_gather_json(format(bits, "x"), group):  # a hex bitmap: a few hundred bytes per rank
+        claimed |= int(b, 16)
+    return [k for i, k in enumerate(saved) if not claimed >> i & 1]
+
+
 def load_checkpoint(path: str | os.PathLike, *, tensors: Sequence[ShardedTensor] = (), group: Group | None = None,
                     layout: dict | None = None, strict: bool = True, verify: bool = True,
-                    allow_dtype_cast: bool = False, optional: Sequence[str] = ()) -> LoadResult:
+                    allow_dtype_cast: bool = False, optional: Sequence[str] = (),
+                    unexpected: str | None = None, check_meta=None) -> LoadResult:
     """Fill ``tensors`` (this rank's ShardedTensors, written in place) from a checkpoint (collective).
 
     ``path`` is a step directory or a checkpoint root (then the newest complete checkpoint is used:
     auto-resume). ``layout`` is the current parallel layout; the saved per-rank state is returned
     only when it equals the saved one. Keys starting with a prefix in ``optional`` may be absent even
-    when ``strict`` (they keep their current values and are listed in ``LoadResult.missing``). Raises
-    CheckpointError on every rank for the problems listed in the module docstring.
+    when ``strict`` (they keep their current values and are listed in ``LoadResult.missing``).
+    ``unexpected`` (with ``strict``): a key prefix (e.g. "model.") under which every saved tensor must be
+    loaded by some rank of ``group``; one nobody loads (a deeper model's layers, an untied head into a tied
+    model) is a problem, not silently dropped. ``check_meta(metadata) -> [problems]``: the caller's own
+    checks of the metadata, before anything is read. Raises CheckpointError on every rank for the
+    problems listed in the module docstring, before any tensor is written.
     """
     from engine.checkpoint.peer import ReplicaSource
 
@@ -330,10 +347,19 @@ def load_checkpoint(path: str | os.PathLike, *, tensors: Sequence[ShardedTensor]
             meta = read_metadata(step_dir)
         missing, problems = _check_targets(meta, tensors, strict=strict, allow_dtype_cast=allow_dtype_cast,
                                            path=step_dir, optional=optional)
+        if check_meta is not None:
+            problems += check_meta(meta)
         if not problems:
             reads = _plan_reads(meta, tensors, missing)
     except CheckpointError as e:
         problems = [str(e)]
+    if unexpected is not None and strict:  # collective: every rank runs it (an unreadable metadata: no keys)
+        extra = _unclaimed(meta, tensors, unexpected, group)
+        if extra:
+            problems.append(f"checkpoint {step_dir} holds {len(extra)} {unexpected}* tensor(s) this model has no place "
+                            f"for, e.g. {', '.join(repr(k) for k in extra[:3])}: it was saved from a different model "
+                            "(more layers, an untied output layer, ...); load it into the model it was saved from, "
+                            "or pass strict=False to take the tensors this model has")
     everyone = _dist.all_gather_json(problems, group)
     if any(everyone):
         rank = _dist.group_rank(group)
@@ -345,7 +371,8 @@ def load_checkpoint(path: str | os.PathLike, *, tensors: Sequence[ShardedTensor]
         memory = replica.fetch({r.file for r in reads if r.file})
         if memory is None:  # every rank agrees (fetch says why, once): the disk checkpoint it stands for
             return load_checkpoint(step_dir, tensors=tensors, group=group, layout=layout, strict=strict,
-                                   verify=verify, allow_dtype_cast=allow_dtype_cast, optional=optional)
+                                   verify=verify, allow_dtype_cast=allow_dtype_cast, optional=optional,
+                                   unexpected=unexpected, check_meta=check_meta)
     elif verify:
         opened += _verify_files(step_dir, meta, {r.file for r in reads if r.file}, group)
     error = None

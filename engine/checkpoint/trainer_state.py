@@ -34,6 +34,8 @@ import os
 import re
 from typing import Callable
 
+import torch
+
 from engine.checkpoint.checkpointer import Checkpointer
 from engine.checkpoint.layouts import FlatShard, ShardingContext, flat_buffer_sharded_tensors, module_layouts
 from engine.checkpoint.load import LoadResult, load_checkpoint
@@ -177,6 +179,29 @@ def save_trainer(checkpointer: Checkpointer, trainer, *, loader=None, model_conf
                              side_files=side_files)
 
 
+def model_vocab(model: torch.nn.Module) -> int | None:
+    """The vocabulary size of a model (chunk or stage; None where no module says)."""
+    for m in model.modules():
+        if hasattr(m, "padded_vocab_size") and hasattr(getattr(m, "config", None), "vocab_size"):
+            return int(m.config.vocab_size)
+    return None
+
+
+def same_vocab(vocab: int | None, path) -> Callable[[dict], list[str]]:
+    """``load_checkpoint``'s ``check_meta``: the checkpoint's vocabulary (its model_config.vocab_size) is
+    ``vocab``. The padded embedding / output rows may differ between layouts (vocab padding); the
+    vocabulary may not: a larger saved one would be cut, a smaller one zero-filled, and the load would
+    look normal."""
+    def check(meta: dict) -> list[str]:
+        saved = (meta.get("model_config") or {}).get("vocab_size")
+        if vocab is None or saved is None or int(saved) == vocab:
+            return []
+        return [f"checkpoint {path} was saved from a model with a vocabulary of {saved} tokens (its "
+                f"model_config.vocab_size), this model has {vocab}: its embedding and output rows would be cut "
+                "or zero-filled; load a checkpoint of this vocabulary (or convert the model to it first)"]
+    return check
+
+
 def load_trainer(trainer, path: str | os.PathLike, *, group: Group | None, loader=None, model_only: bool = False,
                  strict: bool = True, verify: bool = True, hook: Callable | None = None,
                  params: str = "all", valid_loader=None) -> LoadResult:
@@ -201,7 +226,8 @@ def load_trainer(trainer, path: str | os.PathLike, *, group: Group | None, loade
     # bf16 run) is cast, as loading a Hugging Face model in another dtype would.
     result = load_checkpoint(path, tensors=tensors, group=group, layout=trainer.layout(), strict=strict,
                              verify=verify, optional=("fp8.", "moe.", *(f"{n}.rank" for n in local)),
-                             allow_dtype_cast=model_only)
+                             allow_dtype_cast=model_only, check_meta=same_vocab(model_vocab(trainer.chunks), path),
+                             unexpected="model." if params == "all" else None)
     saved_biases = sorted(k for k in (result.metadata.get("tensors") or {})
                           if k.startswith("moe.") and k.endswith("router.expert_bias"))
     if saved_biases and not any(n.endswith("router.expert_bias") for n, _ in trainer.chunks.named_buffers()):

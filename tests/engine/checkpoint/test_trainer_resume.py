@@ -184,3 +184,57 @@ def test_dp2_resume_exact_and_across_optimizer_modes(tmp_path, distributed):
     other = run_distributed(_resume_other_optimizer, 2, str(tmp_path), 1, 1, not distributed, timeout=120)
     for loss in other:
         assert loss == pytest.approx(straight[0][0][SAVE_AT], rel=1e-6, abs=1e-7)
+
+
+def _model_trainer(*, layers=4, vocab=200, tied=False):
+    from engine.assembly import build_run
+    from models.hook import ModelHook
+
+    hf = {**HF, "num_hidden_layers": layers, "vocab_size": vocab, "tie_word_embeddings": tied}
+    cfg = load_config("tiny_llama_cpu", [
+        "parallel.tp=1", "parallel.pp=1", "parallel.dp=-1", f"train.steps={STEPS}", f"train.global_batch_size={GBS}",
+        "train.micro_batch_size=1", f"train.seq_length={SEQ}", "logging.progress_bar=off", "logging.tensorboard=false",
+        "logging.jsonl=false", "model.hidden_size=32", f"model.num_layers={layers}", "model.num_attention_heads=4",
+        "model.num_key_value_heads=4", "model.ffn_hidden_size=64", f"model.vocab_size={vocab}",
+        f"model.tie_word_embeddings={str(tied).lower()}"])
+    run = build_run(cfg, model=ModelHook.from_hf(hf, dtype=torch.float32, sequence_parallel=False, seed=cfg.train.seed),
+                    train_data=_Tokens(), checkpoints=False)
+    return run.trainer, hf
+
+
+def _load_into_another_model(root):
+    """Save a 4-layer, untied, 200-token model; load it into models that differ: each is refused before any
+    tensor is written (the target's weights stay as they were)."""
+    from engine.checkpoint.format import CheckpointError
+
+    t, hf = _model_trainer()
+    ck = Checkpointer(root, group=t.mesh.world, async_save=False)
+    save_trainer(ck, t, model_config=hf)
+    ck.finalize()
+    out = {}
+    for name, kw in (("vocab", dict(vocab=100)), ("layers", dict(layers=2)), ("tied", dict(tied=True))):
+        for model_only in (True, False):
+            other, _ = _model_trainer(**kw)
+            before = _params(other)
+            try:
+                load_trainer(other, root, group=other.mesh.world, model_only=model_only)
+                out[name, model_only] = "loaded"
+            except CheckpointError as e:
+                out[name, model_only] = str(e)
+            after = _params(other)
+            assert all(torch.equal(before[n], after[n]) for n in before), (name, model_only)
+    same, _ = _model_trainer()
+    load_trainer(same, root, group=same.mesh.world)  # the model it was saved from still loads
+    return out
+
+
+def test_a_checkpoint_of_another_model_is_refused_not_cut_to_fit(tmp_path):
+    """Before: a checkpoint with another vocabulary loaded as if only the layout's padding differed (rows cut
+    or zero-filled), and a strict load ignored saved tensors the model has no place for (a deeper model's
+    layers, an untied output layer loaded into a tied model, whose head then is the embedding). Now each
+    is refused, naming the cause, on a full resume and on a model-only load."""
+    out = run_distributed(_load_into_another_model, 1, str(tmp_path / "ck"), timeout=180)[0]
+    for model_only in (True, False):
+        assert "vocabulary of 200 tokens" in out["vocab", model_only] and "this model has 100" in out["vocab", model_only]
+        assert "holds 12 model.* tensor(s) this model has no place for" in out["layers", model_only]
+        assert "'model.output_layer.weight'" in out["tied", model_only]

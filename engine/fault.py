@@ -23,7 +23,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from engine.checkpoint.format import METADATA_FILE, TMP_PREFIX, TRASH_PREFIX, list_checkpoints
+from engine.checkpoint.format import (LATEST_FILE, METADATA_FILE, TMP_PREFIX, TRASH_PREFIX, CheckpointError, check_complete,
+                                      fsync_dir, list_checkpoints, read_metadata, replace_file_atomic, step_dirname)
 
 EXIT_STOPPED = 3  # the exit status of a run that stopped itself (diverged, non-finite with nonfinite='stop')
 EXIT_HUNG = 4  # the exit status of a rank whose hang watchdog fired (fault.hang_timeout_s; engine/watchdog.py)
@@ -220,11 +221,24 @@ def remove_stale_saves(root: str | os.PathLike) -> list[Path]:
     """Delete the temporary directories of saves that never committed (``.tmp_step_*``) and the trash of an
     interrupted retention (``.trash_step_*``) under the checkpoint root; returns what was removed.
 
+    A temporary directory that is a complete checkpoint (its ``metadata.json`` is written last, after every
+    rank's shard) whose step has no directory is a commit cut between its two renames -- the replaced
+    checkpoint of a re-saved step already moved to the trash, the new one not yet in place -- and is
+    moved into place instead (with ``latest`` when it is the newest): deleting both would lose that step.
+
     Call on ONE rank (rank 0, which alone creates them) at start-up, before this run saves: no save of
     this run is in flight then, so every such directory belongs to a crashed process."""
     root = Path(root)
     if not root.is_dir():
         return []
+    for p in sorted(root.iterdir()):
+        step = _committed_tmp_step(p)
+        if step is not None and not (root / step_dirname(step)).exists():
+            os.rename(p, root / step_dirname(step))
+            fsync_dir(root)
+            newest = max(s for s, _ in list_checkpoints(root))
+            if newest == step:
+                replace_file_atomic(root / LATEST_FILE, (step_dirname(step) + "\n").encode())
     stale = sorted(p for p in root.iterdir() if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)))
     for p in stale:
         if p.is_dir() and not p.is_symlink():
@@ -232,3 +246,15 @@ def remove_stale_saves(root: str | os.PathLike) -> list[Path]:
         else:
             p.unlink(missing_ok=True)
     return stale
+
+
+def _committed_tmp_step(p: Path) -> int | None:
+    """The step of a ``.tmp_step_*`` directory holding a complete checkpoint, else None."""
+    if not (p.name.startswith(TMP_PREFIX) and p.is_dir() and not p.is_symlink()
+            and (p / METADATA_FILE).is_file() and check_complete(p) is None):
+        return None
+    try:
+        step = read_metadata(p)["step"]
+    except (CheckpointError, KeyError):
+        return None
+    return step if isinstance(step, int) and p.name.startswith(f"{TMP_PREFIX}{step:08d}_") else None

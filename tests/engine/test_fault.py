@@ -395,3 +395,37 @@ def test_a_restart_inside_a_streak_of_skipped_steps_keeps_counting(tmp_path, kee
     assert second.trainer.step == 2 and second.trainer.skipped_streak == 1  # step 2's save: step 2 skipped
     with pytest.raises(RunStopped, match="stopped at step 4: 3 consecutive steps \\(2-4\\)"):
         second.train()
+
+
+def test_a_commit_cut_between_its_renames_is_rolled_forward(tmp_path):
+    """Re-saving step N moves the old step_N to the trash, then the new temporary directory into place: a
+    kill between the two renames left no step_N, and start-up deleted both. A temporary directory holding a
+    complete checkpoint (metadata.json is written last) whose step has no directory is moved into place
+    (and ``latest`` with it when it is the newest); an incomplete one is still removed."""
+    from engine.checkpoint import Checkpointer
+    from engine.checkpoint.format import list_checkpoints
+    from engine.checkpoint.sharded import ShardedTensor
+    from engine.fault import remove_stale_saves
+
+    root = tmp_path / "ck"
+    ck = Checkpointer(str(root), async_save=False)
+    for step in (1, 2):
+        ck.save(step=step, tensors=[ShardedTensor.replicated("w", torch.full((4,), float(step)))])
+    ck.finalize()
+    # the cut commit of a re-save of step 2: the old one in the trash, the new one still temporary
+    os.rename(root / "step_00000002", root / ".trash_step_00000002_0badc0de")
+    os.rename(root / "step_00000001", root / ".tmp_step_00000002_feedface")  # complete, metadata says step 1
+    assert [s for s, _ in list_checkpoints(root)] == []
+    # a complete save of step 1's content under step 2's temporary name is not step 2's: only a directory
+    # whose metadata names its own step is rolled forward
+    remove_stale_saves(root)
+    assert sorted(p.name for p in root.iterdir()) == ["latest"]
+    ck = Checkpointer(str(root), async_save=False)
+    ck.save(step=3, tensors=[ShardedTensor.replicated("w", torch.full((4,), 3.0))])
+    ck.finalize()
+    os.rename(root / "step_00000003", root / ".tmp_step_00000003_feedface")
+    (root / ".tmp_step_00000004_0123abcd").mkdir()  # a save cut before its metadata: removed
+    (root / "latest").write_text("step_00000001\n")
+    remove_stale_saves(root)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000003"]
+    assert (root / "latest").read_text() == "step_00000003\n"

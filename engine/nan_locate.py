@@ -17,6 +17,8 @@ The findings of every rank are gathered (one small all-gather) and rank 0 logs o
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from engine.checkpoint._dist import all_gather_json
@@ -88,6 +90,11 @@ def localise_nonfinite(trainer, micro: list[dict]) -> dict:
     loads = [(m, m.step_load) for m in trainer.chunks.modules() if hasattr(m, "step_load")]
     # likewise the objective's sums (DPO / GRPO metrics, Trainer._stats): the step reported its own already
     stats = dict(trainer._stats)
+    # and a gradient compressor's state (PowerSGD / 1-bit: error feedback, warm-start Q, the warm-up's step
+    # count, which each reduction advances): the replay's reduction must leave it as the step left it
+    comp = getattr(trainer.ddp, "grad_compressor", None)
+    comp_state = (copy.deepcopy(comp.state_dict()), {k: t.clone() for k, t in comp.state_tensors().items()}
+                  ) if comp is not None else None
     try:
         trainer._pipeline(micro, train=True)
         trainer.ddp.finish_grad_sync()
@@ -97,6 +104,8 @@ def localise_nonfinite(trainer, micro: list[dict]) -> dict:
         for m, load in loads:
             m.step_load = load
         trainer._stats = stats
+        if comp is not None:
+            comp.load_state(*comp_state)
     mine = {k: v for k, v in (("parameter", bad_param), ("forward", probe.forward), ("backward", probe.backward))
             if v is not None}
     found = {r: f for r, f in enumerate(all_gather_json(mine, trainer.mesh.world)) if f}

@@ -144,3 +144,35 @@ def test_the_replay_adds_nothing_to_the_next_steps_objective_metrics(tmp_path):
     replayed = _dpo_metrics(tmp_path / "replay", True)
     assert [a for a, _ in replayed] == [True, False, True]
     assert replayed[2][1] == plain[2][1] and all(v == v for v in replayed[2][1].values())  # no NaN
+
+
+def _powersgd_counts(run_dir: str, nan_replay: bool):
+    from engine.assembly import build_run
+    from models.hook import ModelHook
+    from tests.engine.test_fault import HF, _Data, _cfg
+
+    cfg = _cfg(run_dir, "train.steps=3", "checkpoint.interval=0", "logging.memory_report=false",
+               "optim.grad_compression=powersgd", "optim.powersgd_rank=2", "optim.powersgd_start_step=5",
+               f"fault.nan_replay={str(nan_replay).lower()}")
+    model = ModelHook.from_hf(HF, dtype=torch.float32, seed=cfg.train.seed, sequence_parallel=False)
+    run = build_run(cfg, model=model, train_data=_Data(6), run_dir=run_dir, log_stream=io.StringIO(), checkpoints=False)
+    tr = run.trainer
+
+    def inject(mod, inputs, output):  # a NaN in step 2 (the replay sees it again)
+        if tr.step == 1:
+            output = output.clone()
+            output.view(-1)[5] = float("nan")
+        return output
+    tr.chunks[0].layers["1"].register_forward_hook(inject)
+    run.train()
+    tr.logger.close()
+    return sorted(set(tr.ddp.grad_compressor.steps.values()))
+
+
+def test_the_replay_leaves_the_gradient_compressor_as_the_step_left_it(tmp_path):
+    """PowerSGD counts its reductions for its warm-up (optim.powersgd_start_step): the replay of a
+    non-finite step reduces once more, which moved the warm-up's end a step earlier than without the replay.
+    Its state (the count, error feedback, Q) is restored after the replay: 3 steps count 3."""
+    for replay in (False, True):
+        counts = run_distributed(_powersgd_counts, 2, str(tmp_path / f"r{replay}"), replay, timeout=180)
+        assert counts == [[3], [3]], (replay, counts)

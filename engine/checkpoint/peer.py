@@ -161,8 +161,11 @@ class PeerReplica:
         missing = [r for r, h in enumerate(held) if h is None]
         if missing:
             reason = f"rank(s) {missing} hold no replica in {self.base}"
-        elif any(h["world"] != g.size for h in held) or sorted(by_src) != list(range(g.size)):
+        elif any(h["world"] != g.size for h in held):
             reason = f"the replicas were written by a world of {held[0]['world']} ranks, this one has {g.size}"
+        elif sorted(by_src) != list(range(g.size)):
+            reason = (f"the replicas held here come from ranks {sorted(by_src)}, not one from each of ranks "
+                      f"0-{g.size - 1} (some rank holds another rank's copy twice or none)")
         elif any(h["step"] != newest["step"] for h in held):
             reason = (f"the replicas hold step(s) {sorted({h['step'] for h in held})}, the newest committed "
                       f"checkpoint is step {newest['step']} (stale)")

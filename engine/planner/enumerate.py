@@ -1,8 +1,9 @@
 """Every legal layout of a model on a cluster, predicted and ranked (fastest that fits first).
 
 Legal: tp divides the heads, the k/v heads and the MLP width (models/config.py's rule) and stays inside
-a node; pp * vp stages of at least one layer; interleaving (vp > 1) only where every stage gets the
-same number of layers; cp splits the sequence into 2 * cp zigzag chunks; tp * pp * cp * dp is the world;
+a node; pp * vp stages of at least one layer (interleaved stages may differ by one layer, as
+parallel/pipeline/split.py splits them for the trainer); cp > 1 splits the sequence into 2 * cp zigzag
+chunks; tp * pp * cp * dp is the world;
 mbs * dp divides the global batch; with an MoE model ep divides dp and the expert count; the run config
 accepts it (engine/config: the same checks as a run).
 Pins (``--tp 8``) keep one value; a pin no layout can honour is an error that names the fix.
@@ -45,7 +46,7 @@ def check_pins(model, cluster: Cluster, tr: Training, pins: dict) -> None:
     if vp is not None and vp > 1:
         if pp == 1:
             raise ValueError(f"--vp {vp} needs --pp >= 2 (virtual stages interleave across pipeline ranks)")
-    if cp is not None and tr.seq_length % (2 * cp):
+    if cp is not None and cp > 1 and tr.seq_length % (2 * cp):  # cp 1 cuts no zigzag chunks
         raise ValueError(f"--cp {cp}: the sequence of {tr.seq_length} tokens does not split into 2 * cp = {2 * cp} "
                          f"zigzag chunks; pin a cp dividing {tr.seq_length // 2}")
     if ep is not None and ep != 1:
@@ -97,7 +98,10 @@ def candidates(model, cluster: Cluster, tr: Training, pins: dict) -> list[Layout
                 for vp in VP_CHOICES:
                     if pins.get("vp") not in (None, vp):
                         continue
-                    if vp > 1 and (pp == 1 or c.num_layers % (pp * vp)):
+                    # interleaving: pp * vp stages of at least one layer, split as the trainer splits them
+                    # (parallel/pipeline/split.py: stages differ by at most one layer when pp * vp does not
+                    # divide the layers)
+                    if vp > 1 and (pp == 1 or pp * vp > c.num_layers):
                         continue
                     for mbs in MBS_CHOICES:
                         if pins.get("mbs") not in (None, mbs) or tr.global_batch_size % (dp * mbs):
@@ -123,23 +127,36 @@ def ep_choices(model, tr: Training, *, dp: int, cp: int) -> list[int]:
 
 def state_lower_bound(model, lay: Layout, tr: Training) -> float:
     """Bytes per GPU of parameters, gradients and optimizer state alone, from the parameter count spread
-    evenly over tp * pp (no padding, no activations): less than engine/memory.py's figure, so a layout
-    above the capacity by this bound cannot fit (used to skip the full prediction)."""
+    evenly over tp * pp (no padding, no activations): at most engine/memory.py's figure, so a layout
+    above the capacity by this bound cannot fit (used to skip the full prediction).
+
+    ZeRO shards as the runtime shards (engine/memory.py, DataParallel): the dense parameters over
+    DataParallel's group dpr = dp x cp (mesh.dp_cp), an ep rank's experts over edp = dpr / ep; each part
+    is divided by its own group where the stage shards that term (ZeRO 3: parameters; 2: gradients;
+    1: optimizer state) and held whole otherwise. (Before 2026-11-28 the bound sharded over dp alone: at
+    dp 1 x cp 8 it was 2x (ZeRO 1) to 4x (ZeRO 3) above the real state, and plan() dropped fitting layouts.)"""
     c = model.config
     numel = model.hook.stage_numel(tp=1, layer_range=(0, c.num_layers), pre_process=True, post_process=True)
+    experts = 0  # elements of one ep rank's experts (the whole model's at tp 1)
     if lay.ep > 1:  # each rank holds 1/ep of the experts
         from engine.memory import stage_param_sizes
 
         experts = sum(n for _, n, _, expert in stage_param_sizes(model.hook, tp=1, ep=lay.ep,
                                                                  layer_range=(0, c.num_layers), pre_process=True,
                                                                  post_process=True) if expert)
-        numel -= experts * (lay.ep - 1)
-    local = numel / (lay.tp * lay.pp)
+    dense = numel - experts * lay.ep  # everything but the experts (replicated over ep)
+    dense_local, experts_local = dense / (lay.tp * lay.pp), experts / (lay.tp * lay.pp)  # elements per GPU
+    dpr = lay.dp * lay.cp  # DataParallel's group: the dense buffer's ZeRO shards
+    edp = dpr // lay.ep  # the expert buffer's ZeRO shards
+
+    def held(sharded: bool) -> float:
+        """Elements of the state term per GPU: the dense and expert parts each over their own group."""
+        return dense_local / dpr + experts_local / edp if sharded else dense_local + experts_local
+
     elem = 4 if tr.precision == "fp32" else 2
-    dp = lay.dp
-    params = elem * (local / dp if tr.zero == 3 else local)
-    grads = 4 * (local / dp if tr.zero >= 2 else local)
-    optimizer = (8 + (4 if elem != 4 else 0)) * (local / dp if tr.zero >= 1 else local)
+    params = elem * held(tr.zero == 3)  # the low-precision (or fp32) parameters
+    grads = 4 * held(tr.zero >= 2)  # fp32 gradient buffer
+    optimizer = (8 + (4 if elem != 4 else 0)) * held(tr.zero >= 1)  # Adam moments (+ fp32 master)
     return params + grads + optimizer
 
 

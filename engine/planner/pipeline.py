@@ -86,3 +86,35 @@ def pipeline_time(name: str, *, pp: int, vp: int, microbatches: int, fwd, bwd, p
         clock[rank] = last[rank] = end
         busy[rank] += end - start
     return max(e for e in last if e is not None), busy
+
+
+def root_gathers(name: str, *, pp: int, vp: int, m: int, m_sim: int, pp_rank: int) -> float:
+    """How many times ZeRO-3 all-gathers pipeline rank ``pp_rank``'s root unit (embedding on the first
+    stage's chunk, final norm and output layer on the last's) in a step of ``m`` micro-batches.
+
+    parallel/data_parallel/zero3.py gathers a chunk's root unit in a forward that finds it free and keeps it
+    while any forward of the chunk awaits its backward (``holds``): so once each time the chunk's in-flight
+    count goes 0 -> 1 walking the rank's actions. pp 1 and the last stage of 1F1B (each forward followed by
+    its backward): m times; earlier stages (forwards ahead of their backwards the whole step): once.
+
+    The plan walks ``m_sim`` micro-batches (predict.py's steady-state shortcut): past the warm-up the count
+    grows by the same amount every pp micro-batches, so it is extrapolated from walks of ``m_sim`` and
+    ``m_sim + pp`` (equal to the full walk; tests/engine/test_planner.py checks it)."""
+    root_stage = 0 if pp_rank == 0 else pp * vp - 1  # the stage whose chunk holds the root parameters
+
+    def count(microbatches: int) -> int:
+        k = inflight = 0
+        for a in schedule(name, pp=pp, vp=vp, microbatches=microbatches).ranks[pp_rank]:
+            if a.stage != root_stage:
+                continue
+            if a.op == FORWARD:
+                k += inflight == 0  # gathered again: the last backward freed it
+                inflight += 1
+            else:  # "B" (1F1B and interleaved 1F1B have no split backward)
+                inflight -= 1
+        return k
+
+    if m_sim >= m or m_sim + pp >= m:
+        return float(count(m))
+    k1, k2 = count(m_sim), count(m_sim + pp)
+    return k1 + (m - m_sim) * (k2 - k1) / pp

@@ -26,7 +26,9 @@ and the tests that assert it against the allocator use the same call). Step time
   counted on the model's code) costs the device's ``host_op_us`` (measured by ``--calibrate``; 0 on the
   GPUs, whose launches run ahead of their kernels);
 * pipeline: the per-stage forward/backward times and the p2p latency go into parallel/pipeline/simulate.py's
-  dataflow model of the layout's own schedule (engine/planner/pipeline.py); its makespan includes the bubble.
+  dataflow model of the layout's own schedule (engine/planner/pipeline.py); its makespan includes the bubble;
+* tied embeddings at pp > 1: the embedding / output-layer gradient all-reduce between the first and the
+  last stage after the pipeline, exposed.
 
 :class:`Training`'s last fields describe published runs' software (Megatron-LM 2021-2024: no sequence
 parallelism, blocking pipeline exchanges, an unoverlapped fp16 gradient all-reduce, ...) for
@@ -38,10 +40,10 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from engine.memory import MemoryPrediction, predict_memory
+from engine.memory import MemoryPrediction, dp_buffer_numel, predict_memory
 from engine.metrics import model_flops_per_step
 from engine.planner.hardware import GPU
-from engine.planner.pipeline import pipeline_time, schedule
+from engine.planner.pipeline import pipeline_time, root_gathers, schedule
 from models.hook import flops_spec
 from parallel.pipeline.split import split_layers
 
@@ -292,47 +294,73 @@ def tp_layer_comm(config, *, t: int, tp: int, sp: bool, elem: int, tr: Training,
         return 0.0, 0.0, 0.0
     c, gpu = config, cluster.gpu
     link = cluster.link(tp)
-    act_bytes = elem * t * c.hidden_size
-    if not sp:
-        ar = collective_time("all_reduce", act_bytes, tp, link)
+    act_bytes = elem * t * c.hidden_size  # the TP group's (s, b, h) activation of one micro-batch
+    frac = moe_layer_fraction(c)  # the share of layers whose MLP is the MoE layer (0: a dense model)
+    ar = collective_time("all_reduce", act_bytes, tp, link)
+    # An MoE layer's MLP (parallel/expert_parallel/layer.py, expert_tp = tp) is no column + row pair: the experts'
+    # partial output rows are all-reduced (reduce_from_tp) forward and their input rows' gradients (copy_to_tp)
+    # backward, top_k x t rows of h each (ep-independent under balanced routing); a shared expert all-reduces
+    # its (t, h) output forward and its input gradient backward. With SP the layer all-gathers the sequence
+    # forward, and scatter_to_sp's backward all-gathers the output gradient; no reduce-scatter either way.
+    # Plain collectives in the activation dtype (no ring, no FP8): the same each way.
+    moe_ar = 0.0
+    if frac:
+        moe_ar = collective_time("all_reduce", c.moe_top_k * act_bytes, tp, link)  # (top_k t, h) rows
+        if c.shared_expert_ffn_hidden_size:
+            moe_ar += ar  # the shared expert's (t, h)
+    col = [gemm_time(t, nn, k, gpu=gpu, peak_tflops=peak) for nn, k in column_shapes(c, tp, attn_shapes)]
+
+    def layer(attn: tuple[float, float], dense_mlp: tuple[float, float], moe: float) -> tuple[float, float]:
+        """(forward, backward) of a layer: the attention pair, and the MLP weighted over dense and MoE layers."""
+        return (attn[0] + (1 - frac) * dense_mlp[0] + frac * moe, attn[1] + (1 - frac) * dense_mlp[1] + frac * moe)
+
+    if not sp:  # each column + row pair: one all-reduce each way (row output forward, column input backward)
         if tr.tp_overlap != "async_backward":
-            return 2 * ar, 2 * ar, 0.0
-        col = [gemm_time(t, nn, k, gpu=gpu, peak_tflops=peak) for nn, k in column_shapes(c, tp, attn_shapes)]
-        return 2 * ar, sum(max(0.0, ar - g) for g in col), 0.0
+            return (*layer((ar, ar), (ar, ar), moe_ar), 0.0)
+        # Megatron's asynchronous column backward: the input-gradient all-reduce under the weight-gradient GEMM
+        return (*layer((ar, max(0.0, ar - col[0])), (ar, max(0.0, ar - col[1])), moe_ar), 0.0)
     ag = collective_time("all_gather", act_bytes / tp, tp, link)
     rs = collective_time("reduce_scatter", act_bytes, tp, link)
     fp8 = tr.precision == "fp8"
     ag8 = collective_time("all_gather", t * c.hidden_size / tp, tp, link)  # fp8: 1 byte per element
-    # a MoE layer's MLP keeps its sequence collectives plain (not FP8, no ring): (forward, backward)
-    moe = (ag + rs, 2 * ag + rs) if c.num_experts else (0.0, 0.0)
+    moe = ag + moe_ar  # an MoE layer's MLP with SP, each way: the sequence gather + the rows' all-reduce
     if fp8 and tr.tp_overlap != "ring":  # each FP8 column + row pair (attention's; a dense MLP's): ag8 + rs each way
-        pairs = 1 if c.num_experts else 2
-        return pairs * (ag8 + rs) + moe[0], pairs * (ag8 + rs) + moe[1], 0.0
-    if tr.tp_overlap == "none":
-        return 2 * ag + 2 * rs, 4 * ag + 2 * rs, 0.0
+        pair = (ag8 + rs, ag8 + rs)
+        return (*layer(pair, pair, moe), 0.0)
+    if tr.tp_overlap == "none":  # a pair: forward AG + RS, backward RS + AG + AG (test_layer_ledger)
+        pair = (ag + rs, 2 * ag + rs)
+        return (*layer(pair, pair, moe), 0.0)
     if tr.tp_overlap == "async_backward":
-        col = [gemm_time(t, nn, k, gpu=gpu, peak_tflops=peak) for nn, k in column_shapes(c, tp, attn_shapes)]
-        return 2 * ag + 2 * rs, 2 * ag + sum(max(0.0, ag - g) + max(0.0, rs - g) for g in col), 0.0
+        pairs = [(ag + rs, ag + max(0.0, ag - g) + max(0.0, rs - g)) for g in col]  # attention's, the MLP's
+        return (*layer(pairs[0], pairs[1], moe), 0.0)
     step = collective_time("send", act_bytes / tp, 2, link)  # one ring step: a chunk to r + 1, one from r - 1
     step8 = collective_time("send", t * c.hidden_size / tp, 2, link)  # an fp8 chunk
     rows = max(1, t // tp)
-    pairs = [(column_shapes(c, tp, attn_shapes)[0], attn_shapes[1])]  # (column (n, k), row (n, k)) per pair
-    dense_mlp = not c.num_experts
-    if dense_mlp:
-        pairs.append((column_shapes(c, tp, attn_shapes)[1], (c.hidden_size, c.ffn_hidden_size // tp)))
-    fwd = bwd = extra = 0.0
-    for col, row in pairs:
-        g_col = gemm_time(rows, *col, gpu=gpu, peak_tflops=peak)
+    pairs = [(column_shapes(c, tp, attn_shapes)[0], attn_shapes[1]),  # (column (n, k), row (n, k)) per pair
+             (column_shapes(c, tp, attn_shapes)[1], (c.hidden_size, c.ffn_hidden_size // tp))]
+    rings = []  # (forward, backward, extra GEMM) of the attention pair, then of a dense MLP's
+    for cs, row in pairs:
+        g_col = gemm_time(rows, *cs, gpu=gpu, peak_tflops=peak)
         g_row = gemm_time(rows, *row, gpu=gpu, peak_tflops=peak)
         if fp8:  # fp8 gathers; the column backward's reduce-scatter ring only; the row's weight gradient after
-            fwd += (tp - 1) * (max(0.0, step8 - g_col) + max(0.0, step - g_row))
-            bwd += (tp - 1) * (max(0.0, step - g_col) + max(0.0, step8 - g_row))
+            fwd = (tp - 1) * (max(0.0, step8 - g_col) + max(0.0, step - g_row))
+            bwd = (tp - 1) * (max(0.0, step - g_col) + max(0.0, step8 - g_row))
         else:
-            fwd += (tp - 1) * (max(0.0, step - g_col) + max(0.0, step - g_row))
-            bwd += (tp - 1) * (2 * max(0.0, step - g_col) + max(0.0, step - 2 * g_row))
-        extra += tp * (g_col + g_row) - gemm_time(t, *col, gpu=gpu, peak_tflops=peak) - gemm_time(
+            fwd = (tp - 1) * (max(0.0, step - g_col) + max(0.0, step - g_row))
+            bwd = (tp - 1) * (2 * max(0.0, step - g_col) + max(0.0, step - 2 * g_row))
+        extra = tp * (g_col + g_row) - gemm_time(t, *cs, gpu=gpu, peak_tflops=peak) - gemm_time(
             t, *row, gpu=gpu, peak_tflops=peak)
-    return fwd + moe[0], bwd + moe[1], extra
+        rings.append((fwd, bwd, extra))
+    (a_f, a_b, a_x), (d_f, d_b, d_x) = rings
+    return (*layer((a_f, a_b), (d_f, d_b), moe), a_x + (1 - frac) * d_x)
+
+
+def moe_layer_fraction(config) -> float:
+    """The share of a model's layers whose MLP is the MoE layer (0 for a dense model; Qwen2-MoE-style models
+    may mix dense layers in: ``config.moe_layers``)."""
+    if not config.num_experts:
+        return 0.0
+    return sum(map(config.is_moe_layer, range(config.num_layers))) / config.num_layers
 
 
 def column_shapes(config, tp: int, attn_shapes) -> list[tuple[int, int]]:
@@ -401,22 +429,28 @@ def layer_costs(config, lay: Layout, tr: Training, cluster: Cluster) -> _Costs:
     out.add("tp_comm", tpc, tpc_bwd)
     if ring_gemm:  # the ring's GEMMs in tp chunks of t / tp rows: each chunk pays the per-GEMM overhead
         out.add("gemm", ring_gemm, 2 * ring_gemm)
+    ep_fwd = 0.0  # the forward's token all-to-alls (seconds), which full recompute runs again
     if lay.ep > 1 and c.num_experts:  # the token all-to-all of each MoE layer (layers averaged)
         a2a = moe_dispatch_bytes(c, tokens=t, ep=lay.ep, elem=elem)
-        moe = sum(map(c.is_moe_layer, range(c.num_layers))) / c.num_layers
-        one = moe * 2 * alltoall_time(a2a, lay.ep, cluster.link(lay.ep * lay.tp * lay.cp * lay.pp))
-        out.add("ep_comm", one, one)  # forward: dispatch and combine; backward: their gradients
+        moe = moe_layer_fraction(c)
+        ep_fwd = moe * 2 * alltoall_time(a2a, lay.ep, cluster.link(lay.ep * lay.tp * lay.cp * lay.pp))
+        out.add("ep_comm", ep_fwd, ep_fwd)  # forward: dispatch and combine; backward: their gradients
+    ring_fwd = 0.0  # the forward ring's exposed seconds, which every recompute mode runs again (attention is in both)
     if cp > 1:  # ring attention: K and V chunks pass cp - 1 times; backward: K/V again cp - 1 times, and
         # their gradients cp times (back to the owner) in float32 for bf16 / fp16 (parallel/context_parallel/ring.py)
         kv_bytes = 2 * elem * t * kvd // tp
         link = cluster.link(tp * cp)
         ring = (cp - 1) * collective_time("send", kv_bytes, 2, link)
         ring_bwd = ring + cp * collective_time("send", 2 * max(elem, 4) * t * kvd // tp, 2, link)
-        out.add("cp_comm_exposed", max(0.0, ring - attn), max(0.0, ring_bwd - 2.5 * attn))
-    if tr.recompute == "selective":
-        out.add("recompute", 0.0, attn)
-    elif tr.recompute == "full":
-        out.add("recompute", 0.0, gemm + ring_gemm + attn + mem + tpc)
+        ring_fwd = max(0.0, ring - attn)
+        out.add("cp_comm_exposed", ring_fwd, max(0.0, ring_bwd - 2.5 * attn))
+    # Recompute re-runs a forward inside the backward, its communication included (the ledgers: with cp 2 the
+    # backward's ring sends grow by the forward's under selective and full; with ep 2 full recompute's backward
+    # runs the forward's dispatch and combine again, 12 all-to-alls where none runs 6).
+    if tr.recompute == "selective":  # core attention again: with cp > 1 its K/V ring too
+        out.add("recompute", 0.0, attn + ring_fwd)
+    elif tr.recompute == "full":  # the layer's forward again: TP collectives, the ring, the all-to-alls
+        out.add("recompute", 0.0, gemm + ring_gemm + attn + mem + tpc + ring_fwd + ep_fwd)
     return out
 
 
@@ -551,7 +585,11 @@ def predict(model, lay: Layout, tr: Training, cluster: Cluster, *, steady_state:
     big = memory.ranks[busiest]
     dpr = lay.dp * lay.cp  # DataParallel's group (mesh.dp_cp): gradients reduce, and ZeRO shards, over dp x cp
     total = big.grads // 4 if tr.zero < 2 or dpr == 1 else big.grads * dpr // 4
-    link = cluster.link(world)
+    # The groups' links (mesh order dp-pp-cp-tp, tp innermost): with dp > 1 the dp x cp group spans the world;
+    # at dp 1 it is the cp group, tp x cp consecutive ranks (NVLink when those fit in a node). The experts'
+    # edp group (dp indices spaced by ep, x cp) likewise is the cp group when dp / ep = 1.
+    link = cluster.link(world if lay.dp > 1 else lay.tp * lay.cp)
+    elink = cluster.link(world if lay.dp // lay.ep > 1 else lay.tp * lay.cp)
     rank_fwd = sum(fwd[st] for st in range(len(fwd)) if rank_of[st] == busiest)
     rank_bwd = sum(bwd[st] for st in range(len(bwd)) if rank_of[st] == busiest)
     dp_hidden = dp_exposed = 0.0
@@ -563,22 +601,30 @@ def predict(model, lay: Layout, tr: Training, cluster: Cluster, *, steady_state:
     if dpr > 1:
         if tr.zero == 0:
             grad = (collective_time("all_reduce", gb * dense, dpr, link)
-                    + collective_time("all_reduce", gb * experts, edp, link))
+                    + collective_time("all_reduce", gb * experts, edp, elink))
             gather, gather_room = 0.0, 0.0
-        else:
+        elif tr.zero < 3:
             grad = (collective_time("reduce_scatter", gb * dense, dpr, link)
-                    + collective_time("reduce_scatter", gb * experts, edp, link))
+                    + collective_time("reduce_scatter", gb * experts, edp, elink))
             gather = (collective_time("all_gather", elem * dense // dpr, dpr, link)
-                      + collective_time("all_gather", elem * experts // edp, edp, link))
+                      + collective_time("all_gather", elem * experts // edp, edp, elink))
             # optim.overlap_param_gather: each bucket's gather waited for by the first forward that needs it
             # (under that forward's earlier layers); without it, right after the update (Tessel's default)
             gather_room = rank_fwd if cfg.optim.overlap_param_gather else 0.0
-            if tr.zero == 3:  # parameters gathered in every forward and backward, under the layers' compute,
-                # and each micro-batch's gradients reduce-scattered after its backward (parallel/data_parallel/zero3.py)
-                gather *= 2 * m
-                gather_room = m * (rank_fwd + rank_bwd)
-                grad *= m
-                rank_bwd *= m
+        else:  # ZeRO 3 (parallel/data_parallel/zero3.py): each micro-batch's gradients reduce-scattered after its
+            # backward; every layer unit gathered in every forward and again in its backward (2 m times a step),
+            # the root unit (embedding, final norm, output layer) once per forward that finds it free: it stays
+            # gathered while any forward of its chunk awaits its backward, k times a step (root_gathers)
+            grad = m * (collective_time("reduce_scatter", gb * dense, dpr, link)
+                        + collective_time("reduce_scatter", gb * experts, edp, elink))
+            root = dp_buffer_numel(cfg, model.hook, world=world, pp_rank=busiest)[3]  # the root unit's elements
+            layers = max(0, dense - root)  # the layer units' dense elements (padded buffer less the root)
+            k = root_gathers(cfg.parallel.schedule, pp=lay.pp, vp=lay.vp, m=m, m_sim=m_sim, pp_rank=busiest)
+            gather = (2 * m * (collective_time("all_gather", elem * layers // dpr, dpr, link)
+                               + collective_time("all_gather", elem * experts // edp, edp, elink))
+                      + k * collective_time("all_gather", elem * root // dpr, dpr, link))
+            gather_room = m * (rank_fwd + rank_bwd)  # under all the compute
+            rank_bwd *= m
         if not tr.dp_overlap:  # reduced after the last backward, gathered after the update
             rank_bwd = gather_room = 0.0
         dp_hidden = min(grad, rank_bwd) + min(gather, gather_room)
@@ -589,9 +635,22 @@ def predict(model, lay: Layout, tr: Training, cluster: Cluster, *, steady_state:
     # the next step starts from a zeroed fp32 gradient buffer (4 bytes per element held)
     grads_held = big.grads // 4
     optimizer = (owned * (28 + elem + 4) + 4 * grads_held) / (cluster.gpu.hbm_gbps * 1e9)
-    step = makespan + dp_exposed + optimizer
+    # tied embeddings at pp > 1: the trainer all-reduces the first stage's embedding and the last stage's output
+    # layer gradients, (V / tp, h) each, over the 2-rank embedding group (same dp, cp, tp coordinates: the two
+    # ends of the pp span) after the pipeline and before the optimizer, every step: exposed
+    # (parallel/pipeline/runtime.py allreduce_tied_embedding_grads; fp32 main_grad in Tessel: the ledger's
+    # 2 x 4 V h bytes at the tiny preset's pp 2)
+    tied = 0.0
+    if model.config.tie_word_embeddings and lay.pp > 1:
+        vocab_local = model.config.padded_vocab_size(
+            tp=lay.tp, make_vocab_size_divisible_by=model.hook.make_vocab_size_divisible_by) // lay.tp
+        tied = collective_time("all_reduce", gb * vocab_local * model.config.hidden_size, 2,
+                               cluster.link(lay.tp * lay.cp * lay.pp))
+    step = makespan + dp_exposed + optimizer + tied
     kinds.update(pp_bubble_and_p2p=makespan - busy[busiest], dp_comm_exposed=dp_exposed,
                  dp_comm_overlapped=dp_hidden, optimizer=optimizer)
+    if tied:
+        kinds["tied_embedding_comm"] = tied
     spec = flops_spec(model.config)
     gbs, s = tr.global_batch_size, tr.seq_length
     flops = model_flops_per_step(spec, batch_size=gbs, seq_length=s)

@@ -224,7 +224,10 @@ def test_tp_collectives_per_layer_are_the_ledgers():
     moe = from_dims(family="mixtral", hidden_size=4096, num_layers=2, num_heads=32, num_kv_heads=8,
                     ffn_hidden_size=14336, vocab_size=32000, num_experts=8, top_k=2).config
     tr8 = Training(seq_length=t, global_batch_size=1, precision="fp8")
-    assert tp_layer_comm(moe, sp=True, tr=tr8, **kw) == (ag8 + rs + ag + rs, ag8 + rs + 2 * ag + rs, 0.0)
+    # an MoE layer's MLP stays plain (bf16): the sequence gather and the top_k rows' all-reduce each way
+    # (test_moe_layer_tp_traffic_is_the_runtime_ledgers; before 2026-11-28 counted as a dense pair's AG + RS)
+    moe_mlp = ag + collective_time("all_reduce", 2 * act, tp, link)
+    assert tp_layer_comm(moe, sp=True, tr=tr8, **kw) == (ag8 + rs + moe_mlp, ag8 + rs + moe_mlp, 0.0)
 
 
 def test_ring_overlap_hides_each_step_under_its_chunk_gemm():
@@ -616,3 +619,243 @@ def test_zero3_reduce_scatters_every_micro_batch():
     assert dp_time(2, 128) == pytest.approx(dp_time(2, 16))
     # every term once per micro-batch (the reduce-scatter, the forward and backward gathers): 64 against 8
     assert dp_time(3, 128) == pytest.approx(8 * dp_time(3, 16), rel=1e-9)
+
+
+# -- after review (2026-11-28): the lower bound, MoE TP traffic, recompute's communication, ZeRO-3's root
+# unit, the dp_cp group's link, the tied embedding's all-reduce, the enumeration's edges -----------------------
+
+def test_state_lower_bound_shards_over_dp_times_cp_and_keeps_fitting_cp_layouts(tiny, tiny_moe):
+    """enumerate.state_lower_bound shards ZeRO state as engine/memory.py does: the dense part over dp x cp, the
+    experts over edp = dp x cp / ep. It never exceeds the largest rank's predicted state (so plan() drops only
+    layouts that cannot fit), and a dp 1 x cp 2 layout whose real memory fits is planned: with the bound over
+    dp alone (before the fix) its ZeRO-3 state counted whole, above this capacity, and it vanished."""
+    from engine.planner.enumerate import candidates, state_lower_bound
+
+    cl = Cluster(gpu=gpu("h100-sxm"), nodes=1, gpus_per_node=2)
+    for zero in (0, 1, 2, 3):
+        for precision in ("fp32", "bf16"):
+            tr = Training(seq_length=128, global_batch_size=16, precision=precision, recompute="full", zero=zero)
+            lays = candidates(tiny, cl, tr, {"mbs": 1, "vp": 1})
+            assert any(lay.cp == 2 and lay.dp == 1 for lay in lays)
+            for lay in lays:
+                p = predict(tiny, lay, tr, cl)
+                assert state_lower_bound(tiny, lay, tr) <= max(r.state for r in p.memory.ranks), (lay, zero)
+    for zero in (1, 3):  # experts over edp = dp x cp / ep, the rest over dp x cp
+        tr = Training(seq_length=16, global_batch_size=8, zero=zero)
+        for lay in (Layout(tp=1, pp=1, vp=1, dp=2, cp=2, mbs=1, ep=2), Layout(tp=1, pp=2, vp=1, dp=4, cp=1, mbs=1,
+                                                                                ep=4)):
+            p = predict(tiny_moe, lay, tr, Cluster(gpu=gpu("h100-sxm"), nodes=1, gpus_per_node=lay.tp * lay.pp
+                                                  * lay.dp * lay.cp))
+            bound, state = state_lower_bound(tiny_moe, lay, tr), max(r.state for r in p.memory.ranks)
+            assert 0.9 * state <= bound <= state, (lay, zero, bound, state)
+    # ZeRO 3 at dp 1 x cp 2: the real state is half of one process's; set the capacity between the layout's
+    # whole memory and one process's state (what the old bound charged it)
+    tr = Training(seq_length=128, global_batch_size=16, precision="fp32", recompute="full", zero=3)
+    cp2 = Layout(tp=1, pp=1, vp=1, dp=1, cp=2, mbs=1)
+    need = predict(tiny, cp2, tr, cl).memory_bytes
+    whole = predict(tiny, Layout(tp=1, pp=1, vp=1, dp=1, cp=1, mbs=1), tr, Cluster(gpu=gpu("h100-sxm"), nodes=1,
+                                                                                    gpus_per_node=1)).memory.largest.state
+    capacity = 1.02 * need
+    assert capacity < whole
+    small = Cluster(gpu=gpu("h100-sxm"), nodes=1, gpus_per_node=2, memory_fraction=capacity / 80e9)
+    preds, _ = plan(tiny, small, tr, {"mbs": 1})
+    assert any(p.fits for p in preds)
+    got = [p for p in preds if p.layout == cp2]
+    assert got and got[0].fits
+
+
+def test_moe_layer_tp_traffic_is_the_runtime_ledgers():
+    """An MoE layer's TP traffic (expert_tp = tp, sequence parallelism; parallel/expert_parallel/layer.py):
+    forward an all-gather of the sequence and an all-reduce of the top_k x t expert rows (reduce_from_tp),
+    backward the output gradient's all-gather (scatter_to_sp) and the rows' input-gradient all-reduce
+    (copy_to_tp); no reduce-scatter. Checked against the gloo ledger of one MoE layer at tp 2 (a link of
+    1 byte/s and no latency: seconds = bytes sent), less the attention pair's test_layer_ledger counts. A shared
+    expert adds one (t, h) all-reduce each way; a model mixing dense layers weights the MLP terms by the share
+    of MoE layers."""
+    from engine.planner.predict import collective_time, tp_layer_comm
+    from parallel.testing import run_distributed
+
+    fwd_rt, bwd_rt = run_distributed(_moe_tp_ledger, 2, timeout=120)[0]
+    g = dataclasses.replace(gpu("h100-sxm"), intra_gbps=1e-9, intra_alpha_us=0.0, link_efficiency=1.0)
+    cl = Cluster(gpu=g, nodes=1, gpus_per_node=8)
+    S, B, H, F, E, K = _MOE_TP
+    c = from_dims(family="mixtral", hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=4, ffn_hidden_size=F,
+                  vocab_size=64, num_experts=E, top_k=K).config
+    kw = dict(t=S * B, tp=2, sp=True, elem=4, cluster=cl, peak=1.0,
+              attn_shapes=((3 * 4 * c.head_dim // 2, H), (H, 4 * c.head_dim // 2)))
+    tr = Training(seq_length=S, global_batch_size=B, precision="fp32")
+    link, act = cl.link(2), 4 * S * B * H  # fp32 (t, h) of the TP group's tokens: 1024 B
+    ag, rs = collective_time("all_gather", act / 2, 2, link), collective_time("reduce_scatter", act, 2, link)
+    ar = collective_time("all_reduce", act, 2, link)
+    fwd, bwd, extra = tp_layer_comm(c, tr=tr, **kw)
+    assert (fwd - (ag + rs), bwd - (2 * ag + rs), extra) == (fwd_rt, bwd_rt, 0.0) == (2560.0, 2560.0, 0.0)
+    ar_k = collective_time("all_reduce", K * act, 2, link)
+    assert (fwd, bwd) == (ag + rs + ag + ar_k, 2 * ag + rs + ag + ar_k)
+    shared = dataclasses.replace(c, shared_expert_ffn_hidden_size=F)
+    assert tp_layer_comm(shared, tr=tr, **kw)[:2] == pytest.approx((fwd + ar, bwd + ar), rel=1e-12)
+    mixed = dataclasses.replace(c, moe_layers=(True, False))  # one MoE layer, one dense (a column + row pair)
+    assert tp_layer_comm(mixed, tr=tr, **kw)[:2] == pytest.approx(
+        (ag + rs + 0.5 * (ag + rs) + 0.5 * (ag + ar_k), 2 * ag + rs + 0.5 * (2 * ag + rs) + 0.5 * (ag + ar_k)),
+        rel=1e-12)
+
+
+_MOE_TP = (8, 2, 16, 12, 4, 2)  # (sequence, batch, hidden, expert FFN, experts, top_k) of the ledger's MoE layer
+
+
+def _moe_tp_ledger():
+    """One MoELayer at tp 2 with SP on gloo: (forward, backward) TP bytes sent, the aux-loss scalars left out."""
+    import torch
+
+    from parallel.expert_parallel import MoELayer, default_init
+    from parallel.mesh import Mesh, ParallelDims
+
+    S, B, H, F, E, K = _MOE_TP
+    mesh = Mesh.build(ParallelDims(tp=2))
+    layer = MoELayer(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, tp_group=mesh.tp, ep_group=mesh.ep,
+                     sequence_parallel=True, init=default_init(0.3, seed=5))
+    x = torch.randn(S // 2, B, H, generator=torch.Generator().manual_seed(0), requires_grad=True)  # the SP chunk
+    with mesh.tp.ledger.capture() as fwd:
+        out = layer(x)
+    with mesh.tp.ledger.capture() as bwd:
+        out.sum().backward()
+
+    def sent(recs):
+        return sum(r.sent_bytes for r in recs.select(axis="tp") if r.payload_bytes > 64)
+    return sent(fwd), sent(bwd)
+
+
+def test_recompute_reruns_the_forwards_communication():
+    """Recompute re-runs communication with the forward: full recompute the MoE layers' dispatch and combine
+    (the ledger at ep 2: 12 backward all-to-alls instead of 6) and ring attention's exposed K/V passes; selective
+    recompute with cp > 1 the ring (the cp ledger's backward sends grow by the forward's)."""
+    from engine.planner.predict import layer_costs
+
+    moe = from_dims(family="mixtral", hidden_size=1024, num_layers=2, num_heads=8, num_kv_heads=8,
+                    ffn_hidden_size=1024, vocab_size=32000, num_experts=8, top_k=2).config
+    cl = Cluster(gpu=gpu("h100-sxm").with_links(intra_gbps=5.0), nodes=1)
+    lay = Layout(tp=1, pp=1, vp=1, dp=2, cp=2, mbs=1, ep=2)
+    costs = {rc: layer_costs(moe, lay, Training(seq_length=4096, global_batch_size=2, recompute=rc), cl)
+             for rc in ("none", "selective", "full")}
+    f = costs["none"].fwd
+    ring = f["cp_comm_exposed"]
+    assert ring > 0 and f["ep_comm"] > 0 and "recompute" not in costs["none"].bwd
+    assert costs["selective"].bwd["recompute"] == pytest.approx(f["attention"] + ring, rel=1e-12)
+    forward = f["gemm"] + f["attention"] + f["memory_bound"] + f.get("tp_comm", 0.0)
+    assert costs["full"].bwd["recompute"] == pytest.approx(forward + ring + f["ep_comm"], rel=1e-12)
+    for rc in ("selective", "full"):  # the exposed ring and all-to-alls of the backward itself are unchanged
+        assert costs[rc].bwd["cp_comm_exposed"] == costs["none"].bwd["cp_comm_exposed"]
+        assert costs[rc].bwd["ep_comm"] == costs["none"].bwd["ep_comm"]
+
+
+def test_zero3_gathers_the_root_unit_once_per_free_forward():
+    """ZeRO-3 (parallel/data_parallel/zero3.py) gathers every layer in every forward and backward but the root
+    unit (embedding, final norm, output layer) only when a forward finds it free: m times at pp 1 and on 1F1B's
+    last stage, once on the first. The planner's all-gather bytes (1 byte/s, no latency) equal the gloo ledger's
+    of one step of tests/parallel/test_zero3.py's model (dp 2, 4 micro-batches; /tmp/review_plan/r4's run):
+    362752 B at pp 1 and 181504 B on pp 2's last stage, where 2 m gathers of every unit gave 428544 and
+    214528. The steady-state shortcut's extrapolated count equals the full walk."""
+    import json
+
+    from engine.memory import dp_buffer_numel
+    from engine.planner import from_hf_config
+    from engine.planner.pipeline import root_gathers
+    from engine.planner.predict import collective_time
+    from tests.parallel.test_zero3 import HF
+
+    assert [root_gathers("1f1b", pp=2, vp=1, m=4, m_sim=4, pp_rank=r) for r in (0, 1)] == [1, 4]
+    assert root_gathers("1f1b", pp=1, vp=1, m=4, m_sim=4, pp_rank=0) == 4
+    for name, pp, vp, m in (("1f1b", 4, 1, 40), ("interleaved", 2, 2, 24), ("interleaved", 4, 2, 40)):
+        m_sim = pp * (vp + 3)
+        for r in range(pp):
+            assert root_gathers(name, pp=pp, vp=vp, m=m, m_sim=m_sim, pp_rank=r) == root_gathers(
+                name, pp=pp, vp=vp, m=m, m_sim=m, pp_rank=r), (name, pp, vp, r)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = f"{d}/config.json"
+        with open(path, "w") as fh:
+            json.dump(HF, fh)
+        model = from_hf_config(path)
+    g = dataclasses.replace(gpu("h100-sxm"), intra_gbps=1e-9, intra_alpha_us=0.0, link_efficiency=1.0)
+    tr = dataclasses.replace(Training(seq_length=32, global_batch_size=8, zero=3, precision="fp32", recompute="none"),
+                             dp_overlap=False)
+    for pp, runtime in ((1, 362752), (2, 181504)):
+        cl = Cluster(gpu=g, nodes=1, gpus_per_node=2 * pp, device="cpu")
+        lay = Layout(tp=1, pp=pp, vp=1, dp=2, cp=1, mbs=1)
+        p = predict(model, lay, tr, cl)
+        cfg = model.run_config(tp=1, pp=pp, vp=1, dp=2, cp=1, mbs=1, gbs=8, seq=32, recompute="none", zero=3,
+                               dtype="fp32")
+        dense = dp_buffer_numel(cfg, model.hook, world=2 * pp, pp_rank=pp - 1)[0]  # the busiest: the last stage
+        reduce = 4 * collective_time("reduce_scatter", 4 * dense, 2, cl.link(2))  # 4 micro-batches
+        assert p.breakdown["dp_comm_exposed"] - reduce == runtime
+    big = Cluster(gpu=gpu("h100-sxm"), nodes=1, gpus_per_node=4)  # the shortcut: the same step time
+    tr3 = Training(seq_length=32, global_batch_size=64, zero=3)
+    lay = Layout(tp=1, pp=2, vp=1, dp=2, cp=1, mbs=1)
+    assert predict(model, lay, tr3, big).step_time_s == pytest.approx(
+        predict(model, lay, tr3, big, steady_state=False).step_time_s, rel=1e-9)
+
+
+def test_dp_cp_group_at_dp_1_is_priced_over_its_own_link(tiny, tiny_moe):
+    """At dp 1 DataParallel's group (mesh.dp_cp) is the cp group: tp x cp consecutive ranks, NVLink here though
+    the world spans two nodes; likewise the experts' edp group when dp / ep = 1 (dp 2 x ep 2 x cp 2: edp = the cp
+    ranks), while the dense dp x cp group spans the nodes."""
+    from engine.planner.predict import collective_time, rank_numel
+
+    cl = Cluster(gpu=gpu("h100-sxm"), nodes=2, gpus_per_node=2)
+    p = predict(tiny, Layout(tp=1, pp=2, vp=1, dp=1, cp=2, mbs=2), Training(seq_length=128, global_batch_size=16), cl)
+
+    def dp(link, n):  # ZeRO 1 over the 2 cp ranks: reduce-scatter the fp32 buffer, all-gather the parameters back
+        return collective_time("reduce_scatter", 4 * n, 2, link) + collective_time("all_gather", 2 * n // 2, 2, link)
+    got = p.breakdown["dp_comm_exposed"] + p.breakdown["dp_comm_overlapped"]
+    buffers = [r.grads // 4 for r in p.memory.ranks]  # each pipeline rank's (the busiest one's is priced)
+    assert any(got == pytest.approx(dp(cl.link(2), n), rel=1e-12) for n in buffers)
+    assert cl.link(2) != cl.link(4) and got < 0.5 * min(dp(cl.link(4), n) for n in buffers)  # not the NIC's
+    lay = Layout(tp=1, pp=1, vp=1, dp=2, cp=2, mbs=1, ep=2)
+    q = predict(tiny_moe, lay, Training(seq_length=16, global_batch_size=8, zero=1), cl)
+    dense, experts = rank_numel(tiny_moe, lay, 0)
+    want = (collective_time("reduce_scatter", 4 * dense, 4, cl.link(4))
+            + collective_time("reduce_scatter", 4 * experts, 2, cl.link(2))
+            + collective_time("all_gather", 2 * dense // 4, 4, cl.link(4))
+            + collective_time("all_gather", 2 * experts // 2, 2, cl.link(2)))
+    assert q.breakdown["dp_comm_exposed"] + q.breakdown["dp_comm_overlapped"] == pytest.approx(want, rel=1e-12)
+
+
+def test_tied_embedding_gradients_all_reduce_after_the_pipeline():
+    """Tied embeddings at pp > 1: engine/trainer.py all-reduces the first stage's embedding and the last stage's
+    output-layer gradients (fp32 main_grad, (V / tp, h)) over the 2-rank embedding group every step, after the
+    pipeline: exposed. The gloo ledger of the tiny preset, tied, pp 2 (/tmp/review_plan/r6's run): 2097152 bytes
+    sent on the embedding axis per rank, = 2 (p - 1) / p x 4 V h at p = 2. Untied or pp 1: no term."""
+    from engine.planner.predict import collective_time
+
+    cl = Cluster(gpu=gpu("h100-sxm"), nodes=2, gpus_per_node=1)  # the two stages on two nodes: the NIC
+    tr = Training(seq_length=128, global_batch_size=16, precision="fp32")
+    lay = Layout(tp=1, pp=2, vp=1, dp=1, cp=1, mbs=2)
+    tied = predict(from_preset("tiny_llama_cpu", ["model.tie_word_embeddings=true"]), lay, tr, cl)
+    untied = predict(from_preset("tiny_llama_cpu"), lay, tr, cl)
+    V, h = 4096, 128
+    assert 2 * (2 - 1) / 2 * 4 * V * h == 2097152  # the ledger's bytes
+    want = collective_time("all_reduce", 4 * V * h, 2, cl.link(2))
+    assert tied.breakdown["tied_embedding_comm"] == pytest.approx(want, rel=1e-12)
+    assert "tied_embedding_comm" not in untied.breakdown
+    one = predict(from_preset("tiny_llama_cpu", ["model.tie_word_embeddings=true"]),
+                  Layout(tp=1, pp=1, vp=1, dp=2, cp=1, mbs=2), tr, cl)
+    assert "tied_embedding_comm" not in one.breakdown
+
+
+def test_enumeration_keeps_cp_1_at_odd_sequences_and_uneven_interleaving(tiny):
+    """--cp 1 cuts no zigzag chunks: an odd sequence is planned with it. Interleaved stages need not hold equal
+    layers (parallel/pipeline/split.py splits 6 layers into 4 stages of 2, 1, 2, 1 and the trainer runs it): the
+    planner lists pp 2 x vp 2 of a 6-layer model, and still refuses more stages than layers."""
+    from engine.planner.enumerate import candidates
+
+    preds, _ = plan(tiny, Cluster(gpu=gpu("h100-sxm"), nodes=1, gpus_per_node=2),
+                    Training(seq_length=127, global_batch_size=16), {"cp": 1, "tp": 1, "pp": 1, "mbs": 2})
+    assert [p.layout.cp for p in preds] == [1]
+    six = from_preset("tiny_llama_cpu", ["model.num_layers=6"])
+    cl = Cluster(gpu=gpu("h100-sxm"), nodes=1, gpus_per_node=2)
+    tr = Training(seq_length=128, global_batch_size=16)
+    assert {lay.vp for lay in candidates(six, cl, tr, {"pp": 2, "tp": 1, "mbs": 2})} == {1, 2, 3}
+    preds, refused = plan(six, cl, tr, {"pp": 2, "vp": 2, "tp": 1, "mbs": 2})
+    assert [p.layout.vp for p in preds] == [2] and not refused
+    with pytest.raises(ValueError, match="stages for 6 layers"):
+        plan(six, cl, tr, {"pp": 2, "vp": 4})

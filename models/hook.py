@@ -63,6 +63,9 @@ def hf_config_from_run(model_cfg, *, vocab_size: int | None, extra: dict | None 
             base = json.load(f)
     base.update(extra or {})
     family = base.get("model_type", m.family)
+    if m.hf_config and "model_type" in base and m.changed("family") and m.family != family:
+        raise ValueError(f"model.family={m.family!r} but model.hf_config={m.hf_config!r} is a {family!r} config.json "
+                         f"(its model_type); remove model.family, or point model.hf_config at a {m.family} config")
     if family == "gpt2":
         names = _GPT2_NAMES
         for key in ("attn_pdrop", "resid_pdrop", "embd_pdrop"):
@@ -75,6 +78,15 @@ def hf_config_from_run(model_cfg, *, vocab_size: int | None, extra: dict | None 
         v = getattr(m, ours, None)
         if v is not None:
             out[theirs] = v
+    if m.rope_theta is not None:  # a config.json's nested rope table (transformers 5) wins over the top-level key
+        for key in ("rope_parameters", "rope_scaling"):
+            if isinstance(out.get(key), dict) and "rope_theta" in out[key]:
+                out[key] = {**out[key], "rope_theta": m.rope_theta}
+    if family == "gpt2" and m.head_dim is not None:  # GPT-2 has no head_dim field: its heads split the width
+        width, heads = out.get("n_embd"), out.get("n_head")
+        if not (width and heads and m.head_dim * heads == width):
+            raise ValueError(f"model.head_dim={m.head_dim} is set but the gpt2 family's head dim is hidden_size / "
+                             f"num_attention_heads ({width} / {heads}); remove model.head_dim")
     if m.vocab_size is not None:
         out["vocab_size"] = m.vocab_size
     out.setdefault("vocab_size", vocab_size)

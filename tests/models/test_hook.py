@@ -55,3 +55,27 @@ def test_a_run_longer_than_the_model_is_refused():
         ModelHook.from_run_config(cfg, tokenizer_vocab=None)
     hook = ModelHook.from_run_config(_cfg("llama", "model.max_position_embeddings=none"), tokenizer_vocab=None)
     assert hook.hf_config["max_position_embeddings"] == 2048  # recorded for the export
+
+
+def test_model_keys_over_a_config_json_apply_or_are_refused(tmp_path):
+    """Keys the [model] section sets over model.hf_config reach the built model or are refused: rope_theta over
+    a config.json whose rope table holds its own (transformers 5's rope_parameters; that one won, silently);
+    a model.family that contradicts the file's model_type; a gpt2 head_dim that is not hidden / heads (gpt2
+    has no such field: it was dropped)."""
+    import json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 100, "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-5, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}))
+    run = ["train.seq_length=32", "train.eval_interval=0", f"model.hf_config={path}"]
+    hook = ModelHook.from_run_config(load_config(None, run + ["model.rope_theta=500000"]), tokenizer_vocab=None)
+    assert hook.config.rope.theta == 500000.0 and hook.hf_config["rope_parameters"]["rope_theta"] == 500000.0
+    assert ModelHook.from_run_config(load_config(None, run), tokenizer_vocab=None).config.rope.theta == 10000.0
+    with pytest.raises(ValueError, match=r"model.family='qwen2' but model.hf_config=.* is a 'llama' config.json"):
+        ModelHook.from_run_config(load_config(None, run + ["model.family=qwen2"]), tokenizer_vocab=None)
+    assert ModelHook.from_run_config(load_config(None, run + ["model.family=llama"]), tokenizer_vocab=None)
+    with pytest.raises(ValueError, match=r"model.head_dim=32 is set but the gpt2 family's head dim is hidden_size"):
+        hf_config_from_run(_cfg("gpt2", "model.head_dim=32").model, vocab_size=None)
+    assert hf_config_from_run(_cfg("gpt2", "model.head_dim=16").model, vocab_size=None)["n_embd"] == 64

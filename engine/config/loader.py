@@ -94,6 +94,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             elsewhere = [f"{s}.{name}" for s, c in SECTIONS.items() if s != section and name in field_types(c)]
             raise unknown_key_error(name, valid=list(types), where=f"section [{where}] (--set {item!r})",
                                     elsewhere=elsewhere)
+        if isinstance(types[name], type) and issubclass(types[name], Section):  # a table, not a value
+            keys = list(field_types(types[name]))
+            raise ValueError(f"--set {item!r}: {where}.{name} is a table of keys ({', '.join(keys)}), not a value; "
+                             f"set one of its keys, e.g. --set {where}.{name}.{keys[0]}=...")
         table[name] = parse_text(text, types[name], name=f"{where}.{name}")
     return out
 

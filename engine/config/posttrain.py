@@ -37,6 +37,11 @@ class LoraConfig(Section):
         if self.rank and not self.targets:
             raise ValueError("posttrain.lora.targets is empty; name the linears to adapt (qkv, out, fc1, fc2) "
                              "or 'all', or set posttrain.lora.rank=0")
+        used = self.changed("alpha", "dropout", "targets") if self.rank == 0 else []
+        if used:
+            raise ValueError(f"posttrain.lora.{used[0]} is set but posttrain.lora.rank = 0 (no adapters: every parameter "
+                             "trains); set posttrain.lora.rank (e.g. 8) to train adapters, or remove "
+                             f"posttrain.lora.{used[0]}")
 
 
 @dataclass(kw_only=True, frozen=True)

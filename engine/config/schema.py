@@ -139,12 +139,17 @@ class TesselConfig:
             raise ValueError(f"optim.warmup_steps={optim.warmup_steps} exceeds "
                              f"train.steps={steps}; set optim.warmup_steps <= {steps}")
         if optim.decay_style == "wsd":
-            decay = math.ceil(optim.wsd_decay_fraction * steps)
+            decay = max(1, int(optim.wsd_decay_fraction * steps + 0.5))  # as engine/optim.py's lr_at counts it
             if optim.warmup_steps > steps - decay:
                 raise ValueError(f"optim.warmup_steps={optim.warmup_steps} runs into the WSD "
                                  f"decay phase (the last {decay} of train.steps={steps}); set "
                                  f"optim.warmup_steps <= {steps - decay} or lower "
                                  "optim.wsd_decay_fraction")
+        pt = self.posttrain
+        if pt.valid_data is not None and self.train.eval_interval == 0 and pt.method in ("sft", "dpo"):
+            raise ValueError(f"posttrain.valid_data is set but train.eval_interval=0: {pt.method} evaluates on it every "
+                             "train.eval_interval steps, so it would never be read; set train.eval_interval (e.g. 10) "
+                             "or remove posttrain.valid_data")
         if self.train.eval_interval > 0 and self.data.split_fractions()[1] == 0:
             raise ValueError(f"train.eval_interval={self.train.eval_interval} but "
                              f"data.split={self.data.split!r} has no validation part; give it one "
@@ -160,9 +165,10 @@ class TesselConfig:
                              f"{2 * cp} (context parallelism splits each sequence into 2*cp "
                              f"chunks to balance causal attention); choose a multiple of {2 * cp}")
         if self.parallel.sequence_parallel_active and (seq // cp) % tp:
+            need = math.lcm(2 * cp, cp * tp) if cp > 1 else tp  # both splits at once: cp's chunks and tp's shards
             raise ValueError(f"train.seq_length/parallel.cp = {seq // cp} tokens per rank is not "
                              f"divisible by parallel.tp={tp} (sequence parallelism shards them "
-                             f"over tp); choose train.seq_length a multiple of {cp * tp} or set "
+                             f"over tp); choose train.seq_length a multiple of {need} or set "
                              "parallel.sequence_parallel=false")
 
     def _check_overlap(self) -> None:

@@ -459,6 +459,10 @@ class OptimConfig(Section):
         if not 0.0 < self.wsd_decay_fraction <= 1.0:
             raise ValueError(f"optim.wsd_decay_fraction={self.wsd_decay_fraction} must be in (0, "
                              "1]; e.g. 0.2 decays over the last 20% of the steps")
+        if self.decay_style != "wsd" and self.changed("wsd_decay_fraction"):
+            raise ValueError(f"optim.wsd_decay_fraction={self.wsd_decay_fraction} is set but optim.decay_style="
+                             f"{self.decay_style!r}: it is the decay phase of decay_style='wsd' only; set "
+                             "optim.decay_style=wsd or remove optim.wsd_decay_fraction")
         check_min(self, "clip_grad", 0.0, why="0 disables clipping")
         check_positive(self, "bucket_size_mb")
         if self.zero_stage not in (1, 2, 3):
@@ -661,6 +665,10 @@ class FaultConfig(Section):
         check_positive(self, "collective_timeout_s")
         check_positive(self, "hang_timeout_s")
         check_min(self, "flight_records", 1, why="the hang report lists that many of the last collectives")
+        if self.hang_timeout_s is None and self.changed("flight_records"):
+            raise ValueError(f"fault.flight_records={self.flight_records} is set but fault.hang_timeout_s is not: the "
+                             "flight recorder feeds the hang watchdog's report and runs only with it; set "
+                             "fault.hang_timeout_s (e.g. 300) or remove fault.flight_records")
         if self.hang_timeout_s is not None and self.hang_timeout_s >= self.collective_timeout_s:
             raise ValueError(f"fault.hang_timeout_s={self.hang_timeout_s:g} must be below fault.collective_timeout_s="
                              f"{self.collective_timeout_s:g}: a stuck collective would raise before the watchdog "

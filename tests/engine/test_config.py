@@ -201,6 +201,7 @@ def test_overrides_replace_toml_values_and_do_not_mutate_input():
     ("optim.lrr=3",
      "unknown key 'lrr' in section [optim] (--set 'optim.lrr=3'); did you mean 'lr'?"),
     ("optm.lr=3", "unknown section 'optm' in --set 'optm.lr=3'; did you mean 'optim'?"),
+    ("posttrain.lora=4", "posttrain.lora is a table of keys (rank, "),  # was an AssertionError's traceback
 ])
 def test_override_errors(item, fragment):
     with raises(fragment):
@@ -549,3 +550,36 @@ def test_profile_steps_refused_with_the_fix(value, match):
         load_config("tiny_llama_cpu", [f"logging.profile_steps={value}"])
     ok = load_config("tiny_llama_cpu", ["logging.profile_steps=[1, 2]", "logging.memory_report=false"])
     assert ok.logging.profile_steps == [1, 2]
+
+
+def test_schedule_and_sequence_checks_agree_with_what_runs():
+    """The WSD check counts the decay steps as engine/optim.py's lr_at does (rounded: 0.21 of 10 steps is
+    2, not ceil's 3, so 8 warm-up steps fit), and the sequence-parallel message names a length that also
+    splits into cp's 2 * cp chunks (cp 2 x tp 3: 12, not 6, which cp refuses)."""
+    from engine.optim import lr_at
+
+    cfg = load_config("tiny_llama_cpu", ["train.steps=10", "optim.decay_style=wsd", "optim.wsd_decay_fraction=0.21",
+                                         "optim.warmup_steps=8"])
+    o = cfg.optim
+    lrs = [lr_at(s, lr=o.lr, min_lr=o.min_lr, warmup_steps=8, total_steps=10, decay_style="wsd",
+                 wsd_decay_fraction=0.21) for s in range(10)]
+    assert lrs[7] == o.lr and lrs[8] == o.lr and lrs[9] == o.min_lr  # warm-up 8, then 2 decay steps
+    tp3 = ["parallel.cp=2", "parallel.tp=3", "model.num_attention_heads=6", "model.num_key_value_heads=3",
+           "model.hidden_size=96", "model.ffn_hidden_size=192"]
+    with raises("choose train.seq_length a multiple of 12"):
+        load_config("tiny_llama_cpu", tp3 + ["train.seq_length=20"])
+    assert load_config("tiny_llama_cpu", tp3 + ["train.seq_length=24"]).train.seq_length == 24
+
+
+@pytest.mark.parametrize("sets, fragment", [
+    (["optim.wsd_decay_fraction=0.3"], "optim.wsd_decay_fraction=0.3 is set but optim.decay_style='cosine'"),
+    (["fault.flight_records=16"], "fault.flight_records=16 is set but fault.hang_timeout_s is not"),
+    (["posttrain.method=sft", "posttrain.data=a.jsonl", "posttrain.lora.alpha=32"],
+     "posttrain.lora.alpha is set but posttrain.lora.rank = 0"),
+    (["posttrain.method=sft", "posttrain.data=a.jsonl", "posttrain.valid_data=b.jsonl", "train.eval_interval=0"],
+     "posttrain.valid_data is set but train.eval_interval=0"),
+])
+def test_a_key_its_mode_never_reads_is_refused(sets, fragment):
+    """Keys that were accepted and then never read in the mode set beside them (review, 2026-11-28)."""
+    with raises(fragment):
+        small(*sets)

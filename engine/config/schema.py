@@ -246,11 +246,13 @@ class TesselConfig:
 
     def _check_batch(self) -> None:
         train = self.train
-        per_step = train.global_batch_size * train.seq_length
+        rows = 2 if self.posttrain.method == "dpo" else 1  # a DPO sample is two rows (chosen, rejected): the trainer's count
+        per_step = train.global_batch_size * rows * train.seq_length
         if train.max_tokens is not None and train.max_tokens < per_step:
+            what = "train.global_batch_size*2*seq_length (a DPO pair is 2 rows)" if rows == 2 else \
+                "train.global_batch_size*seq_length"
             raise ValueError(f"train.max_tokens={train.max_tokens} is less than one step "
-                             f"(train.global_batch_size*seq_length = {per_step} tokens); raise it "
-                             "or remove train.max_tokens")
+                             f"({what} = {per_step} tokens); raise it or remove train.max_tokens")
         if self.parallel.dp != -1:
             self._check_dp(self.parallel.dp)
 

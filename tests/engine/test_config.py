@@ -578,6 +578,9 @@ def test_schedule_and_sequence_checks_agree_with_what_runs():
      "posttrain.lora.alpha is set but posttrain.lora.rank = 0"),
     (["posttrain.method=sft", "posttrain.data=a.jsonl", "posttrain.valid_data=b.jsonl", "train.eval_interval=0"],
      "posttrain.valid_data is set but train.eval_interval=0"),
+    (["posttrain.method=dpo", "posttrain.data=a.jsonl", "train.eval_interval=0", "train.global_batch_size=2",
+      "train.micro_batch_size=1", "train.seq_length=16", "train.max_tokens=40"],  # one step is 2 x 2 x 16 = 64
+     "train.max_tokens=40 is less than one step (train.global_batch_size*2*seq_length (a DPO pair is 2 rows) = 64"),
 ])
 def test_a_key_its_mode_never_reads_is_refused(sets, fragment):
     """Keys that were accepted and then never read in the mode set beside them (review, 2026-11-28)."""

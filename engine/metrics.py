@@ -81,6 +81,7 @@ PEAK_TFLOPS_BF16 = {
     "A100": 312.0,
     "A800": 312.0,
     "L40S": 362.0,
+    "GB200": 2500.0,  # before B200: a name is matched by the first key it contains ("NVIDIA GB200" holds "B200")
     "B200": 2250.0,
 }
 

@@ -3,6 +3,7 @@ import io
 import json
 
 import pytest
+import torch
 
 from engine import metrics
 from engine.metrics import FlopsSpec, korthikanti_eq7, model_flops_per_step
@@ -57,3 +58,14 @@ def test_logger_writes_jsonl_tensorboard_and_lines(tmp_path):
     assert metrics.memory_bytes() > 0
     with pytest.raises(ValueError, match="logging.progress_bar='sometimes'"):
         metrics.MetricsLogger(None, enabled=True, total_steps=1, progress_bar="sometimes")
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H200", 989.0),
+                                        ("NVIDIA GB200", 2500.0), ("NVIDIA B200", 2250.0), ("NVIDIA A100-SXM4-80GB", 312.0)])
+def test_datasheet_peak_by_device_name(monkeypatch, name, peak):
+    """The datasheet lookup by CUDA device name: a GB200 is not taken for the B200 its name contains."""
+    from engine.metrics import peak_tflops
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    assert peak_tflops() == (peak, f"datasheet dense bf16 for {name}")

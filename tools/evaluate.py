@@ -127,6 +127,15 @@ def resolve_options(args: argparse.Namespace) -> dict:
     for name in ("tp", "pp", "cp", "ep", "batch_size"):
         if not isinstance(opts[name], int) or opts[name] < 1:
             raise ValueError(f"{name}={opts[name]!r} must be an integer >= 1")
+    # lengths: unset (the default) or >= 1; 0 is not "the default" and a negative one scores nothing or cuts the end
+    seq = opts["seq_length"]
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 1):
+        flag = f"--seq-length {seq}" if args.seq_length is not None else f"--set train.seq_length={seq}"
+        raise ValueError(f"{flag}: the window length must be an integer >= 1; give a positive length, or leave it "
+                         "out for the default min(1024, max_position_embeddings)")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ValueError(f"--max-tokens {args.max_tokens}: the token cap must be >= 1; give a positive count, or "
+                         "leave it out to score the whole input")
     from engine.config.sections import ParallelConfig
 
     ParallelConfig(tp=opts["tp"], cp=opts["cp"], cp_comm=opts["cp_comm"], cp_a2a_size=opts["cp_a2a_size"],
@@ -194,12 +203,12 @@ def _stream_tokens(args, opts, *, step_dir: Path, vocab_size: int) -> list[int]:
         from engine.data.indexed_dataset import IndexedDataset
 
         ds = IndexedDataset(opts["data"])
-        ids, need = [], args.max_tokens + 1 if args.max_tokens else None
+        ids, need = [], args.max_tokens + 1 if args.max_tokens is not None else None
         for i in range(len(ds)):
             ids.extend(np.asarray(ds[i], dtype=np.int64).tolist())
             if need is not None and len(ids) >= need:
                 break
-    if args.max_tokens:
+    if args.max_tokens is not None:  # >= 1 (resolve_options)
         ids = ids[:args.max_tokens + 1]
     bad = sorted({x for x in ids if not 0 <= x < vocab_size})
     if bad:
@@ -252,6 +261,7 @@ def run_evaluate(argv: list[str] | None = None) -> dict:
     opts = resolve_options(args)
     step_dir, meta, model_config = checkpoint_model_config(args.ckpt, args.config)
     check_heads(model_config, opts)  # before any process group
+    check_stages(model_config, opts)  # likewise: said once, not by every rank after init
     mesh, device = launch_mesh(opts, what="evaluation")
     tp, pp, cp = opts["tp"], opts["pp"], opts["cp"]
     cfg, stage = build_stage(model_config, mesh, opts, device=device)
@@ -305,6 +315,21 @@ def check_heads(model_config: dict, opts: dict) -> None:
             raise ValueError(f"the model's {heads} {what} over --tp {tp} leave {heads // tp} per rank, not divisible "
                              f"by {a2a}: parallel.cp_comm={comm!r} scatters heads over {a2a} cp ranks; use "
                              "--set parallel.cp_comm=ring (or a smaller cp_a2a_size with hybrid)")
+
+
+def check_stages(model_config: dict, opts: dict) -> None:
+    """The model's layers split over ``pp`` stages by ``--pipeline-layout`` (one count per stage, summing to
+    the layers) or evenly (pp at most the layers): build_stage's split, checked before any process group
+    (ValueError naming the fix)."""
+    from models import config_from_hf
+    from models.convert import stage_layer_ranges
+
+    layout = opts.get("pipeline_layout")
+    try:
+        stage_layer_ranges(config_from_hf(model_config).num_layers, opts["pp"], layout)
+    except ValueError as e:
+        flag = f"--pp {opts['pp']}" if layout is None else f"--pipeline-layout {','.join(map(str, layout))}"
+        raise ValueError(f"{flag}: {e}") from None
 
 
 def launch_mesh(opts: dict, *, what: str, flags: str = "--tp/--pp/--cp/--ep") -> tuple[Mesh, torch.device]:

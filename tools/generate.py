@@ -35,8 +35,8 @@ if ROOT not in sys.path:  # runnable from a checkout without installing
 from engine.fault import OnceArgumentParser  # noqa: E402
 from engine.posttrain.generate import check_generate_args, generate  # noqa: E402
 from parallel import comm  # noqa: E402
-from tools.evaluate import (DTYPES, build_stage, check_heads, checkpoint_model_config, cli, launch_mesh,  # noqa: E402
-                            load_weights, read_token_file)
+from tools.evaluate import (DTYPES, build_stage, check_heads, check_stages, checkpoint_model_config,  # noqa: E402
+                            cli, launch_mesh, load_weights, read_token_file)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,6 +154,7 @@ def run_generate(argv: list[str] | None = None) -> dict:
         registry.check_records(scored)
     check_generate_args(prompts, vocab_size=cfg.vocab_size, max_positions=cfg.max_position_embeddings, **sampling)
     check_heads(model_config, opts)  # before any process group
+    check_stages(model_config, opts)  # likewise: a bad --pipeline-layout said once, not by every rank
     mesh, device = launch_mesh(opts, what="generation", flags="--tp/--pp")
     tp, pp = opts["tp"], opts["pp"]
     _, stage = build_stage(model_config, mesh, opts, device=device)

@@ -129,8 +129,42 @@ def _hook(cfg: TesselConfig) -> ModelHook:
                             fused_cross_entropy=cfg.model.fused_cross_entropy)
 
 
+# Keys :meth:`PlanModel.run_config` replaces in every layout (the plan's choice, or a fixed value): a ``--set``
+# of one would be dropped without a word, so :func:`from_preset` refuses it, naming what sets it instead.
+# A value starting with "--" is tools/plan.py's pin flag for the key.
+PLANNED_KEYS = {
+    "parallel.tp": "--tp", "parallel.pp": "--pp", "parallel.vp": "--vp", "parallel.dp": "--dp",
+    "parallel.cp": "--cp", "parallel.ep": "--ep", "train.micro_batch_size": "--mbs",
+    "parallel.schedule": "the planner chooses it (1f1b, interleaved at --vp > 1)",
+    "parallel.pipeline_layout": "the planner splits the layers evenly over the stages",
+    "parallel.cp_comm": "the planner models cp_comm = 'ring'",
+    "parallel.cp_a2a_size": "the planner models cp_comm = 'ring', which reads no cp_a2a_size",
+    "parallel.sequence_parallel": "the planner uses sequence parallelism at every tp > 1",
+    "parallel.p2p_early_recv": "the planner models it off",
+    "train.recompute_num_layers": "the planner applies the --recompute mode to every layer",
+    "model.dtype": "the planner plans bf16 (--precision bf16|fp8)",
+}
+
+
+def check_overrides(overrides) -> None:
+    """ValueError for a ``--set`` of a key the planner replaces in every layout (:data:`PLANNED_KEYS`)."""
+    for item in overrides:
+        if not isinstance(item, str) or "=" not in item:
+            continue  # load_config says what is malformed
+        key, value = (x.strip() for x in item.split("=", 1))
+        fix = PLANNED_KEYS.get(key)
+        if key == "model.dtype" and value.strip("'\"") == "bf16":
+            continue  # what the planner plans anyway
+        if fix is not None:
+            fix = f"pin it with {fix} {value} instead" if fix.startswith("--") else f"drop it: {fix}"
+            raise ValueError(f"--set {item}: the planner sets {key} itself in every layout, so the override would "
+                             f"be ignored; {fix}")
+
+
 def from_preset(path: str, overrides=()) -> PlanModel:
-    """A Tessel preset name (configs/) or TOML file, with ``--set`` style overrides."""
+    """A Tessel preset name (configs/) or TOML file, with ``--set`` style overrides (none of
+    :data:`PLANNED_KEYS`: ValueError naming the pin or saying the planner chooses it)."""
+    check_overrides(overrides)
     cfg = load_config(path, list(overrides))
     if cfg.model.vocab_size is None and not cfg.model.hf_config:
         raise ValueError(f"--config {path}: model.vocab_size is unset (the tokenizer's would be used); "

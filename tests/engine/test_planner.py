@@ -859,3 +859,24 @@ def test_enumeration_keeps_cp_1_at_odd_sequences_and_uneven_interleaving(tiny):
     assert [p.layout.vp for p in preds] == [2] and not refused
     with pytest.raises(ValueError, match="stages for 6 layers"):
         plan(six, cl, tr, {"pp": 2, "vp": 4})
+
+
+def test_from_preset_refuses_overrides_every_layout_replaces(tiny):
+    """Every key in PLANNED_KEYS is one run_config replaces (so a --set of it is refused, not dropped): each is
+    refused by from_preset; the run config of a layout carries the planner's value whatever the base says."""
+    from engine.planner.model import PLANNED_KEYS
+
+    for key in PLANNED_KEYS:
+        with pytest.raises(ValueError, match=f"--set {key}=1: the planner sets {key} itself"):
+            from_preset("tiny_llama_cpu", [f"{key}=1"])
+    assert from_preset("tiny_llama_cpu", ["model.dtype=bf16"])  # what the planner plans anyway
+    cfg = tiny.run_config(tp=2, pp=2, vp=1, dp=1, cp=1, mbs=2, gbs=4, seq=64, recompute="full", zero=1,
+                          dtype="bf16")  # predict() passes a dtype always: bf16, fp32 only at precision fp32
+    replaced = {"parallel.tp": 2, "parallel.pp": 2, "parallel.vp": 1, "parallel.dp": 1, "parallel.cp": 1,
+                "parallel.ep": 1, "train.micro_batch_size": 2, "parallel.schedule": "1f1b",
+                "parallel.pipeline_layout": None, "parallel.cp_comm": "ring", "parallel.sequence_parallel": True,
+                "parallel.p2p_early_recv": False, "train.recompute_num_layers": None, "model.dtype": "bf16"}
+    assert set(replaced) | {"parallel.cp_a2a_size"} == set(PLANNED_KEYS)
+    for key, value in replaced.items():
+        section, name = key.split(".")
+        assert getattr(getattr(cfg, section), name) == value, key

@@ -162,6 +162,43 @@ def test_evaluate_errors(converted, tmp_path, capsys):
     assert err.count("error: --tokens") == 1 and err.startswith("evaluate.py")
 
 
+def test_bad_lengths_and_layout_exit_2_before_any_process_group(tmp_path, monkeypatch, capsys):
+    """--seq-length / --set train.seq_length / --max-tokens below 1 and a --pipeline-layout that does not fit
+    the model's layers: one line naming the flag, exit 2, before the process group (no checkpoint needed:
+    the lengths are refused with the options, the layout against the model config before launch_mesh)."""
+    import tools.evaluate as ev
+    from tests.models import tiny
+
+    def no_init(*a, **k):
+        raise AssertionError("launch_mesh reached: the process group would start before the check")
+
+    monkeypatch.setattr(ev, "launch_mesh", no_init)
+    monkeypatch.setattr(ev, "checkpoint_model_config", lambda ckpt, cfg: (tmp_path, {}, tiny.config("llama")))
+    text = tmp_path / "t.txt"
+    text.write_text("w1 w2 w3")
+    base = ["--ckpt", str(tmp_path / "no_ckpt"), "--text", str(text)]
+    cases = [
+        (["--seq-length", "0"], "--seq-length 0: the window length must be an integer >= 1"),
+        (["--seq-length", "-3"], "--seq-length -3: the window length must be an integer >= 1"),
+        (["--set", "train.seq_length=0"], "--set train.seq_length=0: the window length must be an integer >= 1"),
+        (["--max-tokens", "0"], "--max-tokens 0: the token cap must be >= 1"),
+        (["--max-tokens", "-5"], "--max-tokens -5: the token cap must be >= 1"),
+        (["--pp", "2", "--pipeline-layout", "5,5"], "--pipeline-layout 5,5: .*summing to num_layers=2"),
+        (["--pp", "2", "--pipeline-layout", "2"], "--pipeline-layout 2: .*has 1 entries but the pipeline has"),
+        (["--pp", "3"], r"--pp 3: pp\*vp = 3 \(virtual stages\) exceeds num_layers=2"),
+    ]
+    for argv, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            ev.run_evaluate(base + argv)
+        assert ev.main(base + argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("evaluate.py") and "error: --" in err, err
+    # the smallest legal values pass these checks (and reach the process group)
+    for argv in (["--seq-length", "1", "--max-tokens", "1"], ["--pp", "2", "--pipeline-layout", "2,0"]):
+        with pytest.raises(AssertionError, match="launch_mesh reached"):
+            ev.run_evaluate(base + argv)
+
+
 def test_evaluate_single_process_finds_checkpoint_tokenizer(converted, tmp_path):
     """TP=1 x PP=1 in this process; --text uses the tokenizer copied into CKPT/hf by the converter."""
     from tools.evaluate import run_evaluate

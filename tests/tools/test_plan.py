@@ -144,3 +144,23 @@ def test_explicit_dimensions_take_their_training_settings_from_the_flags(tmp_pat
     assert main([a for a in dims if a not in ("--ffn-hidden-size", "2816")] + ["--seq-length", "512",
                                                                                 "--global-batch-size", "4"]) == 2
     assert "needs --ffn-hidden-size" in capsys.readouterr().err
+
+
+def test_set_of_a_key_the_planner_replaces_is_refused(tmp_path, capsys):
+    """--config X --set of a key every layout replaces (the degrees, the micro-batch, the schedule, ...) would be
+    dropped without a word: exit 2 naming the pin flag, or saying the planner sets it; keys the planner reads
+    still change the plan."""
+    base = ["--config", "tiny_llama_cpu", "--gpus-per-node", "4", "--top", "1"]
+    for kv, fix in (("parallel.tp=2", "pin it with --tp 2 instead"), ("parallel.pp=2", "pin it with --pp 2 instead"),
+                    ("train.micro_batch_size=4", "pin it with --mbs 4 instead"),
+                    ("parallel.schedule=zb-h1", "drop it: the planner chooses it"),
+                    ("train.recompute_num_layers=1", "drop it: the planner applies the --recompute mode")):
+        assert main(base + ["--set", kv]) == 2, kv
+        err = capsys.readouterr().err
+        assert err.startswith(f"plan.py: error: --set {kv}: the planner sets {kv.split('=')[0]} itself") and fix in err
+        assert err.count("\n") == 1
+    out = tmp_path / "plan.json"
+    assert main(base + ["--set", "train.seq_length=64", "--set", "parallel.tp_overlap=ring", "--json", str(out)]) == 0
+    assert "seq 64" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["seq_length"] == 64 and doc["tp_overlap"] == "ring"

@@ -321,6 +321,22 @@ def test_a_divergence_keeps_the_async_save_started_before_it(tmp_path, keep_sign
     assert not [p.name for p in ckpts.iterdir() if p.name.startswith(".tmp_")]
 
 
+def _crash_at_3_and_resume(build, run_dir):
+    """A run built by ``build(run_dir)`` crashes after step 3's log line (its last save: step 2); a
+    relaunch of it, resumed."""
+    first = build(run_dir)
+
+    def crash_at_3(tr, st):
+        if st.step == 3:
+            raise _Crash
+    with pytest.raises(_Crash):
+        first.train(on_step=crash_at_3)
+    first.trainer.logger.close()
+    second = build(run_dir)
+    second.resume()
+    return second
+
+
 class _Valid(_Data):
     def __getitem__(self, i):
         ids = np.random.default_rng(1000 + i).integers(0, VOCAB, SEQ + 1)
@@ -348,16 +364,7 @@ def test_a_resume_continues_the_validation_batches(tmp_path, keep_signal_handler
     full = build(tmp_path / "full")
     full.train()
     full.trainer.logger.close()
-    first = build(tmp_path / "run")
-
-    def crash_at_3(tr, st):
-        if st.step == 3:
-            raise _Crash
-    with pytest.raises(_Crash):
-        first.train(on_step=crash_at_3)
-    first.trainer.logger.close()
-    second = build(tmp_path / "run")
-    second.resume()
+    second = _crash_at_3_and_resume(build, tmp_path / "run")
     assert second.valid_loader.consumed_samples == 2  # step 2's evaluation: one global batch of 2
     second.train()
     second.trainer.logger.close()
@@ -382,16 +389,7 @@ def test_a_restart_inside_a_streak_of_skipped_steps_keeps_counting(tmp_path, kee
     full = build(tmp_path / "full")
     with pytest.raises(RunStopped, match="stopped at step 4: 3 consecutive steps \\(2-4\\)"):
         full.train()
-    first = build(tmp_path / "run")
-
-    def crash_at_3(tr, st):
-        if st.step == 3:
-            raise _Crash
-    with pytest.raises(_Crash):
-        first.train(on_step=crash_at_3)
-    first.trainer.logger.close()
-    second = build(tmp_path / "run")
-    second.resume()
+    second = _crash_at_3_and_resume(build, tmp_path / "run")
     assert second.trainer.step == 2 and second.trainer.skipped_streak == 1  # step 2's save: step 2 skipped
     with pytest.raises(RunStopped, match="stopped at step 4: 3 consecutive steps \\(2-4\\)"):
         second.train()

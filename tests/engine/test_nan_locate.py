@@ -91,6 +91,16 @@ def test_a_nonfinite_parameter_is_named_under_zero3(tmp_path):
     assert "0.layers.1.mlp.fc2.weight" in found.values(), found
 
 
+def _nan_in_step_2(tr) -> None:
+    """A NaN in layer 1's output in step 2 of ``tr`` (its replay sees it again)."""
+    def inject(mod, inputs, output):
+        if tr.step == 1:
+            output = output.clone()
+            output.view(-1)[5] = float("nan")
+        return output
+    tr.chunks[0].layers["1"].register_forward_hook(inject)
+
+
 class _Pairs:
     """DPO pairs (chosen, rejected) of the test model's vocabulary: 2 rows per sample."""
 
@@ -124,13 +134,7 @@ def _dpo_metrics(run_dir, nan_replay: bool):
     run = build_run(cfg, model=model, train_data=_Pairs(6), run_dir=str(run_dir), log_stream=io.StringIO(),
                     checkpoints=False, objective=DPOObjective(beta=0.1), rows_per_sample=2, collate_fn=collate_pairs)
     tr = run.trainer
-
-    def inject(mod, inputs, output):  # a NaN in step 2 (the replay sees it again)
-        if tr.step == 1:
-            output = output.clone()
-            output.view(-1)[5] = float("nan")
-        return output
-    tr.chunks[0].layers["1"].register_forward_hook(inject)
+    _nan_in_step_2(tr)
     history = run.train()
     tr.logger.close()
     return [(st.applied, st.extra) for st in history]
@@ -157,13 +161,7 @@ def _powersgd_counts(run_dir: str, nan_replay: bool):
     model = ModelHook.from_hf(HF, dtype=torch.float32, seed=cfg.train.seed, sequence_parallel=False)
     run = build_run(cfg, model=model, train_data=_Data(6), run_dir=run_dir, log_stream=io.StringIO(), checkpoints=False)
     tr = run.trainer
-
-    def inject(mod, inputs, output):  # a NaN in step 2 (the replay sees it again)
-        if tr.step == 1:
-            output = output.clone()
-            output.view(-1)[5] = float("nan")
-        return output
-    tr.chunks[0].layers["1"].register_forward_hook(inject)
+    _nan_in_step_2(tr)
     run.train()
     tr.logger.close()
     return sorted(set(tr.ddp.grad_compressor.steps.values()))

@@ -145,11 +145,6 @@ class TesselConfig:
                                  f"decay phase (the last {decay} of train.steps={steps}); set "
                                  f"optim.warmup_steps <= {steps - decay} or lower "
                                  "optim.wsd_decay_fraction")
-        pt = self.posttrain
-        if pt.valid_data is not None and self.train.eval_interval == 0 and pt.method in ("sft", "dpo"):
-            raise ValueError(f"posttrain.valid_data is set but train.eval_interval=0: {pt.method} evaluates on it every "
-                             "train.eval_interval steps, so it would never be read; set train.eval_interval (e.g. 10) "
-                             "or remove posttrain.valid_data")
         if self.train.eval_interval > 0 and self.data.split_fractions()[1] == 0:
             raise ValueError(f"train.eval_interval={self.train.eval_interval} but "
                              f"data.split={self.data.split!r} has no validation part; give it one "

@@ -576,8 +576,6 @@ def test_schedule_and_sequence_checks_agree_with_what_runs():
     (["fault.flight_records=16"], "fault.flight_records=16 is set but fault.hang_timeout_s is not"),
     (["posttrain.method=sft", "posttrain.data=a.jsonl", "posttrain.lora.alpha=32"],
      "posttrain.lora.alpha is set but posttrain.lora.rank = 0"),
-    (["posttrain.method=sft", "posttrain.data=a.jsonl", "posttrain.valid_data=b.jsonl", "train.eval_interval=0"],
-     "posttrain.valid_data is set but train.eval_interval=0"),
     (["posttrain.method=dpo", "posttrain.data=a.jsonl", "train.eval_interval=0", "train.global_batch_size=2",
       "train.micro_batch_size=1", "train.seq_length=16", "train.max_tokens=40"],  # one step is 2 x 2 x 16 = 64
      "train.max_tokens=40 is less than one step (train.global_batch_size*2*seq_length (a DPO pair is 2 rows) = 64"),

@@ -23,8 +23,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from engine.checkpoint.format import (LATEST_FILE, METADATA_FILE, TMP_PREFIX, TRASH_PREFIX, CheckpointError, check_complete,
-                                      fsync_dir, list_checkpoints, read_metadata, replace_file_atomic, step_dirname)
+from engine.checkpoint.format import (LATEST_FILE, METADATA_FILE, TMP_PREFIX, TRASH_PREFIX, CheckpointError,
+                                      check_complete, fsync_dir, list_checkpoints, read_metadata,
+                                      replace_file_atomic, step_dirname)
 
 EXIT_STOPPED = 3  # the exit status of a run that stopped itself (diverged, non-finite with nonfinite='stop')
 EXIT_HUNG = 4  # the exit status of a rank whose hang watchdog fired (fault.hang_timeout_s; engine/watchdog.py)
@@ -250,9 +251,8 @@ def remove_stale_saves(root: str | os.PathLike) -> list[Path]:
 
 def _committed_tmp_step(p: Path) -> int | None:
     """The step of a ``.tmp_step_*`` directory holding a complete checkpoint, else None."""
-    if not (p.name.startswith(TMP_PREFIX) and p.is_dir() and not p.is_symlink()
-            and (p / METADATA_FILE).is_file() and check_complete(p) is None):
-        return None
+    if not (p.name.startswith(TMP_PREFIX) and p.is_dir() and not p.is_symlink() and check_complete(p) is None):
+        return None  # check_complete: the metadata readable and every file it lists whole
     try:
         step = read_metadata(p)["step"]
     except (CheckpointError, KeyError):

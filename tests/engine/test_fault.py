@@ -306,19 +306,23 @@ def test_a_divergence_keeps_the_async_save_started_before_it(tmp_path, keep_sign
     run_dir = tmp_path / "run"
     run = _build(_cfg(run_dir, "checkpoint.async_save=true", "fault.nan_replay=false", *stop), run_dir)
     tr = run.trainer
-
-    def nan_in_step_3(mod, inputs, output):
-        if tr.step == 2:
-            output = output.clone()
-            output.view(-1)[5] = float("nan")
-        return output
-    tr.chunks[0].layers["1"].register_forward_hook(nan_in_step_3)
+    nan_in_step(tr, 3)
     with pytest.raises((NonFiniteGradError, RunStopped)):
         run.train()
     tr.logger.close()
     ckpts = run_dir / "checkpoints"
     assert [s for s, _ in list_checkpoints(str(ckpts))] == [2]
     assert not [p.name for p in ckpts.iterdir() if p.name.startswith(".tmp_")]
+
+
+def nan_in_step(tr, step: int) -> None:
+    """A NaN in layer 1's output in ``step`` of ``tr`` (a replay of that step sees it again)."""
+    def inject(mod, inputs, output):
+        if tr.step == step - 1:
+            output = output.clone()
+            output.view(-1)[5] = float("nan")
+        return output
+    tr.chunks[0].layers["1"].register_forward_hook(inject)
 
 
 def _crash_at_3_and_resume(build, run_dir):

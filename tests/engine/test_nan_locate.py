@@ -91,16 +91,6 @@ def test_a_nonfinite_parameter_is_named_under_zero3(tmp_path):
     assert "0.layers.1.mlp.fc2.weight" in found.values(), found
 
 
-def _nan_in_step_2(tr) -> None:
-    """A NaN in layer 1's output in step 2 of ``tr`` (its replay sees it again)."""
-    def inject(mod, inputs, output):
-        if tr.step == 1:
-            output = output.clone()
-            output.view(-1)[5] = float("nan")
-        return output
-    tr.chunks[0].layers["1"].register_forward_hook(inject)
-
-
 class _Pairs:
     """DPO pairs (chosen, rejected) of the test model's vocabulary: 2 rows per sample."""
 
@@ -126,7 +116,7 @@ def _dpo_metrics(run_dir, nan_replay: bool):
     from engine.posttrain.datasets import collate_pairs
     from engine.posttrain.objectives import DPOObjective
     from models.hook import ModelHook
-    from tests.engine.test_fault import HF, _cfg
+    from tests.engine.test_fault import HF, _cfg, nan_in_step
 
     cfg = _cfg(run_dir, "train.steps=3", "checkpoint.interval=0", "logging.memory_report=false",
                f"fault.nan_replay={str(nan_replay).lower()}")
@@ -134,7 +124,7 @@ def _dpo_metrics(run_dir, nan_replay: bool):
     run = build_run(cfg, model=model, train_data=_Pairs(6), run_dir=str(run_dir), log_stream=io.StringIO(),
                     checkpoints=False, objective=DPOObjective(beta=0.1), rows_per_sample=2, collate_fn=collate_pairs)
     tr = run.trainer
-    _nan_in_step_2(tr)
+    nan_in_step(tr, 2)
     history = run.train()
     tr.logger.close()
     return [(st.applied, st.extra) for st in history]
@@ -153,7 +143,7 @@ def test_the_replay_adds_nothing_to_the_next_steps_objective_metrics(tmp_path):
 def _powersgd_counts(run_dir: str, nan_replay: bool):
     from engine.assembly import build_run
     from models.hook import ModelHook
-    from tests.engine.test_fault import HF, _Data, _cfg
+    from tests.engine.test_fault import HF, _Data, _cfg, nan_in_step
 
     cfg = _cfg(run_dir, "train.steps=3", "checkpoint.interval=0", "logging.memory_report=false",
                "optim.grad_compression=powersgd", "optim.powersgd_rank=2", "optim.powersgd_start_step=5",
@@ -161,7 +151,7 @@ def _powersgd_counts(run_dir: str, nan_replay: bool):
     model = ModelHook.from_hf(HF, dtype=torch.float32, seed=cfg.train.seed, sequence_parallel=False)
     run = build_run(cfg, model=model, train_data=_Data(6), run_dir=run_dir, log_stream=io.StringIO(), checkpoints=False)
     tr = run.trainer
-    _nan_in_step_2(tr)
+    nan_in_step(tr, 2)
     run.train()
     tr.logger.close()
     return sorted(set(tr.ddp.grad_compressor.steps.values()))

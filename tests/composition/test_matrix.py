@@ -36,7 +36,11 @@ from parallel.testing import run_distributed
 from tests.composition.matrix import DEFAULT_ROWS, OPTIMIZERS, REFUSED, Row, full_rows
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, STOP, SEQ, GBS = 4, 2, 16, 8
+STEPS, STOP, SEQ = 4, 2, 16
+# Sequences per step: 4 in the default rows (one micro-batch per rank at dp4, two at dp2: gradient accumulation
+# stays covered; the rows' steps are mostly small collectives, so 8 sequences took 1.5x as long), 8 in the
+# full cross product, whose results docs/composition.md records at 8.
+GBS, FULL_GBS = 4, 8
 TOKENS = [[5, 17, 3, 99, 42, 8, 60, 2, 200, 31], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
 MODEL = {
     "llama": ["model.family=llama", "model.num_attention_heads=8", "model.num_key_value_heads=4"],
@@ -134,7 +138,7 @@ def _model_overrides(row: Row) -> list[str]:
 
 
 def _overrides(row: Row, layout, optimizer: str, prefix: str, run_dir: str, *, max_steps: int | None = None,
-               memory_report: bool = False):
+               memory_report: bool = False, gbs: int = GBS):
     seq = SEQ if row.method == "pretrain" else POSTTRAIN_SEQ
     if row.method == "pretrain":
         data = [f"data.paths={prefix}", f"data.tokenizer={prefix}.tokenizer.json", f"data.cache_dir={run_dir}/cache"]
@@ -148,19 +152,19 @@ def _overrides(row: Row, layout, optimizer: str, prefix: str, run_dir: str, *, m
     if row.family in MOE_HF:
         data.append(f"model.hf_config={Path(run_dir).parent.parent / ('moe-' + row.family + '.json')}")
     out = [*data, *_model_overrides(row), *layout.overrides(),
-           *OPTIMIZERS[optimizer], f"train.seq_length={seq}", f"train.global_batch_size={GBS}",
+           *OPTIMIZERS[optimizer], f"train.seq_length={seq}", f"train.global_batch_size={gbs}",
            "train.micro_batch_size=1", f"train.steps={STEPS}", "train.eval_interval=0", "train.log_interval=100",
            "optim.warmup_steps=1", "optim.lr=0.01", "checkpoint.interval=0", "logging.tensorboard=false",
            "logging.jsonl=false", "logging.progress_bar=off", "logging.peak_tflops=1.0", f"train.run_dir={run_dir}",
            f"logging.memory_report={str(memory_report).lower()}", *row.extra]
     if max_steps is not None:
         rows = 2 if row.method == "dpo" else 1  # a preference pair is two rows
-        out.append(f"train.max_tokens={max_steps * GBS * rows * seq}")
+        out.append(f"train.max_tokens={max_steps * gbs * rows * seq}")
     return out
 
 
 def _train(row: Row, layout, optimizer: str, prefix: str, run_dir: str, *, max_steps: int | None = None,
-           memory_report: bool = False):
+           memory_report: bool = False, gbs: int = GBS):
     import torch.distributed as dist
 
     from engine.config import load_config
@@ -169,7 +173,7 @@ def _train(row: Row, layout, optimizer: str, prefix: str, run_dir: str, *, max_s
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     overrides = _overrides(row, layout, optimizer, prefix, run_dir, max_steps=max_steps,
-                           memory_report=memory_report)
+                           memory_report=memory_report, gbs=gbs)
     if row.method != "pretrain":
         from tools.posttrain import base_defaults, posttrain_from_config
 
@@ -179,25 +183,25 @@ def _train(row: Row, layout, optimizer: str, prefix: str, run_dir: str, *, max_s
     return [h.loss for h in train_from_config(cfg, run_dir, rank=rank, world=world)]
 
 
-def _rows_of_world(rows: list[Row], prefix: str, root: str) -> dict:
+def _rows_of_world(rows: list[Row], prefix: str, root: str, gbs: int) -> dict:
     import torch.distributed as dist
 
     out = {}
     for row in rows:
         d = Path(root) / row.name
         # the memory report (a profiled first step) once per row, in its straight run: each row's first layout
-        straight = _train(row, row.layout, row.optimizer, prefix, str(d / "straight"), memory_report=True)
-        first = _train(row, row.layout, row.optimizer, prefix, str(d / "resumed"), max_steps=STOP)
+        straight = _train(row, row.layout, row.optimizer, prefix, str(d / "straight"), memory_report=True, gbs=gbs)
+        first = _train(row, row.layout, row.optimizer, prefix, str(d / "resumed"), max_steps=STOP, gbs=gbs)
         reshard = None
         if row.reshard is not None:
             if not dist.is_initialized() or dist.get_rank() == 0:  # the step-STOP checkpoint, for the second layout
                 shutil.copytree(d / "resumed" / "checkpoints", d / "reshard" / "checkpoints")
             if dist.is_initialized():
                 dist.barrier()
-        resumed = _train(row, row.layout, row.optimizer, prefix, str(d / "resumed"))
+        resumed = _train(row, row.layout, row.optimizer, prefix, str(d / "resumed"), gbs=gbs)
         if row.reshard is not None:
             reshard = _train(row, row.reshard, row.reshard_optimizer or row.optimizer, prefix, str(d / "reshard"),
-                             max_steps=STOP + 1)
+                             max_steps=STOP + 1, gbs=gbs)
         out[row.name] = {"straight": straight, "first": first, "resumed": resumed, "reshard": reshard}
     return out
 
@@ -272,7 +276,7 @@ def _check(rows: list[Row], results: dict, root: Path) -> dict[str, str]:
     return summary
 
 
-def _run_rows(rows: list[Row], corpus: str, root: Path) -> dict[str, str]:
+def _run_rows(rows: list[Row], corpus: str, root: Path, gbs: int = GBS) -> dict[str, str]:
     by_world: dict[int, list[Row]] = {}
     for row in rows:
         by_world.setdefault(row.layout.world, []).append(row)
@@ -286,9 +290,9 @@ def _run_rows(rows: list[Row], corpus: str, root: Path) -> dict[str, str]:
         for start in range(0, len(group), 40):  # a fresh process group every 40 rows
             batch = group[start:start + 40]
             if world == 1:
-                results.update(_rows_of_world(batch, corpus, str(root)))
+                results.update(_rows_of_world(batch, corpus, str(root), gbs))
             else:
-                results.update(run_distributed(_rows_of_world, world, batch, corpus, str(root),
+                results.update(run_distributed(_rows_of_world, world, batch, corpus, str(root), gbs,
                                                timeout=120 + 20 * len(batch))[0])
     return _check(rows, results, root)
 
@@ -315,4 +319,4 @@ def test_full_cross_product(corpus, tmp_path):
     text = os.environ.get("TESSEL_COMPOSITION_FILTER", "")
     rows = [r for r in full_rows() if text in r.name]
     assert rows, f"TESSEL_COMPOSITION_FILTER={text!r} selects no row"
-    _run_rows(rows, corpus, tmp_path)
+    _run_rows(rows, corpus, tmp_path, FULL_GBS)

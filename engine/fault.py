@@ -35,10 +35,14 @@ EXIT_HUNG = 4  # the exit status of a rank whose hang watchdog fired (fault.hang
 # model.hf_config and one given by explicit fields compare alike.
 RESUME_KEYS = ("model.dtype", "data.paths", "data.weights", "data.split", "train.global_batch_size",
                "train.seq_length", "train.seed")
-# Post-training resumes depend on the base model, the records and how they are packed, not on data.paths.
+# Post-training resumes depend on the base model (checkpoint.load: with LoRA the base is read from it again),
+# the records and how they are packed or drawn (GRPO: group_size and steps_per_rollout set the prompts per
+# rollout), and what the adapters compute (alpha / rank is the scaling), not on data.paths.
 POSTTRAIN_RESUME_KEYS = ("model.dtype", "train.global_batch_size", "train.seq_length", "train.seed",
-                         "posttrain.method", "posttrain.data", "posttrain.pack", "posttrain.truncate",
-                         "posttrain.chat_template", "posttrain.lora.rank", "posttrain.lora.targets")
+                         "checkpoint.load", "posttrain.method", "posttrain.data", "posttrain.pack",
+                         "posttrain.truncate", "posttrain.chat_template", "posttrain.lora.rank",
+                         "posttrain.lora.alpha", "posttrain.lora.dropout", "posttrain.lora.targets",
+                         "posttrain.grpo.group_size", "posttrain.grpo.steps_per_rollout")
 # Entries a Tessel run directory may hold besides config.json (for the message only).
 RUN_FILES = ("config.json", "model_config.json", "metrics.jsonl", "tensorboard", "checkpoints")
 
@@ -203,7 +207,8 @@ def check_run_dir(cfg, run_dir: str, *, model_config: dict | None = None, keys=R
     if not changes:
         return str(latest)
     way_out = "start a new run directory (--run-dir NEW)"
-    if not any(c.startswith("model") for c in changes):
+    adapters_only = bool(_get(saved_cfg, "posttrain.lora.rank")[1])  # a LoRA run's checkpoint is no base
+    if not any(c.startswith("model") for c in changes) and not adapters_only:
         way_out += f", with --set checkpoint.load={latest} to start from its weights (model only)"
     raise ValueError(f"run directory {run_dir!r} holds checkpoint {latest.name}, and this launch would resume it "
                      f"with changes that break the run: {', '.join(changes)}; {way_out}, or launch with the "

@@ -23,13 +23,15 @@ What is saved (keys are layout-independent):
 with LoRA the adapters alone, an adapter-only checkpoint; the optimizer only ever holds trainable
 parameters) or ``"frozen"`` (the rest: the base weights a LoRA run takes from ``checkpoint.load``).
 A LoRA run (engine/posttrain/lora.py) records its settings as ``trainer_state.lora`` (rank, alpha,
-dropout, targets, scaling, ``adapters_only``), which tools/lora_export.py and tools/evaluate.py read.
+dropout, targets, scaling, ``adapters_only``), which tools/lora_export.py and tools/evaluate.py read and a
+full resume must match (:func:`same_lora`: another alpha or dropout would load and silently change the run).
 
 RNG states are restored only into the same layout (world size and degrees); after a resharding
 the streams keep their fresh seeding (they cannot be mapped between different rank sets).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from typing import Callable
@@ -152,7 +154,7 @@ def _local_tensors(trainer, name: str, tensors: dict, *, fresh: bool) -> dict[st
 
 
 def save_trainer(checkpointer: Checkpointer, trainer, *, loader=None, model_config: dict | None = None,
-                 hook: Callable | None = None, side_files: dict[str, str] | None = None,
+                 hook: Callable | None = None, side_files: dict[str, bytes] | None = None,
                  params: str = "all", valid_loader=None) -> SaveHandle:
     """Save ``trainer`` at its current step through ``checkpointer`` (collective over its group).
 
@@ -202,6 +204,28 @@ def same_vocab(vocab: int | None, path) -> Callable[[dict], list[str]]:
     return check
 
 
+def same_lora(settings, path) -> Callable[[dict], list[str]]:
+    """``load_checkpoint``'s ``check_meta`` for a full resume: the checkpoint's ``trainer_state.lora`` (rank,
+    alpha, dropout, targets) is ``settings`` (this run's, None without adapters). The tensors would load
+    whatever alpha or dropout says, and the run would go on with another scaling."""
+    def check(meta: dict) -> list[str]:
+        saved = (meta.get("trainer_state") or {}).get("lora")
+        if saved is None and settings is None:
+            return []
+        if saved is None or settings is None:
+            return [f"checkpoint {path} was saved {'by a LoRA run' if saved else 'without LoRA adapters'} and this "
+                    f"run has {'none' if saved else 'adapters'}: resume it with the saved posttrain.lora settings, "
+                    "or start a new run directory"]
+        now = settings.to_json(adapters_only=False)
+        changes = [f"{k} ({json.dumps(saved.get(k))} -> {json.dumps(now[k])})"
+                   for k in ("rank", "alpha", "dropout", "targets") if saved.get(k) != now[k]]
+        if not changes:
+            return []
+        return [f"checkpoint {path} was saved with other LoRA settings than this run's: {', '.join(changes)}; "
+                "resume with the saved posttrain.lora values, or start a new run directory"]
+    return check
+
+
 def load_trainer(trainer, path: str | os.PathLike, *, group: Group | None, loader=None, model_only: bool = False,
                  strict: bool = True, verify: bool = True, hook: Callable | None = None,
                  params: str = "all", valid_loader=None) -> LoadResult:
@@ -224,9 +248,12 @@ def load_trainer(trainer, path: str | os.PathLike, *, group: Group | None, loade
     # A checkpoint written without FP8 delayed scaling (or by another recipe) starts fresh histories.
     # Model-only loads start a fine-tune: a checkpoint of another precision (an fp32 conversion into a
     # bf16 run) is cast, as loading a Hugging Face model in another dtype would.
+    checks = [same_vocab(model_vocab(trainer.chunks), path)]
+    if not model_only:  # a base for LoRA adapters may come from any run; a resume continues this run's adapters
+        checks.append(same_lora(lora_settings(trainer.chunks), path))
     result = load_checkpoint(path, tensors=tensors, group=group, layout=trainer.layout(), strict=strict,
                              verify=verify, optional=("fp8.", "moe.", *(f"{n}.rank" for n in local)),
-                             allow_dtype_cast=model_only, check_meta=same_vocab(model_vocab(trainer.chunks), path),
+                             allow_dtype_cast=model_only, check_meta=lambda meta: [p for c in checks for p in c(meta)],
                              unexpected="model." if params == "all" else None)
     saved_biases = sorted(k for k in (result.metadata.get("tensors") or {})
                           if k.startswith("moe.") and k.endswith("router.expert_bias"))

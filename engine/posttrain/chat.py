@@ -7,11 +7,14 @@ Records (one JSON object per line):
 * DPO: ``{"prompt": str | [messages], "chosen": str | [assistant messages], "rejected": ...}``.
 * GRPO: ``{"messages": [... up to the user turn], "reward": NAME, ...}`` (extra keys go to the reward).
 
-The template is the model's: ``chat_template`` in tokenizer_config.json, or chat_template.jinja
-beside it (transformers 5 writes that file), or a file named by ``posttrain.chat_template``. It is
-rendered with jinja2 in a sandbox, as transformers renders it (``trim_blocks``, ``lstrip_blocks``,
-``raise_exception``, ``tojson``, the special tokens as variables), so the text is the one the model
-was tuned on.
+The template is the model's: chat_template.jinja beside tokenizer_config.json (transformers 5 writes
+that file, and prefers it, as here), else ``chat_template`` in tokenizer_config.json, or a file named
+by ``posttrain.chat_template``. It is rendered with jinja2 in a sandbox, in transformers' environment
+(``trim_blocks``, ``lstrip_blocks``, ``{% break %}``/``{% continue %}``, the ``{% generation %}`` block
+rendering its body unchanged, ``raise_exception``, ``strftime_now``, ``tojson`` with its options, the
+guarded ``dict`` and ``namespace``; ``tools`` and ``documents`` None, the special tokens as variables,
+a message's ``reasoning``/``thinking``/``reasoning_content`` under each of the latter two names), so the
+text is the one the model was tuned on.
 
 The assistant tokens: for assistant turn ``i`` the template is rendered for ``messages[:i]`` with
 the generation prompt and for ``messages[:i+1]``; the characters between the two renderings are
@@ -22,6 +25,7 @@ prefix of the longer rendering cannot be masked this way and is refused.
 """
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import os
@@ -42,15 +46,44 @@ class ChatTemplate:
     variables: dict
 
     def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = False) -> str:
-        return _compile(self.text).render(**self.variables, messages=list(messages),
-                                          add_generation_prompt=add_generation_prompt)
+        return _compile(self.text).render(**self.variables, messages=[_with_reasoning_aliases(m) for m in messages],
+                                          tools=None, documents=None, add_generation_prompt=add_generation_prompt)
+
+
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # transformers' names, the first one preferred
+
+
+def _with_reasoning_aliases(message):
+    """A message with its reasoning (the first of :data:`REASONING_KEYS` it holds, not None) also under
+    ``thinking`` and ``reasoning_content``, the names templates read (transformers renders them so)."""
+    if not isinstance(message, dict):
+        return message
+    reasoning = next((message[k] for k in REASONING_KEYS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 @functools.lru_cache(maxsize=8)
 def _compile(text: str):
     """The jinja2 template of ``text`` in transformers' sandboxed environment (pure: cached by text)."""
     import jinja2
+    import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationBlock(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}``: transformers' marker of the assistant's text (for its
+        assistant mask); the body renders unchanged, in its own scope as a call block's does."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -58,9 +91,40 @@ def _compile(text: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    def strftime_now(format):
+        return datetime.datetime.now().strftime(format)
+
+    def public(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"a chat template may not set the underscore attribute {name!r} "
+                                                  "on a namespace; rename it")
+        return name
+
+    class Namespace(jinja2.utils.Namespace):
+        """jinja2's ``namespace()`` without underscore attributes (no way to CPython internals)."""
+
+        def __init__(*args, **kwargs):  # self positional-only, so namespace(self=...) stays an attribute
+            attrs = dict(*args[1:], **kwargs)
+            for name in attrs:
+                public(name)
+            jinja2.utils.Namespace.__init__(args[0], attrs)
+
+        def __setitem__(self, name, value):
+            jinja2.utils.Namespace.__setitem__(self, public(name), value)
+
+    class Dict:
+        """``dict(...)`` and ``dict.fromkeys(...)`` for templates, without the type itself."""
+
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationBlock, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=Dict(), namespace=Namespace)
     try:
         return env.from_string(text)
     except jinja2.exceptions.TemplateSyntaxError as err:
@@ -80,9 +144,9 @@ class NoChatTemplate(ValueError):
 
 
 def load_chat_template(tokenizer_dir: str | None, *, override: str | None = None) -> ChatTemplate:
-    """The chat template of the tokenizer in ``tokenizer_dir`` (its tokenizer_config.json, or
-    chat_template.jinja beside it), or the Jinja file ``override``. Raises ValueError naming both
-    places and ``posttrain.chat_template`` when there is none."""
+    """The chat template of the tokenizer in ``tokenizer_dir`` (its chat_template.jinja, else its
+    tokenizer_config.json's ``chat_template``: transformers' precedence), or the Jinja file ``override``.
+    Raises ValueError naming both places and ``posttrain.chat_template`` when there is none."""
     config: dict = {}
     cfg_path = os.path.join(tokenizer_dir, "tokenizer_config.json") if tokenizer_dir else None
     if cfg_path and os.path.isfile(cfg_path):
@@ -95,14 +159,14 @@ def load_chat_template(tokenizer_dir: str | None, *, override: str | None = None
             raise ValueError(f"posttrain.chat_template={override!r} does not exist; give a Jinja template file")
         with open(override, encoding="utf-8") as f:
             return ChatTemplate(text=f.read(), source=override, variables=variables)
-    text = config.get("chat_template")
-    if isinstance(text, list):  # [{"name": "default", "template": ...}, ...]
-        text = next((t.get("template") for t in text if t.get("name") == "default"), None)
-    source = cfg_path
     jinja_path = os.path.join(tokenizer_dir, "chat_template.jinja") if tokenizer_dir else None
-    if not text and jinja_path and os.path.isfile(jinja_path):
+    if jinja_path and os.path.isfile(jinja_path):  # the file wins over the config's entry, as in transformers
         with open(jinja_path, encoding="utf-8") as f:
             text, source = f.read(), jinja_path
+    else:
+        text, source = config.get("chat_template"), cfg_path
+        if isinstance(text, list):  # [{"name": "default", "template": ...}, ...]
+            text = next((t.get("template") for t in text if t.get("name") == "default"), None)
     if not text:
         where = f"{cfg_path} has no 'chat_template' and there is no {jinja_path}" if tokenizer_dir \
             else "no tokenizer directory was given"

@@ -2,8 +2,9 @@
 
 :func:`apply_lora` gives every column- and row-parallel linear whose layer-relative name is in
 ``targets`` (``attention.qkv``, ``attention.out``, ``mlp.fc1``, ``mlp.fc2``; short ``qkv``, ``out``,
-``fc1``, ``fc2``, or ``all``; the output layer never) two parameters, registered on the linear
-itself: ``lora_A`` (r, in) and ``lora_B`` (out, r), so the checkpoint keys are
+``fc1``, ``fc2``, or ``all``; the output layer never; on a mixture-of-experts model the attention
+linears only: expert MLPs get no adapters, so MLP targets are refused there) two parameters,
+registered on the linear itself: ``lora_A`` (r, in) and ``lora_B`` (out, r), so the checkpoint keys are
 ``layers.<i>.attention.qkv.lora_A`` / ``.lora_B`` (global layer index: the same at every layout).
 The linear then computes ``y = x W^T + b + scaling * dropout(x) A^T B^T`` with ``scaling = alpha /
 rank`` (PEFT's default, not rsLoRA), through its ``LinearImpl`` seam (:class:`LoraLinearImpl`).
@@ -124,12 +125,15 @@ def resolve_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
 
 
 def check_lora(*, rank: int, alpha: float, dropout: float = 0.0, targets: str | Iterable[str] = ("all",),
-               fp8: str = "none", tp_overlap: str = "none") -> LoraSettings:
+               fp8: str = "none", tp_overlap: str = "none", num_experts: int = 0) -> LoraSettings:
     """Validate LoRA settings (no process group needed) and return them resolved.
 
     Refused compositions: ``model.fp8 != "none"`` (the FP8 linear impls own the whole matmul; a LoRA
-    term beside an FP8 GEMM is not implemented) and ``parallel.tp_overlap = "ring"`` (the ring
-    collective matmul decomposes the gather the SP adapter path relies on).
+    term beside an FP8 GEMM is not implemented), ``parallel.tp_overlap = "ring"`` (the ring
+    collective matmul decomposes the gather the SP adapter path relies on), and on a mixture-of-experts
+    model (``num_experts > 0``, the model config's) any MLP target, ``all`` included: its MLPs are
+    experts (``mlp.experts.<e>.fc1``, ``mlp.shared_expert.fc1``), which get no adapters, so ``fc1``/``fc2``
+    would adapt only the dense layers, if any; only the attention targets are allowed there.
     """
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"posttrain.lora.rank={rank!r} must be an integer >= 1 (the adapters' inner dimension; "
@@ -144,7 +148,15 @@ def check_lora(*, rank: int, alpha: float, dropout: float = 0.0, targets: str | 
     if tp_overlap != "none":
         raise ValueError(f"posttrain.lora with parallel.tp_overlap={tp_overlap!r} is not supported: the adapters "
                          "wrap the plain TP linears only; set parallel.tp_overlap='none' (or posttrain.lora.rank=0)")
-    return LoraSettings(rank=rank, alpha=float(alpha), dropout=float(dropout), targets=resolve_targets(targets))
+    resolved = resolve_targets(targets)
+    mlp = [t for t in resolved if t.startswith("mlp.")]
+    if num_experts and mlp:
+        given = targets if isinstance(targets, str) else list(targets)
+        raise ValueError(f"posttrain.lora.targets={given!r} include {', '.join(mlp)}, but this is a mixture-of-experts "
+                         f"model (num_experts={num_experts}): its MLPs are expert MLPs (mlp.experts.<e>.fc1/fc2, "
+                         "mlp.shared_expert), and LoRA on expert MLPs is not supported; set "
+                         "posttrain.lora.targets=['qkv', 'out'] to adapt the attention projections only")
+    return LoraSettings(rank=rank, alpha=float(alpha), dropout=float(dropout), targets=resolved)
 
 
 def adapter_seed(seed: int, name: str) -> int:
@@ -248,10 +260,14 @@ def apply_lora(stage_or_chunks: nn.Module, *, rank: int, alpha: float, dropout: 
     Call it after the model is built and before DataParallel/the optimizer. ``seed`` draws A per
     global adapter name (the run's seed: every layout gets the same adapters). Returns the global
     names of the adapted linears (e.g. ``layers.3.attention.qkv``); a stage may hold none (a
-    pipeline stage without layers), but the targets must name linears (ValueError otherwise).
-    Records the settings on each stage (``stage.lora_settings``, read by :func:`lora_settings`).
+    pipeline stage without layers), but the targets must name linears (ValueError otherwise); on a
+    mixture-of-experts model (its ``config.num_experts``, the same on every stage) only attention
+    targets (:func:`check_lora`). Records the settings on each stage (``stage.lora_settings``, read by
+    :func:`lora_settings`).
     """
-    settings = check_lora(rank=rank, alpha=alpha, dropout=dropout, targets=targets)
+    num_experts = max((getattr(getattr(c, "config", None), "num_experts", 0) or 0 for c in _chunks(stage_or_chunks)),
+                      default=0)
+    settings = check_lora(rank=rank, alpha=alpha, dropout=dropout, targets=targets, num_experts=num_experts)
     plan = []  # everything is checked before any stage changes
     for chunk in _chunks(stage_or_chunks):
         if getattr(chunk, "lora_settings", None) is not None:

@@ -50,12 +50,12 @@ def final_number(completion: str) -> Optional[Decimal]:
 
 
 def _answer_of(record: Mapping) -> Decimal:
+    fix = "give the expected number, e.g. \"answer\": 42, or drop the record"
     if "answer" not in record:
-        raise ValueError(f"reward 'arithmetic': the record has no 'answer' field (keys: {sorted(record)}); "
-                         f"prompt records for this reward need the integer answer")
+        raise ValueError(f"reward 'arithmetic': the record has no 'answer' field (keys: {sorted(record)}); {fix}")
     value = _to_decimal(str(record["answer"]).strip())
-    if value is None:
-        raise ValueError(f"reward 'arithmetic': record answer {record['answer']!r} is not a number")
+    if value is None or not value.is_finite():
+        raise ValueError(f"reward 'arithmetic': record answer {record['answer']!r} is not a finite number; {fix}")
     return value
 
 
@@ -64,6 +64,12 @@ def arithmetic_reward(record: dict, completion: str) -> float:
     expected = _answer_of(record)
     got = final_number(completion)
     return 1.0 if got is not None and got == expected else 0.0
+
+
+# A reward declares the record fields it reads as ``fn.check(record)`` (ValueError naming the field and the
+# fix): GRPO's record preparation calls it, so a bad record fails before training, not in the rollout that
+# first draws it (engine/posttrain/rollout.py:prompt_records).
+arithmetic_reward.check = _answer_of
 
 
 def format_reward(record: dict, completion: str) -> float:

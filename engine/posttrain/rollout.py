@@ -55,22 +55,36 @@ def reward_registry(modules: Sequence[str] = ()) -> RewardRegistry:
     return registry
 
 
+def reward_check(fn):
+    """How a reward declares the record fields it reads: ``fn.check(record)``, raising ValueError (naming the
+    field and the fix) for a record the reward could not score (engine/posttrain/rewards.py's ``arithmetic``
+    declares one); None: no declaration, the record reaches the reward unchecked."""
+    return getattr(fn, "check", None)
+
+
 def prompt_records(records: Sequence[dict], *, template: ChatTemplate, tokenizer, registry: RewardRegistry,
                    seq_length: int, max_new_tokens: int) -> list[list[int]]:
-    """Check GRPO prompt records (messages, a registered reward, room for the completion) and return each
-    one's prompt ids (the conversation so far and the generation prompt)."""
+    """Check GRPO prompt records (messages, a registered reward and the inputs it declares, see
+    :func:`reward_check`; room for the completion) and return each one's prompt ids (the conversation so far
+    and the generation prompt)."""
     out = []
     for rec in records:
         where = rec.get("_where", "record")
         if "messages" not in rec:
             raise ValueError(f"{where}: a GRPO prompt record needs 'messages' (the conversation to answer)")
         msgs = check_messages(rec["messages"], where=where, need_assistant=False)
-        if "reward" not in rec:
-            raise ValueError(f"{where}: a GRPO prompt record needs 'reward', the name of its reward function; "
-                             f"registered: {registry.names()}")
+        if not isinstance(rec.get("reward"), str):
+            raise ValueError(f"{where}: a GRPO prompt record needs 'reward', the name of its reward function (a "
+                             f"string); registered: {registry.names()}")
         if rec["reward"] not in registry:
             raise ValueError(f"{where}: unknown reward function {rec['reward']!r}; registered: {registry.names()} "
                              "(add yours with posttrain.grpo.reward_modules)")
+        check = reward_check(registry.get(rec["reward"]))
+        if check is not None:
+            try:
+                check(dict(rec))
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
         ids = prompt_ids(template, tokenizer, msgs)
         if len(ids) + max_new_tokens > seq_length:
             raise ValueError(f"{where}: the prompt has {len(ids)} tokens; with posttrain.grpo.max_new_tokens="

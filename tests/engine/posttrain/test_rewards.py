@@ -49,7 +49,7 @@ def test_final_number_and_record_errors():
     assert str(final_number("a 3 b 44 c")) == "44"
     with pytest.raises(ValueError, match="has no 'answer' field"):
         arithmetic_reward({"messages": []}, "12")
-    with pytest.raises(ValueError, match="is not a number"):
+    with pytest.raises(ValueError, match="is not a finite number"):
         arithmetic_reward({"answer": "twelve"}, "12")
 
 

@@ -179,8 +179,9 @@ def check_architectures(hf: Mapping[str, Any], *, supported: tuple[str, ...], fa
                              f"({', '.join(supported)}): set \"architectures\" accordingly")
 
 
-def parse_rope(hf: Mapping[str, Any], *, family: str) -> RopeConfig:
-    """Read rope_theta / rope_parameters (transformers 5) or rope_scaling (older files)."""
+def parse_rope(hf: Mapping[str, Any], *, family: str, default_theta: float = 10000.0) -> RopeConfig:
+    """Read rope_theta / rope_parameters (transformers 5) or rope_scaling (older files); ``default_theta``:
+    transformers' for the family, where config.json has none (Mixtral's is 1e6)."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(params, Mapping):
         raise ValueError(f"{family} rope_parameters/rope_scaling must be a JSON object, got {params!r}")
@@ -193,7 +194,7 @@ def parse_rope(hf: Mapping[str, Any], *, family: str) -> RopeConfig:
     if partial not in (None, 1, 1.0):
         raise ValueError(f"{family} partial_rotary_factor={partial} is not supported (rotary over the full head "
                          "dim only); remove it or use 1.0")
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    theta = params.get("rope_theta", hf.get("rope_theta", default_theta))
     kw: dict[str, Any] = {"theta": float(theta), "scaling": kind}
     if kind in ("linear", "llama3"):
         if params.get("factor") is None:

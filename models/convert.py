@@ -15,11 +15,9 @@ load them); a pipeline's last-stage copy of a tied embedding is a replica, never
 """
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping as _MappingABC
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -28,6 +26,7 @@ from engine.checkpoint import ParamSpec, ShardingContext, param_layout
 from engine.checkpoint.safetensors_io import pread_exact, read_safetensors_header
 from models.config import TransformerConfig
 from models.hf_layout import HFEntry, describe_problems, hf_shapes, shape_of
+from models.hf_state import safetensors_files
 from models.moe import moe_full_shape
 from models.registry import family
 from parallel.pipeline.split import split_layers
@@ -227,19 +226,7 @@ class PreadSafetensors(_MappingABC):
     """
 
     def __init__(self, path: str | os.PathLike):
-        path = Path(path)
-        if path.is_dir():
-            index = path / "model.safetensors.index.json"
-            if index.is_file():
-                with open(index) as f:
-                    names = sorted(set(json.load(f)["weight_map"].values()))
-            else:
-                names = sorted(p.name for p in path.glob("*.safetensors"))
-            files = [path / n for n in names]
-        else:
-            files = [path]
-        if not files:
-            raise ValueError(f"no .safetensors files under {path}")
+        files = safetensors_files(path)  # the files transformers reads (an index's, or model.safetensors)
         self._fds: list[int] = []
         self._where: dict[str, tuple[int, str, tuple[int, ...], int]] = {}  # key -> (fd, code, shape, byte offset)
         for f in files:

@@ -15,23 +15,32 @@ from typing import Iterator
 import torch
 
 
+def safetensors_files(path: str | os.PathLike) -> list[str]:
+    """The weight files of ``path`` (a file, or a model directory) as transformers picks them: the files
+    ``model.safetensors.index.json`` lists; else ``model.safetensors`` alone (a stray file beside it, such as
+    Mistral's ``consolidated.safetensors``, is not read); else every ``*.safetensors``. ValueError if none."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return [path]
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        names = ["model.safetensors"]
+    else:
+        names = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not names:
+        raise ValueError(f"no .safetensors files under {path!r}")
+    return [os.path.join(path, f) for f in names]
+
+
 class SafetensorsState(Mapping):
     def __init__(self, path: str | os.PathLike):
         from safetensors import safe_open
 
         path = os.fspath(path)
-        if os.path.isdir(path):
-            index = os.path.join(path, "model.safetensors.index.json")
-            if os.path.exists(index):
-                with open(index) as f:
-                    files = sorted(set(json.load(f)["weight_map"].values()))
-            else:
-                files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-            files = [os.path.join(path, f) for f in files]
-        else:
-            files = [path]
-        if not files:
-            raise ValueError(f"no .safetensors files under {path!r}")
+        files = safetensors_files(path)
         self._handles = []
         self._where: dict[str, object] = {}
         for f in files:

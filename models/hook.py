@@ -21,6 +21,7 @@ from engine.checkpoint import ParamSpec
 from engine.metrics import FlopsSpec
 from models.config import TransformerConfig
 from models.convert import model_param_spec
+from models.moe import hf_moe_fields
 from models.registry import config_from_hf
 from models.transformer import TransformerStage, build_model
 from parallel.tensor_parallel.fp8 import apply_fp8, check_exclude
@@ -67,6 +68,7 @@ def hf_config_from_run(model_cfg, *, vocab_size: int | None, extra: dict | None 
         raise ValueError(f"model.family={m.family!r} but model.hf_config={m.hf_config!r} is a {family!r} config.json "
                          f"(its model_type); remove model.family, or point model.hf_config at a {m.family} config")
     if family == "gpt2":
+        _check_gpt2_keys(m, base)
         names = _GPT2_NAMES
         for key in ("attn_pdrop", "resid_pdrop", "embd_pdrop"):
             base.setdefault(key, 0.0)
@@ -78,6 +80,8 @@ def hf_config_from_run(model_cfg, *, vocab_size: int | None, extra: dict | None 
         v = getattr(m, ours, None)
         if v is not None:
             out[theirs] = v
+    if family != "gpt2" and (m.hidden_size is not None or m.num_attention_heads is not None):
+        _section_head_defaults(out)
     if m.rope_theta is not None:  # a config.json's nested rope table (transformers 5) wins over the top-level key
         for key in ("rope_parameters", "rope_scaling"):
             if isinstance(out.get(key), dict) and "rope_theta" in out[key]:
@@ -109,10 +113,41 @@ def hf_config_from_run(model_cfg, *, vocab_size: int | None, extra: dict | None 
     return _complete(out, cfg)
 
 
+def _check_gpt2_keys(m, base: dict) -> None:
+    """Refuse the [model] keys GPT-2 has no config.json field for (they would be dropped), also where the
+    family comes from model.hf_config's model_type rather than model.family (ModelConfig checks that case)."""
+    where = f"model.hf_config={m.hf_config!r} is a gpt2 config.json" if "model_type" in base else "model.family='gpt2'"
+    if m.rope_theta is not None:
+        raise ValueError(f"model.rope_theta is set but {where}: gpt2 uses learned position embeddings, not RoPE; "
+                         "remove model.rope_theta")
+    heads = m.num_attention_heads or base.get("n_head")
+    if m.num_key_value_heads is not None and m.num_key_value_heads != heads:
+        raise ValueError(f"model.num_key_value_heads={m.num_key_value_heads} is set but {where}: gpt2 has no "
+                         f"grouped-query attention (every one of its {heads} heads has its own k/v); remove "
+                         "model.num_key_value_heads")
+
+
+def _section_head_defaults(out: dict) -> None:
+    """The [model] section's meaning of an unset head_dim and num_key_value_heads (ModelConfig): hidden_size
+    // num_attention_heads and multi-head attention, written into ``out`` where neither the section nor
+    model.hf_config sets them. Called when the section sets the sizes: a config.json's own sizes keep
+    transformers' defaults for the family instead (Qwen3's head_dim is 128, Mistral has 8 kv heads)."""
+    hidden, heads = out.get("hidden_size"), out.get("num_attention_heads")
+    if not hidden or not heads:
+        return  # config_from_hf names the missing key
+    if "head_dim" not in out:
+        if hidden % heads:
+            raise ValueError(f"model.hidden_size={hidden} is not divisible by model.num_attention_heads={heads}; "
+                             "change one of them or set model.head_dim explicitly")
+        out["head_dim"] = hidden // heads
+    out.setdefault("num_key_value_heads", heads)
+
+
 def _complete(hf: dict, cfg: TransformerConfig) -> dict:
     """``hf`` with every architecture field Tessel resolved by default written out, so that whoever
-    reads it (transformers, after an export) builds the same model: their defaults differ from ours
-    (Qwen3's head_dim is 128, GPT-2 ties embeddings, max_position_embeddings varies by family)."""
+    reads it (transformers, after an export) builds the same model even where the defaults differ
+    (GPT-2 ties embeddings, max_position_embeddings varies by family; the experts' sizes, a Qwen2-MoE
+    shared expert and the sparse layers: models/moe.py:hf_moe_fields)."""
     if cfg.model_type == "gpt2":
         fill = {"n_inner": cfg.ffn_hidden_size, "n_positions": cfg.max_position_embeddings,
                 "layer_norm_epsilon": cfg.norm_eps, "tie_word_embeddings": cfg.tie_word_embeddings}
@@ -122,6 +157,8 @@ def _complete(hf: dict, cfg: TransformerConfig) -> dict:
                 "tie_word_embeddings": cfg.tie_word_embeddings}
         if "rope_parameters" not in hf and "rope_scaling" not in hf and cfg.rope is not None:
             fill["rope_theta"] = cfg.rope.theta
+        if cfg.num_experts:
+            fill.update(hf_moe_fields(cfg))
     out = dict(hf)
     for key, value in fill.items():
         out.setdefault(key, value)

@@ -18,6 +18,19 @@ from models.hf_layout import HFEntry
 
 ARCHITECTURES = ("LlamaForCausalLM",)
 
+# transformers' defaults (its configuration_<family>.py) for the fields a Llama-shaped config.json may leave
+# out, so that Tessel builds from the file what transformers builds. head_dim None: hidden_size //
+# num_attention_heads; num_key_value_heads None: num_attention_heads (multi-head attention).
+HF_DEFAULTS = {
+    "llama": dict(rope_theta=10000.0, rms_norm_eps=1e-6, head_dim=None, num_key_value_heads=None),
+    "mistral": dict(rope_theta=10000.0, rms_norm_eps=1e-6, head_dim=None, num_key_value_heads=8),
+    "mixtral": dict(rope_theta=1e6, rms_norm_eps=1e-5, head_dim=None, num_key_value_heads=8),
+    "qwen2": dict(rope_theta=10000.0, rms_norm_eps=1e-6, head_dim=None, num_key_value_heads=32),
+    "qwen3": dict(rope_theta=10000.0, rms_norm_eps=1e-6, head_dim=128, num_key_value_heads=32),
+    "qwen2_moe": dict(rope_theta=10000.0, rms_norm_eps=1e-6, head_dim=None, num_key_value_heads=16),
+    "qwen3_moe": dict(rope_theta=10000.0, rms_norm_eps=1e-6, head_dim=None, num_key_value_heads=4),
+}
+
 
 def parse_llama_like(hf: Mapping[str, Any], *, family: str, architectures: tuple[str, ...], qkv_bias: bool,
                      out_bias: bool, mlp_bias: bool = False, qk_norm: bool = False,
@@ -26,9 +39,13 @@ def parse_llama_like(hf: Mapping[str, Any], *, family: str, architectures: tuple
     check_architectures(hf, supported=architectures, family=family)
     hf_reject(hf, "hidden_act", allowed=("silu",), family=family,
               why="the gated MLP is implemented as SwiGLU only")
+    defaults = HF_DEFAULTS[family]
     hidden = hf_require(hf, "hidden_size", family=family)
     heads = hf_require(hf, "num_attention_heads", family=family)
-    head_dim = hf.get("head_dim")
+    # A key left out gets the family's default; one written as null means hidden / heads (and MHA), as
+    # transformers' Llama reads it.
+    head_dim = hf["head_dim"] if "head_dim" in hf else defaults["head_dim"]
+    kv_heads = hf["num_key_value_heads"] if "num_key_value_heads" in hf else defaults["num_key_value_heads"]
     if head_dim is None:
         if hidden % heads:
             raise ValueError(f"{family}: hidden_size={hidden} is not divisible by num_attention_heads={heads} "
@@ -40,15 +57,15 @@ def parse_llama_like(hf: Mapping[str, Any], *, family: str, architectures: tuple
         hidden_size=hidden,
         num_layers=hf_require(hf, "num_hidden_layers", family=family),
         num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        num_kv_heads=kv_heads or heads,
         head_dim=head_dim,
         ffn_hidden_size=hf_require(hf, "intermediate_size", family=family),
         max_position_embeddings=hf.get("max_position_embeddings") or max_position_default,
         norm="rmsnorm",
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        norm_eps=float(hf.get("rms_norm_eps", defaults["rms_norm_eps"])),
         mlp="swiglu",
         position_embedding="rope",
-        rope=parse_rope(hf, family=family),
+        rope=parse_rope(hf, family=family, default_theta=defaults["rope_theta"]),
         qkv_bias=qkv_bias,
         out_bias=out_bias,
         mlp_bias=mlp_bias,

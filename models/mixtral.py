@@ -17,7 +17,7 @@ def parse_config(hf: Mapping[str, Any]) -> TransformerConfig:
     cfg = parse_llama_like(hf, family="mixtral", architectures=ARCHITECTURES, qkv_bias=False, out_bias=False,
                            sliding_windows=(window,) * layers if window is not None else (),
                            max_position_default=4096 * 32)
-    return with_moe(cfg, moe_fields(hf, family="mixtral", num_experts_keys=("num_local_experts",), shared=False,
+    return with_moe(cfg, moe_fields(hf, family="mixtral", num_experts_keys=("num_local_experts", "num_experts"), shared=False,
                                     norm_topk_prob=True))
 
 

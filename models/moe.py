@@ -16,35 +16,69 @@ from typing import Any, Mapping
 
 import torch
 
-from models.config import TransformerConfig, hf_require
+from models.config import TransformerConfig, hf_reject, hf_require
 from models.hf_layout import HFEntry
 from models.llama import hf_entries as llama_entries
 
 
+# transformers' defaults (configuration_qwen{2,3}_moe.py) for the expert sizes a Qwen config.json may leave
+# out; Mixtral's experts are intermediate_size wide.
+_EXPERT_FFN_DEFAULT = {"qwen2_moe": 1408, "qwen3_moe": 768}
+_SHARED_FFN_DEFAULT = {"qwen2_moe": 5632}
+
+
+def _or_default(hf: Mapping[str, Any], key: str, default):
+    return hf[key] if hf.get(key) is not None else default
+
+
 def moe_fields(hf: Mapping[str, Any], *, family: str, num_experts_keys: tuple[str, ...], shared: bool,
                norm_topk_prob: bool | None = None) -> dict:
-    """The MoE fields of :class:`TransformerConfig` from config.json. ``norm_topk_prob`` None: read it
-    (Qwen, default False); Mixtral always renormalises. ``decoder_sparse_step`` / ``mlp_only_layers``
-    (Qwen) choose the MoE layers as transformers does. ``num_experts_keys``: the spellings of the expert
-    count, first found wins (transformers 5 writes Qwen3-MoE's ``num_experts`` as ``num_local_experts``)."""
+    """The MoE fields of :class:`TransformerConfig` from config.json, a field left out taking transformers'
+    default for the family. ``norm_topk_prob`` None: read it (Qwen, default False); Mixtral always
+    renormalises. ``decoder_sparse_step`` / ``mlp_only_layers`` (Qwen) choose the MoE layers as transformers
+    does. ``num_experts_keys``: the spellings of the expert count, first found wins (transformers 5 writes
+    Qwen3-MoE's ``num_experts`` as ``num_local_experts``). ``shared``: Qwen2-MoE's shared expert,
+    ``shared_expert_intermediate_size`` wide (0: none)."""
     layers = hf_require(hf, "num_hidden_layers", family=family)
     key = next((k for k in num_experts_keys if hf.get(k) is not None), num_experts_keys[0])
     experts = hf_require(hf, key, family=family)
+    if family == "mixtral":
+        if float(hf.get("router_jitter_noise") or 0.0) != 0.0:
+            raise ValueError("mixtral router_jitter_noise is not supported (training-time noise on the MoE input); "
+                             "set it to 0.0")
+        # transformers' Mixtral ignores the Qwen keys: every layer sparse, experts intermediate_size wide
+        ffn = hf_require(hf, "intermediate_size", family=family)
+        why = "transformers' Mixtral ignores it: every layer is sparse, each expert intermediate_size wide"
+        hf_reject(hf, "moe_intermediate_size", allowed=(None, ffn), family=family, why=why)
+        hf_reject(hf, "mlp_only_layers", allowed=(None, []), family=family, why=why)
+        hf_reject(hf, "decoder_sparse_step", allowed=(None, 1), family=family, why=why)
+    else:
+        ffn = _or_default(hf, "moe_intermediate_size", _EXPERT_FFN_DEFAULT[family])
     step = hf.get("decoder_sparse_step", 1) or 1
     dense = set(hf.get("mlp_only_layers") or ())
     moe_layers = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers))
-    if family == "mixtral" and float(hf.get("router_jitter_noise") or 0.0) != 0.0:
-        raise ValueError("mixtral router_jitter_noise is not supported (training-time noise on the MoE input); "
-                         "set it to 0.0")
     out = dict(num_experts=experts, moe_top_k=hf_require(hf, "num_experts_per_tok", family=family),
-               moe_ffn_hidden_size=hf.get("moe_intermediate_size") or hf_require(hf, "intermediate_size",
-                                                                                 family=family),
-               moe_layers=() if all(moe_layers) else moe_layers,
+               moe_ffn_hidden_size=ffn, moe_layers=() if all(moe_layers) else moe_layers,
                norm_topk_prob=bool(hf.get("norm_topk_prob", False)) if norm_topk_prob is None else norm_topk_prob,
                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
                router_z_loss_coef=float(hf.get("router_z_loss_coef") or 0.0))
     if shared:
-        out["shared_expert_ffn_hidden_size"] = int(hf.get("shared_expert_intermediate_size") or 0)
+        out["shared_expert_ffn_hidden_size"] = int(_or_default(hf, "shared_expert_intermediate_size",
+                                                               _SHARED_FFN_DEFAULT[family]))
+    return out
+
+
+def hf_moe_fields(cfg: TransformerConfig) -> dict:
+    """The config.json fields of ``cfg``'s experts, every one written out (models/hook.py's export: so that
+    transformers, whose defaults differ, builds the same experts and the same sparse layers)."""
+    out = {"num_experts_per_tok": cfg.moe_top_k, "router_aux_loss_coef": cfg.router_aux_loss_coef}
+    if cfg.model_type == "mixtral":  # its experts are intermediate_size wide (always written)
+        return {**out, "num_local_experts": cfg.num_experts}
+    dense = [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)]
+    out.update(num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_ffn_hidden_size,
+               norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=dense)
+    if cfg.model_type == "qwen2_moe":  # 0: no shared expert (transformers then builds one of width 0)
+        out["shared_expert_intermediate_size"] = cfg.shared_expert_ffn_hidden_size
     return out
 
 

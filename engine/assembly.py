@@ -263,7 +263,7 @@ class Run:
     valid_loader: Any = None
     checkpointer: Any = None
     run_dir: str | None = None
-    side_files: dict = field(default_factory=dict)  # written into every checkpoint (the tokenizer, hf/)
+    side_files: dict = field(default_factory=dict)  # path -> bytes, written into every checkpoint (hf/)
 
     # -- the policy pretrain.py needs, in one place ---------------------------------------------------
     @property
@@ -395,14 +395,14 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
               train_data=None, valid_data=None, data: bool = True, checkpoints: bool = True,
               log_stream=None, device: str | None = None, plan: MemoryPlan | None = None,
               tokenizer=None, objective=None, rows_per_sample: int = 1, collate_fn=None,
-              side_files: dict[str, str] | None = None) -> Run:
+              side_files: dict[str, bytes] | None = None) -> Run:
     """Build every part of this rank's run from ``cfg`` and the model hook ``model`` (see the module
     docstring). ``train_data``/``valid_data``: datasets to use instead of ``cfg.data``; ``data=False``
     builds no loaders; ``checkpoints=False`` (or no ``run_dir`` and no ``checkpoint.dir``) no checkpointer;
     ``device``: where the model lives (default CUDA when available, else CPU); ``plan``: the memory plan
     (:func:`memory_plan`) whose line the start-up log shows; ``tokenizer``: the run's tokenizer, saved with
     every checkpoint as Hugging Face files (``hf/``), so ``tessel-to-hf`` exports it; ``side_files``:
-    those files' texts given directly instead (post-training keeps the base model's, chat template
+    those files' bytes given directly instead (post-training keeps the base model's, chat template
     included). Post-training (tools/posttrain.py) passes its ``objective`` (the step's loss,
     engine/posttrain/objectives.py), ``rows_per_sample`` (a preference pair is 2 rows of the micro-batch)
     and the datasets' ``collate_fn``. Collective: every rank calls it with the same arguments."""
@@ -518,10 +518,10 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
                                     timeout_s=cfg.fault.hang_timeout_s, run_dir=run_dir)
     side = dict(side_files or {})
     if tokenizer is not None and not side:
-        side = {f"hf/{name}": text for name, text in
+        side = {f"hf/{name}": text.encode() for name, text in
                 tokenizer.hf_files(model_max_length=model.config.max_position_embeddings).items()}
     if side:  # the architecture beside the tokenizer, as conversions write it: a checkpoint is a complete base
-        side["hf/config.json"] = json.dumps(model.hf_config, indent=2, sort_keys=True) + "\n"
+        side["hf/config.json"] = (json.dumps(model.hf_config, indent=2, sort_keys=True) + "\n").encode()
     return Run(cfg=cfg, mesh=mesh, model=model, trainer=trainer, train_loader=train_loader,
                valid_loader=valid_loader, checkpointer=checkpointer, run_dir=run_dir, side_files=side)
 

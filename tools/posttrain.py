@@ -9,7 +9,8 @@ by the model being trained (engine/posttrain/rollout.py). The base weights come 
 (a checkpoint written by ``convert_checkpoint.py hf-to-tessel`` or by a run); its ``hf/`` directory
 supplies the architecture (``model.hf_config``), the tokenizer (``data.tokenizer``) and the chat
 template unless the config names them. The run directory holds what pretraining's holds; its
-checkpoints keep the base's ``hf/`` files, so ``tessel-to-hf`` exports a model that chats the same way.
+checkpoints' ``hf/`` holds the tokenizer files and the chat template the run used (byte for byte: a
+sentencepiece tokenizer.model is binary), so the next stage and ``tessel-to-hf`` chat the same way.
 A run directory that already holds a complete checkpoint resumes from it; as in tools/pretrain.py, a
 non-empty directory that is not a Tessel run, and a resume that changes the model, the records, the global
 batch or the sequence length, are refused before anything starts (engine/fault.py).
@@ -80,27 +81,50 @@ class Prepared:
     tokenizer: Any
     train_data: Any
     valid_data: Any = None
-    side_files: dict[str, str] = field(default_factory=dict)
+    side_files: dict[str, bytes] = field(default_factory=dict)  # hf/ files, written into every checkpoint
     grpo: dict = field(default_factory=dict)  # GRPO: records, prompt ids, the reward registry
 
 
-def _side_files(hf: Path | None, *, chat_template: str | None = None) -> dict[str, str]:
-    """The base's hf/ files (tokenizer, its config with the chat template, generation config), kept in
-    every checkpoint of the run; config.json is not one of them (the checkpoint's model_config is).
-    ``chat_template``: the text of ``posttrain.chat_template``, which the run trained with: it replaces
-    the base's template in tokenizer_config.json (where there is one) and is written as
+def _hf_files(folder: Path) -> dict[str, bytes]:
+    """The Hugging Face side files of ``folder`` (the ones conversions carry, SIDE_FILE_RE; config.json is not
+    one: a checkpoint's model_config is), as ``hf/<name>`` -> bytes: data kept byte for byte (a sentencepiece
+    tokenizer.model is binary)."""
+    from tools.convert_checkpoint import SIDE_FILE_RE
+
+    return {f"{HF_SUBDIR}/{p.name}": p.read_bytes() for p in sorted(folder.iterdir())
+            if p.is_file() and p.name != "config.json" and SIDE_FILE_RE.match(p.name)}
+
+
+def _side_files(hf: Path | None, *, tokenizer_files: dict[str, bytes] | None = None,
+                chat_template: str | None = None) -> dict[str, bytes]:
+    """The hf/ files kept in every checkpoint of the run: the base's (tokenizer, its config with the chat
+    template, generation config). ``tokenizer_files``: the tokenizer the run used (``hf/<name>`` -> bytes)
+    when ``data.tokenizer`` names it: they replace the base's tokenizer files (only its
+    generation_config.json stays). ``chat_template``: the text of the template the run trained with when
+    the kept files do not hold it (``posttrain.chat_template``, or a template read beside a tokenizer
+    file): it replaces the template in tokenizer_config.json (where there is one) and is written as
     chat_template.jinja, so the next stage and ``tessel-to-hf`` chat the same way."""
-    files = {} if hf is None else {
-        f"{HF_SUBDIR}/{p.name}": p.read_text(encoding="utf-8") for p in sorted(hf.iterdir())
-        if p.is_file() and p.name != "config.json" and p.suffix in (".json", ".jinja", ".txt", ".model")}
+    files = {} if hf is None else _hf_files(hf)
+    if tokenizer_files is not None:
+        generation = f"{HF_SUBDIR}/generation_config.json"
+        files = {**({generation: files[generation]} if generation in files else {}), **tokenizer_files}
     if chat_template is not None:
         key = f"{HF_SUBDIR}/tokenizer_config.json"
         if key in files:
             config = json.loads(files[key])
             config["chat_template"] = chat_template
-            files[key] = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
-        files[f"{HF_SUBDIR}/chat_template.jinja"] = chat_template
+            files[key] = (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode()
+        files[f"{HF_SUBDIR}/chat_template.jinja"] = chat_template.encode()
     return files
+
+
+def _run_tokenizer_files(spec: str, tok, *, max_length: int) -> dict[str, bytes]:
+    """The files of the tokenizer ``data.tokenizer`` names, as the checkpoint keeps them: a folder's side
+    files byte for byte; for a tokenizer file (or ``byte``), the tokenizer as loaded, in the Hugging Face
+    files pretraining writes (engine/data/tokenizer.py ``hf_files``)."""
+    if os.path.isdir(spec):
+        return _hf_files(Path(spec))
+    return {f"{HF_SUBDIR}/{name}": text.encode() for name, text in tok.hf_files(model_max_length=max_length).items()}
 
 
 def _tokenizer_dir(spec: str) -> str | None:
@@ -175,11 +199,21 @@ def prepare(cfg, *, world: int) -> Prepared:
         train = dataset(pt.data, t.steps * t.global_batch_size)
         valid = dataset(pt.valid_data, n_eval) if pt.valid_data and n_eval else None
     model = ModelHook.from_run_config(cfg, tokenizer_vocab=tok.vocab_size)
+    if pt.lora.rank and model.config.num_experts:  # expert MLPs take no adapters: refused before any process group
+        from engine.posttrain.lora import check_lora
+
+        check_lora(rank=pt.lora.rank, alpha=pt.lora.alpha, dropout=pt.lora.dropout, targets=pt.lora.targets,
+                   num_experts=model.config.num_experts)
     plan = memory_plan(cfg, model, world=world)
     if not plan.fits:
         raise ValueError(plan.error())
-    return Prepared(model=model, plan=plan, tokenizer=tok, train_data=train, valid_data=valid,
-                    side_files=_side_files(hf, chat_template=template.text if pt.chat_template else None),
+    # The checkpoints keep the tokenizer and template the run used: data.tokenizer's files (the base's hf/
+    # when the config leaves it unset), and the template itself unless those files hold it.
+    keep_template = bool(pt.chat_template) or not os.path.isdir(cfg.data.tokenizer)
+    side = _side_files(hf, tokenizer_files=_run_tokenizer_files(cfg.data.tokenizer, tok,
+                                                                max_length=model.config.max_position_embeddings),
+                       chat_template=template.text if keep_template else None)
+    return Prepared(model=model, plan=plan, tokenizer=tok, train_data=train, valid_data=valid, side_files=side,
                     grpo=grpo)
 
 

@@ -65,7 +65,7 @@ class Checkpointer:
 
     def save(self, *, step: int, tensors: Sequence[ShardedTensor], model_config: dict | None = None,
              layout: dict | None = None, trainer_state: dict | None = None,
-             rank_state: dict | None = None, side_files: dict[str, str] | None = None) -> SaveHandle:
+             rank_state: dict | None = None, side_files: dict[str, bytes] | None = None) -> SaveHandle:
         """Start (async) or complete (sync) the save of ``step``; see :func:`save_checkpoint`."""
         self.finalize()
         handle = save_checkpoint(self.root, step=step, tensors=tensors, group=self.group, model_config=model_config,

@@ -248,7 +248,7 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, tensors: Sequence[Sha
                     model_config: dict | None = None, layout: dict | None = None, trainer_state: dict | None = None,
                     rank_state: dict | None = None, keep_last: int | None = None,
                     async_save: bool = False, staging: StagingPool | None = None,
-                    side_files: dict[str, str] | None = None, keep_every: int | None = None) -> SaveHandle:
+                    side_files: dict[str, bytes] | None = None, keep_every: int | None = None) -> SaveHandle:
     """Save ``tensors`` (this rank's ShardedTensors) as checkpoint ``<root>/step_<step>`` (collective).
 
     ``group`` spans every rank taking part (``None``: a single process). ``model_config``,
@@ -257,8 +257,9 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, tensors: Sequence[Sha
     allowed). Sync: returns a committed handle. Async: returns once the bytes are snapshotted on the
     host and the write has started; call ``handle.finalize()`` / ``wait()`` on every rank to commit.
     ``staging`` reuses host buffers across async saves (see :class:`Checkpointer`). ``side_files``
-    (relative path -> text, taken from rank 0) are data files written into the step directory, e.g.
-    ``hf/tokenizer.json`` (the run's tokenizer, which ``tessel-to-hf`` copies into its export).
+    (relative path -> bytes, taken from rank 0) are data files written byte for byte into the step directory,
+    e.g. ``hf/tokenizer.json`` or a binary ``hf/tokenizer.model`` (the run's tokenizer, which ``tessel-to-hf``
+    copies into its export).
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step={step!r} must be an int >= 0")
@@ -276,12 +277,15 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, tensors: Sequence[Sha
         shared = {"model_config": _check_json(model_config, "model_config"), "layout": _check_json(layout, "layout"),
                   "trainer_state": _check_json(trainer_state, "trainer_state")}
         rank_json = _check_json(rank_state, "rank_state")
-        for name in side_files or {}:
+        for name, data in (side_files or {}).items():
             parts = Path(name).parts
             if (Path(name).is_absolute() or not parts or ".." in parts or parts[0] == METADATA_FILE
                     or parts[0].startswith(("rank_", "."))):
                 raise ValueError(f"side file name {name!r} must be a relative path inside the step directory, "
                                  "not metadata.json or a rank file")
+            if not isinstance(data, bytes):
+                raise ValueError(f"side file {name!r} is a {type(data).__name__}: give its bytes (files are written "
+                                 "byte for byte; encode text with .encode())")
         descs, writes = _describe_local(tensors, rank)
     except (ValueError, CheckpointError) as e:
         local_error = e
@@ -323,9 +327,9 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, tensors: Sequence[Sha
     writer = result = error = None
     if rank == 0 and side_files:  # data files, durable before the commit like the shards
         try:
-            for name, text in side_files.items():
+            for name, data in side_files.items():
                 (tmp_dir / name).parent.mkdir(parents=True, exist_ok=True)
-                write_file_durable(tmp_dir / name, text.encode())
+                write_file_durable(tmp_dir / name, data)
         except OSError as e:
             error = e
     if entries and async_save and error is None:

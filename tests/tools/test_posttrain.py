@@ -378,8 +378,8 @@ def test_chat_template_override_is_kept_in_the_checkpoints_hf_files(base, tmp_pa
     prep = _prepare(ckpt, data, tmp_path, "sft", [f"posttrain.chat_template={tmp_path / 'chat.jinja'}"])
     out = tmp_path / "hf_out"
     out.mkdir()
-    for name, text in prep.side_files.items():
-        (tmp_path / "hf_out" / Path(name).name).write_text(text)
+    for name, content in prep.side_files.items():  # bytes, written as the checkpoint writes them
+        (tmp_path / "hf_out" / Path(name).name).write_bytes(content)
     assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == "<|im_end|>"  # the rest kept
     assert load_chat_template(str(out)).text == override
     assert (out / "chat_template.jinja").read_text() == override

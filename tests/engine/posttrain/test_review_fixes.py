@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -222,37 +221,8 @@ def test_posttrain_resume_names_every_change_in_one_line(tmp_path):
     assert "to start from its weights" not in msg, msg
 
 
-SEQ, GBS = 16, 4
-HF = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-      "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 64, "max_position_embeddings": 64,
-      "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
-
-
-class _Tokens:
-    def __len__(self):
-        return 8 * GBS
-
-    def __getitem__(self, i):
-        ids = np.random.default_rng(100 + i).integers(0, HF["vocab_size"], SEQ + 1)
-        return {"tokens": ids[:-1], "labels": ids[1:], "position_ids": np.arange(SEQ),
-                "loss_mask": np.ones(SEQ, dtype=np.float32)}
-
-
-class _LoraHook:
-    """A model hook whose stages get adapters right after they are built (before DataParallel)."""
-
-    def __init__(self, hook, **lora):
-        self._hook, self._lora = hook, lora
-
-    def __getattr__(self, name):
-        return getattr(self._hook, name)
-
-    def build_stage(self, mesh, **kw):
-        from engine.posttrain.lora import apply_lora
-
-        stage = self._hook.build_stage(mesh, **kw)
-        apply_lora(stage, seed=self._hook.seed, **self._lora)
-        return stage
+# the tiny Llama, its token stream and the hook that adds adapters: test_lora.py's
+from tests.engine.posttrain.test_lora import GBS, HF, SEQ, LoraHook, _Tokens  # noqa: E402
 
 
 def _lora_trainer(**lora):
@@ -267,7 +237,7 @@ def _lora_trainer(**lora):
         "model.hidden_size=32", "model.num_layers=2", "model.num_attention_heads=4", "model.num_key_value_heads=2",
         "model.ffn_hidden_size=64", "model.vocab_size=64"])
     hook = ModelHook.from_hf(HF, dtype=torch.float32, sequence_parallel=False, seed=cfg.train.seed)
-    run = build_run(cfg, model=_LoraHook(hook, **lora), train_data=_Tokens(), checkpoints=False)
+    run = build_run(cfg, model=LoraHook(hook, **lora), train_data=_Tokens(), checkpoints=False)
     return run.trainer, run.train_loader
 
 

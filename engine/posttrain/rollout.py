@@ -7,8 +7,9 @@ loader; when its buffer is empty it runs a rollout, collectively over the world:
    global_batch_size / group_size``; a seeded permutation per epoch, the same at every layout);
 2. generation with the current weights (engine/posttrain/generate.py, collective over tp and pp):
    ``group_size`` samples per prompt, seeded by ``(train.seed, rollout, dp rank)``;
-3. rewards: each record's reward function on the decoded completion; advantages normalised within
-   each group (every group lives on one dp rank);
+3. rewards: each record's reward function on the decoded completion, called on the replica's first rank
+   (tp and pp rank 0) and broadcast to the others; advantages normalised within each group (every group
+   lives on one dp rank);
 4. rows ``prompt + completion`` padded to ``seq_length``, loss mask on the completion (its stop token
    included); the sampling policy's per-token log-probabilities (``old_logp``) from one forward-only
    pass, and with ``kl_beta > 0`` the reference's (``ref_logp``: the base weights, swapped in for the
@@ -203,8 +204,7 @@ class RolloutLoader:
         completions = generate(tr.chunks, mesh=tr.mesh, prompts=prompts, max_new_tokens=g.max_new_tokens,
                                temperature=g.temperature, top_p=g.top_p, stop_tokens=[eod], pad_id=eod,
                                seed=int(np.random.default_rng([self.seed, 11, rollout, self.dp_rank]).integers(2**62)))
-        rewards = [self.registry.score(self.records[i], self.tokenizer.decode(c))
-                   for i, c in zip((i for i in picks for _ in range(g.group_size)), completions)]
+        rewards = self._scores([self.records[i] for i in picks for _ in range(g.group_size)], completions)
         adv = group_advantages(torch.tensor(rewards, dtype=torch.float64), group_size=g.group_size,
                                scale=g.advantage_scale)  # (rows,)
         rows = [_row(p, c, seq_length=self.seq_length, pad_id=eod) for p, c in zip(prompts, completions)]
@@ -219,6 +219,20 @@ class RolloutLoader:
             with reference_weights(tr.chunks, self.reference):
                 self._logps(micro, "ref_logp")
         return micro
+
+    def _scores(self, records: list[dict], completions: list[list[int]]) -> list[float]:
+        """The rewards of this replica's completions, scored once, on its first rank (tp and pp rank 0), and
+        broadcast over tp, then pp (the first stage's tp rank 0 reaches every rank): the replica's ranks
+        generated the same completions, and a non-deterministic reward (a sampled judge) scored on each would
+        give them different advantages, so different gradients for the same weights. Collective over tp, pp."""
+        mesh = self.trainer.mesh
+        out = torch.zeros(len(completions), dtype=torch.float64, device=self.trainer.device)  # (rows,)
+        if mesh.tp.rank == 0 and mesh.pp.rank == 0:
+            out.copy_(torch.tensor([self.registry.score(rec, self.tokenizer.decode(c))
+                                    for rec, c in zip(records, completions)], dtype=torch.float64))
+        for group in (mesh.tp, mesh.pp):
+            comm.broadcast(out, group, src=0)
+        return out.cpu().tolist()
 
     def _logps(self, micro: list[dict], key: str) -> None:
         """Per-token log-probabilities (b, s) of each micro-batch's labels under the current weights, into

@@ -305,3 +305,36 @@ def test_a_reward_declares_its_record_check():
     with pytest.raises(ValueError, match=r"p.jsonl:1: reward 'contains' needs a string 'needle'"):
         prompt_records([rec], **kw)
     assert len(prompt_records([{**rec, "needle": "x"}], **kw)) == 1
+
+
+def _scores_part():
+    """tp2 x pp2 on 4 ranks: a reward that answers each rank differently (as a sampled judge may) is called on
+    the replica's first rank only, and every rank takes its scores."""
+    import torch.distributed as dist
+
+    from engine.data.tokenizer import ByteTokenizer
+    from engine.posttrain.rewards import RewardRegistry
+    from engine.posttrain.rollout import RolloutLoader
+    from parallel.mesh import Mesh, ParallelDims
+
+    calls = []
+
+    def by_rank(record, completion):
+        calls.append(completion)
+        return float(dist.get_rank()) + len(completion)
+
+    registry = RewardRegistry()
+    registry.register("by_rank", by_rank)
+    loader = object.__new__(RolloutLoader)  # only what _scores reads
+    loader.trainer = type("T", (), {"mesh": Mesh.build(ParallelDims(tp=2, pp=2)), "device": torch.device("cpu")})()
+    loader.registry, loader.tokenizer = registry, ByteTokenizer()
+    records = [{"reward": "by_rank"}] * 3
+    return loader._scores(records, [[104, 105], [104], []]), len(calls)
+
+
+def test_rollout_rewards_are_scored_once_per_replica_and_broadcast():
+    from parallel.testing import run_distributed
+
+    out = run_distributed(_scores_part, 4)
+    assert [scores for scores, _ in out] == [[2.0, 1.0, 0.0]] * 4  # rank 0's: 0 + the completions' lengths
+    assert [n for _, n in out] == [3, 0, 0, 0]

@@ -650,7 +650,10 @@ class PeakMemory:
             return self
         if self.device.type != "cpu":
             raise ValueError(f"PeakMemory measures cpu or cuda devices, not {self.device.type!r}")
-        from torch.profiler import ProfilerActivity, profile
+        # torch.autograd.profiler's profile, not torch.profiler's: the latter's start asks hasattr(torch,
+        # "_inductor"), which imports the compiler (2.4 s of CPU per process on the 2-core CI machine, in every
+        # rank of every run with the memory report); this one records the same allocation events
+        from torch.autograd.profiler import profile
         self._flag = _c10_flag()
         self.exact = self._flag is not None
         # With the report flag set, every free of a block allocated before the window makes c10 log "Memory
@@ -666,7 +669,7 @@ class PeakMemory:
             if self._flag is not None:
                 self._flag_was = bool(self._flag.value)
                 self._flag.value = True
-            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False,
+            self._prof = profile(use_cpu=True, use_kineto=True, profile_memory=True, record_shapes=False,
                                  with_stack=False)
             # no garbage collection inside the window (it would free memory allocated before it); disabling the
             # collector for the window does that without a full collection up front (0.3 s and more in a big
@@ -715,9 +718,10 @@ class PeakMemory:
 
 
 def _allocations(prof):
-    """(time, signed bytes, allocator total) of every CPU allocation event of a finished profile."""
+    """(time, signed bytes, allocator total) of every CPU allocation event of a finished profile (a
+    ``torch.profiler.profile`` or the ``torch.autograd.profiler.profile`` it wraps)."""
     alloc = torch._C._profiler._EventType.Allocation
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    stack = list(getattr(prof, "profiler", prof).kineto_results.experimental_event_tree())
     out = []
     while stack:
         e = stack.pop()

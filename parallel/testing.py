@@ -47,7 +47,7 @@ class DistributedTimeout(TimeoutError):
 
 
 # What the forkserver imports before forking any rank (an ImportError there is ignored: the rank imports it).
-PRELOAD = ("torch", "torch.distributed", "numpy", "engine", "parallel", "models")
+PRELOAD = ("torch", "torch.distributed", "numpy", "engine", "parallel", "models", "engine.assembly")
 
 
 def _context():

@@ -327,6 +327,15 @@ class Run:
                             model_config=self.model.hf_config, side_files=self.side_files,
                             params="trainable" if self.lora else "all")
 
+    def close(self) -> None:
+        """A clean end (collective, after :meth:`train` returned on every rank): commit a pending save and
+        remove the peer replicas (``checkpoint.peer_replica``), then destroy the mesh's process groups
+        (:meth:`parallel.mesh.Mesh.destroy`), so a process that runs again builds fresh ones without
+        keeping the old ones' threads and sockets. The run cannot train or save after this."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        self.mesh.destroy()
+
     def train(self, *, on_step=None) -> list[StepStats]:
         """The loop, saving every ``checkpoint.interval`` steps, at the end and on SIGTERM/SIGINT;
         ``on_step(trainer, stats)`` runs after each step (collective calls allowed: every rank runs it)."""

@@ -94,12 +94,14 @@ class Mesh:
     """Coordinates and groups of this rank. Build with :meth:`build` (collective) or :meth:`single`."""
 
     def __init__(self, dims: ParallelDims, *, rank: int, order: str = DEFAULT_ORDER,
-                 groups: dict[str, Group], ledger: Ledger):
+                 groups: dict[str, Group], ledger: Ledger, made: tuple = ()):
         self.dims = dims
         self.rank = rank
         self.order = _parse_order(order)
         self.ledger = ledger
         self._groups = groups
+        self._made = list(made)  # the process groups build() made, in creation order (destroy())
+        self.closed = False
         self.coords = coords_of(rank, dims, order)
 
     # -- construction --------------------------------------------------------------------------
@@ -152,10 +154,27 @@ class Mesh:
         # Every rank (checkpoints, stop agreement): the default process group, no new one.
         groups["world"] = Group(axis="world", ranks=range(world), rank=rank,
                                 pg=dist.group.WORLD if world > 1 else None, ledger=ledger)
-        return cls(dims, rank=rank, order=order, groups=groups, ledger=ledger)
+        # this rank's own groups, in creation order (new_group hands a non-member NON_GROUP_MEMBER)
+        made_here = tuple(pg for pg in made.values() if pg is not None and pg is not dist.GroupMember.NON_GROUP_MEMBER)
+        return cls(dims, rank=rank, order=order, groups=groups, ledger=ledger, made=made_here)
+
+    def destroy(self) -> None:
+        """Destroy the process groups :meth:`build` made (collective: every rank calls it, after its last
+        collective on them). The default (world) group stays: the launcher owns it. Each group first runs
+        a barrier, which on gloo and NCCL completes only after the work queued before it, so nothing in
+        flight is cut off; the groups are taken in the order they were made, the same on every rank, so
+        the barriers cannot wait on each other. Without this each build leaks its groups (gloo keeps
+        threads and sockets per group): a process that trains several runs, as a test or a sweep does,
+        slowed down by about half after a hundred builds."""
+        for pg in self._made:  # this rank's groups (those it is a member of), in creation order
+            dist.barrier(group=pg)
+            dist.destroy_process_group(pg)
+        self._made = []
+        self.closed = True
 
     # -- access ----------------------------------------------------------------------------------
     def group(self, name: str) -> Group:
+        self._check_open(name)
         try:
             return self._groups[name]
         except KeyError:
@@ -164,8 +183,15 @@ class Mesh:
     def __getattr__(self, name: str) -> Group:
         groups = self.__dict__.get("_groups")
         if groups is not None and name in groups:
+            self._check_open(name)
             return groups[name]
         raise AttributeError(name)
+
+    def _check_open(self, name: str) -> None:
+        g = self._groups.get(name)
+        if self.__dict__.get("closed") and g is not None and g.pg is not None and name != "world":
+            raise RuntimeError(f"mesh group {name!r} was destroyed by Mesh.destroy() (the run was closed); "
+                               "build a new mesh (Mesh.build) for another run")
 
     @property
     def world_size(self) -> int:

@@ -241,7 +241,14 @@ def run_posttrain(cfg, prep: Prepared, run_dir: str | None, *, world: int):
         run.trainer.logger.info(f"tessel: reference log-probabilities of {prep.train_data.num_records} preference "
                                 "pairs computed with the base weights")
     run.resume()
-    return run.train()
+    return _train_and_close(run)
+
+
+def _train_and_close(run, **kw):
+    """Train, then close the run (a clean exit: peer replicas removed, the mesh's process groups destroyed)."""
+    history = run.train(**kw)
+    run.close()
+    return history
 
 
 def _run_grpo(cfg, prep: Prepared, run_dir: str | None, *, world: int):
@@ -264,7 +271,7 @@ def _run_grpo(cfg, prep: Prepared, run_dir: str | None, *, world: int):
                                      micro_batch_size=t.micro_batch_size, seed=t.seed, reference=reference)
     run.resume()
     if "valid_records" not in d:
-        return run.train()
+        return _train_and_close(run)
 
     def evaluate(step: int):
         r = heldout_reward(tr, d["valid_records"], d["valid_prompts"], tokenizer=prep.tokenizer,
@@ -275,7 +282,7 @@ def _run_grpo(cfg, prep: Prepared, run_dir: str | None, *, world: int):
         if t.eval_interval and trainer.step % t.eval_interval == 0:
             evaluate(trainer.step)
     evaluate(tr.step)  # before this run's first step
-    return run.train(on_step=on_step)
+    return _train_and_close(run, on_step=on_step)
 
 
 def posttrain_from_config(cfg, run_dir: str | None, *, world: int):

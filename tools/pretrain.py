@@ -157,8 +157,7 @@ def run_training(cfg, model, plan, run_dir: str | None, *, world: int, tokenizer
                     tokenizer=tokenizer)
     run.resume()
     history = run.train()
-    if run.checkpointer is not None:
-        run.checkpointer.close()  # a clean exit: the peer replicas in /dev/shm go (checkpoint.peer_replica)
+    run.close()  # a clean exit: the peer replicas in /dev/shm go (checkpoint.peer_replica), and the mesh's groups
     return history
 
 

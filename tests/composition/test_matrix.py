@@ -203,6 +203,10 @@ def _rows_of_world(rows: list[Row], prefix: str, root: str, gbs: int) -> dict:
             reshard = _train(row, row.reshard, row.reshard_optimizer or row.optimizer, prefix, str(d / "reshard"),
                              max_steps=STOP + 1, gbs=gbs)
         out[row.name] = {"straight": straight, "first": first, "resumed": resumed, "reshard": reshard}
+        if dist.is_initialized():  # every run closed its mesh: only the launch's default group is left
+            from torch.distributed import distributed_c10d as c10d
+
+            assert len(c10d._world.pg_map) == 1, f"{row.name}: {len(c10d._world.pg_map)} process groups left"
     return out
 
 

@@ -131,3 +131,44 @@ def test_bad_order_and_group_name():
         coords_of(0, ParallelDims(), "dp-tp")
     with pytest.raises(ValueError, match="no group 'xx'"):
         Mesh.single().group("xx")
+
+
+def _destroy_check():
+    import os
+
+    from torch.distributed import distributed_c10d as c10d
+
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    before = (len(c10d._world.pg_map), threads())
+    dims = ParallelDims(dp=2, pp=1, cp=1, tp=2)
+    counts = []
+    for i in range(3):
+        mesh = Mesh.build(dims)
+        built = len(c10d._world.pg_map)
+        # work still queued on a group when the run ends: destroy() lets it finish, every rank gets the sum
+        t = torch.full((1000,), float(dist.get_rank() + i), dtype=torch.float64)
+        work = dist.all_reduce(t, group=mesh.dp_cp.pg, async_op=True)
+        mesh.destroy()
+        work.wait()
+        counts.append((built, len(c10d._world.pg_map), threads(), float(t[0])))
+        try:
+            mesh.tp
+        except RuntimeError as e:
+            closed = str(e)
+        assert mesh.world.size == 4  # the launcher's default group stays
+    return before, counts, closed
+
+
+def test_destroy_frees_the_groups_a_build_made_and_lets_queued_work_finish():
+    """Mesh.destroy (called by Run.close at the end of every run) leaves the process with the groups and
+    threads it had before the build; a run built again in the same process starts from there."""
+    out = run_distributed(_destroy_check, 4, timeout=120)
+    for rank, (before, counts, closed) in enumerate(out):
+        for i, (built, after, threads, total) in enumerate(counts):
+            assert built > before[0] and after == before[0], (rank, before, counts)
+            dp = [r for r in range(4) if r % 2 == rank % 2]  # dp_cp of tp2 x dp2: ranks of the same tp index
+            assert total == sum(r + i for r in dp)
+        assert len({c[2] for c in counts}) == 1, f"threads grow with every build: {counts}"
+        assert "destroyed by Mesh.destroy()" in closed

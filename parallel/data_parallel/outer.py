@@ -163,6 +163,7 @@ class OuterOptimizer:
         self.embedding_group = embedding_group if embedding_group is not None and embedding_group.size > 1 else None
         self.norm_groups = tuple(g for g in norm_groups if g is not None)
         if frag is None:
+            self._check_cut(len(ends), device)
             self.bounds = self._cut(ends)
         else:  # fragment f: the pieces assigned to it, consecutive in the outer order (possibly none)
             sizes = [0] * self.F
@@ -207,11 +208,27 @@ class OuterOptimizer:
             out.append(where % self.F)
         return out
 
+    def _check_cut(self, pieces: int, device) -> None:
+        """The contiguous cut needs at least ``F`` parameters on every rank. Pipeline stages (and TP shards)
+        hold different parameters, so the smallest count is agreed first (one MIN all-reduce of one integer
+        over tp, then pp: the whole model-parallel grid; dp and cp replicas hold the same pieces) and every
+        rank raises the same error, said once by the launcher, instead of one stage raising while the others
+        wait for it in their first collective."""
+        fewest = torch.tensor([pieces], dtype=torch.int64, device=device)  # the run's device (NCCL: no CPU)
+        for g in self.norm_groups:
+            comm.all_reduce(fewest, g, op="min")
+        fewest = int(fewest.item())
+        if self.F > fewest:
+            err = ValueError(f"outer.fragments={self.F} exceeds the {fewest} parameters of the model chunks of a "
+                             f"pipeline stage (outer.fragment_layout='contiguous' cuts each stage's parameters "
+                             f"into F ranges of whole parameters); lower outer.fragments to {fewest} or less, or "
+                             "use outer.fragment_layout='strided'")
+            err.on_every_rank = True
+            raise err
+
     def _cut(self, ends: list[int]) -> list[tuple[int, int]]:
-        """``F`` contiguous ranges of about ``numel / F`` elements each, cut at parameter ends."""
-        if self.F > len(ends):
-            raise ValueError(f"outer.fragments={self.F} exceeds the {len(ends)} parameters of this rank's model "
-                             "chunks; lower outer.fragments")
+        """``F`` contiguous ranges of about ``numel / F`` elements each, cut at parameter ends (at least ``F``
+        of them: :meth:`_check_cut`)."""
         cuts, start = [], 0
         for f in range(1, self.F):
             target = self.numel * f / self.F

@@ -95,9 +95,29 @@ def _sanity(tp: int):
             "moved": max(float((a[k] - p).abs().max()) for k, p in ddp.initial.items())}
 
 
+def _too_many_contiguous_fragments() -> str:
+    """dp2 x pp2, contiguous cut, F = 8: pipeline stage 0 holds 7 parameters (the embedding and block 0's
+    six), stage 1 holds 8 (block 1's, the final norm and the output layer). Every rank must raise the same
+    error; before 2026-11-28 stage 0 raised alone and stage 1 went on to wait for it."""
+    try:
+        _run(_cfg(extra=["parallel.pp=2", "outer.method=streaming_diloco", "outer.inner_steps=8",
+                         "outer.fragments=8", "outer.fragment_layout=contiguous"]))
+    except ValueError as err:
+        return f"{getattr(err, 'on_every_rank', False)}: {err}"
+    return "built"
+
+
 def _all_4():
-    """The 4-rank parts in one launch: the dp2 x tp2 sanity check and the strided fragments at dp2 x pp2."""
-    return {"sanity": _sanity(2), "fragments": _fragments(pp=2)}
+    """The 4-rank parts in one launch: the dp2 x tp2 sanity check, the strided fragments at dp2 x pp2 and the
+    contiguous cut's refusal there."""
+    return {"sanity": _sanity(2), "fragments": _fragments(pp=2), "too_many": _too_many_contiguous_fragments()}
+
+
+def test_too_many_contiguous_fragments_for_one_stage_are_refused_on_every_rank(four):
+    msgs = [r["too_many"] for r in four]
+    assert len(set(msgs)) == 1, msgs
+    assert msgs[0].startswith("True: outer.fragments=8 exceeds the 7 parameters"), msgs[0]
+    assert "outer.fragment_layout='strided'" in msgs[0]
 
 
 _LAUNCHED4: list = []

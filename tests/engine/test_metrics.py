@@ -37,6 +37,11 @@ def test_peak_sources():
     assert val == 989.0 and "configured" in src
     val, src = metrics.peak_tflops()
     assert val > 0 and "measured" in src and "CPU" in src  # this machine has no GPU
+    val, src = metrics.peak_tflops(dtype=torch.bfloat16)  # 15 s at 1024^3 on a CPU without bf16 units
+    assert val > 0 and "measured bfloat16" in src
+    # the size: 1024^3 unless a product would take longer than the budget (estimated from 256^3)
+    assert metrics.cpu_matmul_size(torch.float32, budget_s=1e6) == 1024
+    assert metrics.cpu_matmul_size(torch.float32, budget_s=0.0) == 256
     with pytest.raises(ValueError, match="logging.peak_tflops=0"):
         metrics.peak_tflops(override=0)
     with pytest.raises(ValueError, match="FlopsSpec.num_layers=0"):

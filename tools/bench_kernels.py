@@ -184,7 +184,12 @@ def measure_ceilings(device: torch.device, *, reps: int, dtype: str = "bf16") ->
     src = torch.randn(numel, device=device)
     dst = torch.empty_like(src)
     copy_ms = time_ms(lambda: dst.copy_(src), device, warmup=2, reps=reps)
-    n = 8192 if device.type == "cuda" else 1024
+    if device.type == "cuda":
+        n = 8192
+    else:  # 1024, smaller where a product would take over 0.1 s (bf16 on a CPU without bf16 units: 2.5 s)
+        from engine.metrics import cpu_matmul_size
+
+        n = cpu_matmul_size(DTYPES[dtype])
     a = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
     b = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
     mm_ms = time_ms(lambda: a @ b, device, warmup=2, reps=reps)

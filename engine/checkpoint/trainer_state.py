@@ -257,7 +257,9 @@ def load_trainer(trainer, path: str | os.PathLike, *, group: Group | None, loade
                              unexpected="model." if params == "all" else None)
     saved_biases = sorted(k for k in (result.metadata.get("tensors") or {})
                           if k.startswith("moe.") and k.endswith("router.expert_bias"))
-    if saved_biases and not any(n.endswith("router.expert_bias") for n, _ in trainer.chunks.named_buffers()):
+    # From the run's config, the same on every rank: a pipeline stage of only dense layers holds no router, and
+    # deciding from its own chunks made it alone raise (the other stages went on to their first collective)
+    if saved_biases and not trainer.cfg.parallel.moe_bias_update_rate > 0:
         raise ValueError(f"checkpoint {result.path} holds the routers' balancing biases ({saved_biases[0]}, ...: "
                          "aux-loss-free balancing), but this run has none (parallel.moe_bias_update_rate = 0) and "
                          "would route without them; set parallel.moe_bias_update_rate > 0 (the saved run's, e.g. "

@@ -616,3 +616,26 @@ def test_saved_biases_are_not_dropped_and_the_replay_does_not_count(tmp_path):
     refused, loads = run_distributed(_bias_and_replay, 1, str(tmp_path), timeout=300)[0]
     assert refused is not None and "parallel.moe_bias_update_rate > 0" in refused, refused
     assert loads and all(x is None for x in loads), loads
+
+
+def _dense_stage_resume(tmp: str):
+    """pp=2, a Qwen2-MoE whose layers 0-1 are dense (``mlp_only_layers``): stage 0 holds no router. A checkpoint
+    with the routers' balancing biases (from stage 1) resumes on both stages; before 2026-11-28 stage 0 decided
+    from its own chunks that the run had no biases and raised alone (the other stage went on to its first
+    collective)."""
+    from engine.checkpoint.trainer_state import load_trainer
+
+    hf = {**HF_QWEN2, "num_hidden_layers": 4, "mlp_only_layers": [0, 1]}
+    out = _train(["parallel.pp=2"], run_dir=f"{tmp}/dense_stage", hf=hf)
+    run = _build(["parallel.pp=2"], hf=hf)
+    try:
+        load_trainer(run.trainer, out["latest"], group=run.mesh.world)
+    except ValueError as e:
+        return f"refused: {e}"
+    return sorted(_biases(run))
+
+
+def test_biases_resume_on_a_pipeline_stage_without_moe_layers(tmp_path):
+    stage0, stage1 = run_distributed(_dense_stage_resume, 2, str(tmp_path), timeout=300)
+    assert stage0 == [], stage0  # no router on stage 0, and no refusal
+    assert stage1 == ["layers.2.mlp.router.expert_bias", "layers.3.mlp.router.expert_bias"], stage1

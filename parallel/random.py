@@ -15,7 +15,9 @@ Megatron's rule, kept here:
 
 Megatron seeds the default stream with ``seed + 100 * pp_rank`` (stages differ, TP ranks agree)
 and the model-parallel stream with ``default + 2718 + tp_rank``; :func:`seed_streams` does the
-same. Under context parallelism both streams add ``CP_SEED_STRIDE * cp_rank`` (:func:`cp_seed`): each cp
+same. The trainer (engine/assembly.py) seeds the default stream so; each model chunk holds its own
+tracker, seeded ``seed + 100 * (its first layer) + 2718 + tp_rank`` (models/transformer.py), so that the
+virtual chunks of one rank differ too, and a whole model (first layer 0) keeps Megatron's seeds. Under context parallelism both streams add ``CP_SEED_STRIDE * cp_rank`` (:func:`cp_seed`): each cp
 rank holds other tokens of the same sequences. Weight initialisation does not use these streams: each weight is drawn in full from a
 generator seeded by its name (see models/), so it does not depend on TP, PP or creation order.
 

@@ -544,3 +544,48 @@ def test_attention_dropout_under_cp_is_refused_in_training_only():
     stage = build_model(hf, tp_group=Group.trivial("tp"), cp_group=_fake_group(2), kernels="reference")
     assert stage.layers  # built: tools/evaluate.py --cp runs such a model forward, without dropout
 
+
+
+def _dropout_masks_per_pp_stage():
+    """Through the assembly line at pp2 (one GPT-2 layer per stage): the dropout masks of one training step of
+    two micro-batches (stage 0: embedding and layer 0's; stage 1: layer 1's), and the first state of each chunk's model-parallel
+    stream at pp2 x vp2."""
+    import models.ops as ops
+    from engine.assembly import build_run
+    from engine.config import load_config
+    from models.hook import ModelHook
+    from parallel.random import MODEL_PARALLEL_STREAM
+
+    masks, plain = [], ops.dropout
+
+    def recording(x, p, *, training):
+        y = plain(x, p, training=training)
+        masks.append(y == 0)
+        return y
+    common = ["parallel.tp=1", "parallel.pp=2", "parallel.dp=-1", "parallel.sequence_parallel=false",
+              "train.steps=1", "optim.warmup_steps=0", "train.global_batch_size=2", "train.micro_batch_size=1",
+              f"train.seq_length={SEQ}", "logging.progress_bar=off", "logging.tensorboard=false",
+              "logging.jsonl=false", "logging.peak_tflops=1.0", "logging.memory_report=false", "train.eval_interval=0"]
+    ops.dropout = recording
+    try:
+        cfg = load_config("tiny_llama_cpu", common)
+        model = ModelHook.from_hf({**GPT2_DROPOUT, "n_layer": 2}, dtype=torch.float32, seed=cfg.train.seed)
+        run = build_run(cfg, model=model, train_data=_Packed(8), checkpoints=False)
+        run.trainer.train_step(run.train_loader)
+    finally:
+        ops.dropout = plain
+    cfg = load_config("tiny_llama_cpu", common + ["parallel.vp=2", "parallel.schedule=interleaved"])
+    run = build_run(cfg, model=ModelHook.from_hf({**GPT2_DROPOUT, "n_layer": 4}, dtype=torch.float32,
+                                                 seed=cfg.train.seed), train_data=_Packed(8), checkpoints=False)
+    streams = [c.rng.get_states()[MODEL_PARALLEL_STREAM] for c in run.trainer.chunks]
+    run.close()
+    return masks, streams
+
+
+def test_dropout_masks_differ_between_pipeline_stages_and_chunks():
+    (m0, s0), (m1, s1) = run_distributed(_dropout_masks_per_pp_stage, 2, timeout=180)
+    assert len(m0) == 6 and len(m1) == 4 and all(m.any() for m in m0 + m1)  # two micro-batches
+    # before 2026-11-28 every stage seeded the same streams: stage 1's masks were stage 0's first ones
+    assert not any(torch.equal(a, b) for a in m0 for b in m1 if a.shape == b.shape)
+    chunks = s0 + s1  # pp2 x vp2: four chunks, each its own model-parallel stream
+    assert len(chunks) == 4 and all(not torch.equal(a, b) for i, a in enumerate(chunks) for b in chunks[i + 1:])

@@ -41,7 +41,7 @@ def test_child_exception_is_reraised_with_its_traceback():
 def test_hang_is_killed_by_the_timeout():
     t0 = time.monotonic()
     with pytest.raises(DistributedTimeout) as info:
-        run_distributed(_rank1_hangs, 2, timeout=12)
+        run_distributed(_rank1_hangs, 2, timeout=6)  # rank 0 is done in about a second; rank 1 never
     assert info.value.pending == [1]
     assert time.monotonic() - t0 < 30
 

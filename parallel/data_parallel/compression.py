@@ -163,7 +163,16 @@ class PowerSGD(GradCompressor):
     def load_state(self, state: dict | None, tensors: dict[str, torch.Tensor] | None) -> None:
         super().load_state(state, tensors)
         if state is not None:  # older checkpoints carry no counters: the warm-up counts from the resume
-            self.steps = {(int(a), int(b)): int(n) for a, b, n in state.get("steps", [])}
+            saved = {(int(a), int(b)): int(n) for a, b, n in state.get("steps", [])}
+            # The JSON state is rank 0's: another pipeline stage may hold buckets rank 0 has not. Every bucket
+            # reduces once per step, so the saved counters agree, and that count is every bucket's here
+            # (before 2026-11-28 such a stage's extra buckets restarted the warm-up after a resume).
+            counts = set(saved.values())
+            if len(counts) == 1 and self._layout:
+                n = counts.pop()
+                self.steps = {k: n for k in self._layout}
+            else:
+                self.steps = saved
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         out = {}

@@ -200,3 +200,16 @@ def test_a_nonfinite_step_leaves_the_error_feedback_as_it_was(method):
         if step == 1:
             assert all(torch.equal(before[k], v) for k, v in comp.state_tensors().items())
     assert finite == [True, False, True]
+
+
+def test_powersgd_counters_reach_buckets_rank_0_does_not_hold():
+    """The saved JSON state is rank 0's: on a pipeline stage with more buckets, a resume gives every bucket the
+    saved count (each bucket reduces once per step), not 0 to the ones rank 0 lacks (they would redo the
+    uncompressed warm-up)."""
+    from parallel.comm import Group
+    from parallel.data_parallel.compression import PowerSGD
+
+    c = PowerSGD(rank=2, dp_group=Group.trivial("dp"), start_step=4)
+    c._layout = {(0, 0): [], (0, 1): [], (0, 2): []}  # this stage's three buckets (attach sets them)
+    c.load_state({"method": "powersgd", "steps": [[0, 0, 6], [0, 1, 6]]}, None)  # rank 0 had two
+    assert c.steps == {(0, 0): 6, (0, 1): 6, (0, 2): 6}

@@ -77,6 +77,25 @@ def _to_uint8(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
 
 
+def _backend(pg) -> str:
+    import torch.distributed as dist
+
+    return dist.get_backend(pg)
+
+
+def _host_group(group: Group) -> tuple[Group, object | None]:
+    """``group``'s ranks over gloo, and the process group made for it (None: ``group`` is gloo already). The
+    replica moves host bytes (a rank's file, read from disk and written to /dev/shm); NCCL carries CUDA
+    tensors only ("No backend type associated with device type cpu"), so an NCCL run sends them over a
+    gloo group of the same ranks, made here (collective: every rank builds its Checkpointer)."""
+    if _backend(group.pg) == "gloo":
+        return group, None
+    import torch.distributed as dist
+
+    pg = dist.new_group(ranks=list(group.ranks), backend="gloo")
+    return Group(axis=group.axis, ranks=group.ranks, rank=group.rank, pg=pg, ledger=group.ledger), pg
+
+
 class PeerReplica:
     """This rank's side of the ring: it replicates its shard to ``rank + 1`` and holds ``rank - 1``'s."""
 
@@ -84,7 +103,8 @@ class PeerReplica:
         if group is None or group.size < 2:
             raise ValueError("checkpoint.peer_replica needs a world of 2 or more ranks (a peer holds each rank's "
                              "shard); launch with torchrun --nproc-per-node >= 2, or set checkpoint.peer_replica=false")
-        self.root, self.group = Path(root), group
+        self.root = Path(root)
+        self.group, self._own_pg = _host_group(group)
         self.base = Path(shm_root) / run_id(root)
         self.dir = self.base / f"holder_{group.rank:05d}"
         self.src, self.dst = (group.rank - 1) % group.size, (group.rank + 1) % group.size
@@ -197,6 +217,11 @@ class PeerReplica:
             self.base.rmdir()
         except OSError:
             pass  # removed by another rank of this node already
+        if self._own_pg is not None:  # the gloo side group of an NCCL run (collective: every rank removes)
+            import torch.distributed as dist
+
+            dist.destroy_process_group(self._own_pg)
+            self._own_pg = None
 
 
 @dataclass

@@ -61,3 +61,39 @@ def test_peer_replica_holds_exactly_the_neighbours_bytes_and_loads_without_openi
         assert r["opened"] == 0 and r["source"] == "peer replica" and r["equal"]
         assert r["stale"] is None and len(r["msgs"]) == 1 and "stale" in r["msgs"][0], r["msgs"]
         assert not r["base_left"]
+
+
+def _nccl_world(root, shm):
+    """The world group as an NCCL run's (its backend reported as nccl, which carries CUDA tensors only): the
+    replica goes over a gloo group of the same ranks, made at construction and destroyed at close."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from engine.checkpoint import Checkpointer, ShardingContext, load_checkpoint, module_sharded_tensors, world_group
+    from engine.checkpoint import peer as peer_mod
+
+    peer_mod._backend = lambda pg: "nccl" if pg is dist.group.WORLD else dist.get_backend(pg)
+    group = world_group()
+    model = ToyTP(tp_rank=group.rank, tp=2, seed=1)
+    tensors = module_sharded_tensors(model, ctx=ShardingContext(tp_rank=group.rank, tp_size=2, replica_rank=0))
+    ck = Checkpointer(root, group=group, keep_last=1, peer_replica=True, shm_root=shm)
+    side = ck.peer.group.pg is not dist.group.WORLD and dist.get_backend(ck.peer.group.pg) == "gloo"
+    ck.save(step=1, tensors=tensors)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    result = load_checkpoint(ck.replica(log=print), tensors=tensors, group=group)
+    equal = all(torch.equal(p, q) for p, q in zip(model.parameters(), ToyTP(tp_rank=group.rank, tp=2, seed=1).parameters()))
+    groups_open = len(c10d._world.pg_map)
+    ck.close()
+    return side, result.source, equal, groups_open, len(c10d._world.pg_map)
+
+
+def test_peer_replica_of_an_nccl_run_goes_over_a_gloo_group():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        out = run_distributed(_nccl_world, 2, f"{d}/ck", f"{d}/shm", timeout=120)
+    for side, source, equal, open_, closed in out:
+        assert side and source == "peer replica" and equal, (side, source, equal)
+        assert (open_, closed) == (2, 1)  # the side group, then only the world's

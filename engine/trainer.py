@@ -216,7 +216,10 @@ class Trainer:
                 total, stats = self.objective.loss(loss, batch)
                 for k, v in stats.items():
                     self._stats[k] = self._stats.get(k, 0.0) + v.detach().to(torch.float64)
-            mean = total / self._units(batch).clamp(min=1)
+            units = self._units(batch)
+            # a micro-batch without loss units has total 0: divide by 1 there, by the units anywhere else (a
+            # weighted loss mask may sum below 1; clamp(min=1) divided it by 1 and scaled its loss down)
+            mean = total / torch.where(units > 0, units, torch.ones_like(units))
             return mean if weights is None else mean * weights[mb]
         return self._stage_step(micro, loss_of)
 

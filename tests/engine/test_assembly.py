@@ -237,3 +237,32 @@ def test_fp8_weight_casts_once_per_step_in_the_trainer(monkeypatch):
     linears = 2 * 4  # 2 layers: qkv, out, fc1, fc2
     assert got[None][0] == got["false"][0]
     assert got[None][1] == linears * 3 and got["false"][1] == 0  # 2 steps and 1 evaluation; none without the cache
+
+
+class _Weighted(_Masked):
+    """_Masked's samples with the loss mask's kept positions weighted ``w`` (a weighted mask)."""
+
+    def __init__(self, n: int, w: float):
+        super().__init__(n)
+        self.w = w
+
+    def __getitem__(self, i):
+        s = super().__getitem__(i)
+        return {**s, "loss_mask": s["loss_mask"] * np.float32(self.w)}
+
+
+def test_a_weighted_loss_mask_summing_below_one_is_normalised_by_its_sum():
+    """The loss is sum(loss x mask) / sum(mask): scaling the mask changes nothing. With weights of 1/32 the
+    3-token sample's mask sums to 3/32; before 2026-11-28 the step divided it by 1 instead, so its loss and
+    gradients came out 3/32 as large."""
+    from engine.assembly import build_run
+    from models.hook import ModelHook
+
+    out = []
+    for w in (1.0, 1.0 / 32):
+        cfg = _cfg(mbs=1, gbs=1, steps=1, extra=["logging.memory_report=false"])
+        model = ModelHook.from_hf(HF, dtype=torch.float32, seed=cfg.train.seed)
+        run = build_run(cfg, model=model, train_data=_Weighted(4, w), checkpoints=False)
+        st = run.trainer.train_step(run.train_loader)  # sample 0: LOSS_TOKENS[0] = 3 kept positions
+        out.append((st.loss, st.grad_norm))
+    assert out[1] == pytest.approx(out[0], rel=1e-5), out

@@ -493,9 +493,8 @@ GPT2_DROPOUT = {"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 4, "
                 "attn_pdrop": 0.0, "resid_pdrop": 0.5, "embd_pdrop": 0.5}
 
 
-def _dropout_masks_per_cp_rank():
-    """Through the assembly line at cp2 (its seeding): the hidden and embedding dropout masks of one training
-    forward, which must differ between the cp ranks (each holds other tokens of the same sequences)."""
+def _step_dropout_masks(overrides: list[str], hf: dict) -> list[torch.Tensor]:
+    """The dropout masks (``True`` where dropped) of one training step through the assembly line (its seeding)."""
     import models.ops as ops
     from engine.assembly import build_run
     from engine.config import load_config
@@ -509,18 +508,24 @@ def _dropout_masks_per_cp_rank():
         return y
     ops.dropout = recording
     try:
-        cfg = load_config("tiny_llama_cpu", [
-            "parallel.tp=1", "parallel.pp=1", "parallel.dp=-1", "parallel.cp=2", "parallel.sequence_parallel=false",
-            "train.steps=1", "optim.warmup_steps=0", "train.global_batch_size=2", "train.micro_batch_size=2",
-            f"train.seq_length={SEQ}",
-            "logging.progress_bar=off", "logging.tensorboard=false", "logging.jsonl=false", "logging.peak_tflops=1.0",
-            "train.eval_interval=0"])
-        model = ModelHook.from_hf(GPT2_DROPOUT, dtype=torch.float32, seed=cfg.train.seed)
+        cfg = load_config("tiny_llama_cpu", overrides)
+        model = ModelHook.from_hf(hf, dtype=torch.float32, seed=cfg.train.seed)
         run = build_run(cfg, model=model, train_data=_Packed(8), checkpoints=False)
         run.trainer.train_step(run.train_loader)
     finally:
         ops.dropout = plain
     return masks
+
+
+def _dropout_masks_per_cp_rank():
+    """At cp2: the hidden and embedding dropout masks of one training forward, which must differ between the
+    cp ranks (each holds other tokens of the same sequences)."""
+    return _step_dropout_masks([
+        "parallel.tp=1", "parallel.pp=1", "parallel.dp=-1", "parallel.cp=2", "parallel.sequence_parallel=false",
+        "train.steps=1", "optim.warmup_steps=0", "train.global_batch_size=2", "train.micro_batch_size=2",
+        f"train.seq_length={SEQ}",
+        "logging.progress_bar=off", "logging.tensorboard=false", "logging.jsonl=false", "logging.peak_tflops=1.0",
+        "train.eval_interval=0"], GPT2_DROPOUT)
 
 
 def test_dropout_masks_differ_between_cp_ranks():
@@ -547,33 +552,19 @@ def test_attention_dropout_under_cp_is_refused_in_training_only():
 
 
 def _dropout_masks_per_pp_stage():
-    """Through the assembly line at pp2 (one GPT-2 layer per stage): the dropout masks of one training step of
-    two micro-batches (stage 0: embedding and layer 0's; stage 1: layer 1's), and the first state of each chunk's model-parallel
-    stream at pp2 x vp2."""
-    import models.ops as ops
+    """At pp2 (one GPT-2 layer per stage): the dropout masks of one training step of two micro-batches (stage 0:
+    embedding and layer 0's; stage 1: layer 1's), and the first state of each chunk's model-parallel stream
+    at pp2 x vp2."""
     from engine.assembly import build_run
     from engine.config import load_config
     from models.hook import ModelHook
     from parallel.random import MODEL_PARALLEL_STREAM
 
-    masks, plain = [], ops.dropout
-
-    def recording(x, p, *, training):
-        y = plain(x, p, training=training)
-        masks.append(y == 0)
-        return y
     common = ["parallel.tp=1", "parallel.pp=2", "parallel.dp=-1", "parallel.sequence_parallel=false",
               "train.steps=1", "optim.warmup_steps=0", "train.global_batch_size=2", "train.micro_batch_size=1",
               f"train.seq_length={SEQ}", "logging.progress_bar=off", "logging.tensorboard=false",
               "logging.jsonl=false", "logging.peak_tflops=1.0", "logging.memory_report=false", "train.eval_interval=0"]
-    ops.dropout = recording
-    try:
-        cfg = load_config("tiny_llama_cpu", common)
-        model = ModelHook.from_hf({**GPT2_DROPOUT, "n_layer": 2}, dtype=torch.float32, seed=cfg.train.seed)
-        run = build_run(cfg, model=model, train_data=_Packed(8), checkpoints=False)
-        run.trainer.train_step(run.train_loader)
-    finally:
-        ops.dropout = plain
+    masks = _step_dropout_masks(common, {**GPT2_DROPOUT, "n_layer": 2})
     cfg = load_config("tiny_llama_cpu", common + ["parallel.vp=2", "parallel.schedule=interleaved"])
     run = build_run(cfg, model=ModelHook.from_hf({**GPT2_DROPOUT, "n_layer": 4}, dtype=torch.float32,
                                                  seed=cfg.train.seed), train_data=_Packed(8), checkpoints=False)

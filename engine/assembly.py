@@ -455,7 +455,7 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
                        local_grads=cfg.outer.method != "none",  # DiLoCo (after outer.start_step): no dp traffic
                        grad_compressor=build_grad_compressor(o.grad_compression, dp_group=mesh.dp_cp,
                                                              rank=o.powersgd_rank, seed=t.seed,
-                                                             start_step=o.powersgd_start_step))
+                                                             start_step=o.powersgd_start_step, checked=True))
     optimizer = Optimizer.from_config(ddp, o, total_steps=t.steps, tp_group=mesh.tp, pp_group=mesh.pp,
                                       ep_group=mesh.ep if p.ep > 1 else None)
     m = check_microbatches(cfg, mesh.dims.dp)

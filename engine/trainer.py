@@ -127,6 +127,7 @@ class Trainer:
         self.nonfinite_report: dict | None = None  # the last replay's findings (engine/nan_locate.py)
         self.straggler = None  # fault.straggler_ratio: per-rank step and compute times, compared every log step
         self.outer = None  # parallel.data_parallel.outer.OuterOptimizer (outer.method != 'none'): set by engine.assembly
+        self._loss_log_scale = 1.0  # this rank's loss sum -> the global batch's weights (_loss_weights)
         self._outer_last: dict[str, float] = {}  # the latest sync's metrics, logged at every log step
         if cfg.fault.straggler_ratio is not None:
             from engine.straggler import StragglerMonitor
@@ -173,16 +174,28 @@ class Trainer:
                 "order": "-".join(self.mesh.order), "zero": bool(self.ddp.sharded), "world_size": self.mesh.world_size}
 
     # -- one step --------------------------------------------------------------------------------------
-    def _loss_weights(self, micro: list[dict[str, torch.Tensor]]) -> list[float]:
+    def _loss_weights(self, micro: list[dict[str, torch.Tensor]], *, local: bool = False) -> list[float]:
         """``w_i = n_i * m * dp / N`` per micro-batch (see the module docstring); one SUM all-reduce of
         one float64 over the data-parallel ranks (every pipeline rank of a dp slice loads the same data).
         The counts stay on the device until the weights are done: one host sync per step, not one per
-        micro-batch."""
+        micro-batch.
+
+        ``local`` (DiLoCo's inner steps: no dp reduction, each replica steps on its own gradient): each
+        replica normalises by its own loss units ``n_r``, ``w_i = n_i * m / n_r``, as a run of its own would,
+        so a replica with fewer loss tokens does not take a smaller step; the logged loss stays the global
+        batch's token mean (:meth:`_global_mean_loss` scales this rank's sum by ``n_r * dp / N``)."""
         counts = torch.stack([self._units(mb) for mb in micro]).to(torch.float64)  # (m,)
-        total = counts.sum().reshape(1)  # (1,)
+        own = counts.sum().reshape(1)  # (1,)
+        total = own.clone()
         comm.all_reduce(total, self.mesh.dp_cp)
-        scale = float(len(micro) * self.mesh.dp_cp.size)
-        weights = torch.where(total > 0, counts * scale / total, torch.zeros_like(counts))
+        dp = self.mesh.dp_cp.size
+        if local:
+            weights = torch.where(own > 0, counts * len(micro) / own, torch.zeros_like(counts))
+            both = torch.cat([weights, torch.where(total > 0, own * dp / total, torch.zeros_like(own))]).tolist()
+            self._loss_log_scale = both[-1]
+            return both[:-1]
+        self._loss_log_scale = 1.0
+        weights = torch.where(total > 0, counts * float(len(micro) * dp) / total, torch.zeros_like(counts))
         return weights.tolist()
 
     @staticmethod
@@ -237,7 +250,7 @@ class Trainer:
             self.chunks.train()
 
     def _pipeline(self, micro, *, train: bool) -> list[float]:
-        weights = self._loss_weights(micro)
+        weights = self._loss_weights(micro, local=train and self.ddp.local_grads)
         grad_sync = None
         if train:
             # Each chunk's buckets reduce during its own last backward (overlapped, also with vp > 1);
@@ -258,7 +271,9 @@ class Trainer:
     def _global_mean_loss(self, losses: list[float]) -> float:
         """The global batch's token-weighted loss, known on every rank: the weighted micro-batch means
         summed over pp and dp, divided by the number of micro-batches in the global batch."""
-        t = torch.tensor([sum(losses), float(len(losses))], dtype=torch.float64, device=self.device)
+        # under local normalisation (_loss_weights(local=True)) this rank's sum is rescaled to the global weights
+        t = torch.tensor([sum(losses) * self._loss_log_scale, float(len(losses))], dtype=torch.float64,
+                         device=self.device)
         comm.all_reduce(t, self.mesh.pp)  # only the last stage has losses
         comm.all_reduce(t, self.mesh.dp_cp)
         return float(t[0] / t[1])
@@ -285,7 +300,8 @@ class Trainer:
             self._localise_nonfinite(micro, finite=False)
             raise
         update_fp8(self.chunks, (self.mesh.tp, self.mesh.dp_cp))  # delayed scaling: one amax all-reduce per axis
-        outer = self.outer.step(self.step + 1) if self.outer is not None else None  # DiLoCo: sync when due
+        outer = (self.outer.step(self.step + 1, final=self.step + 1 == self.cfg.train.steps)  # DiLoCo: sync when due
+                 if self.outer is not None else None)
         if outer:
             self._outer_last = outer
         loss = self._global_mean_loss(losses)
@@ -402,8 +418,12 @@ class Trainer:
         if p.tp_overlap != "none":
             extras.append(f"tp_overlap {p.tp_overlap}")
         if c.optim.grad_compression != "none":
+            whole = (self.ddp.grad_compressor.uncompressed_matrices()
+                     if c.optim.grad_compression == "powersgd" else [])  # r (m + n) >= m n: sent uncompressed
             extras.append(f"grad_compression {c.optim.grad_compression}"
-                          + (f" rank {c.optim.powersgd_rank}" if c.optim.grad_compression == "powersgd" else ""))
+                          + (f" rank {c.optim.powersgd_rank}" if c.optim.grad_compression == "powersgd" else "")
+                          + (f", {len(whole)} matrices too small to compress sent whole on rank {self.rank}"
+                             if whole else ""))
         self.logger.info(
             f"tessel: world {self.mesh.world_size} = dp {self.dp} x pp {p.pp} x tp {p.tp}{cp}"
             f" (vp {p.vp}, schedule {p.schedule}, sp {p.sequence_parallel and p.tp > 1}"

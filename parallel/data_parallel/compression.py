@@ -12,7 +12,9 @@ added to the next step's gradient), which a checkpoint saves (:meth:`state_tenso
   feedback, is approximated by ``P Q^T`` of rank ``r``: ``P = sum_ranks(M Q)`` (m, r), orthonormalised,
   then ``Q = sum_ranks(M^T P)`` (n, r); ``Q`` is kept for the next step (warm start: one power
   iteration per step). Per matrix and step that is ``r * (m + n)`` fp32 elements all-reduced;
-  1-D gradients (norms, biases) are all-reduced uncompressed in the same call as the ``P`` s.
+  1-D gradients (norms, biases), and every matrix whose factors would not be smaller than the matrix
+  (``r * (m + n) >= m * n``, :func:`powersgd_compresses`, as torch's ``powerSGD_hook`` decides), are
+  all-reduced uncompressed in the same call as the ``P`` s (exact, no error feedback).
   ``start_step`` (``optim.powersgd_start_step``, torch's ``start_powerSGD_iter``): the first
   ``start_step`` reductions of each bucket are a plain all-reduce (error feedback and ``Q`` untouched).
 * :class:`OneBit` (1-bit SGD, Seide et al. 2014; EF-signSGD, Karimireddy et al. 2019): the bucket plus
@@ -61,6 +63,17 @@ class GradCompressor:
             t.copy_(tensors[k])
 
 
+def powersgd_compresses(rank: int, m: int, n: int) -> bool:
+    """Whether PowerSGD of ``rank`` compresses an ``(m, n)`` matrix: only where the factors it sends,
+    ``rank * (m + n)`` elements, are fewer than the matrix's ``m * n`` (never where ``rank > min(m, n)``)."""
+    return rank * (m + n) < m * n
+
+
+def powersgd_max_rank(m: int, n: int) -> int:
+    """The largest rank that still compresses an ``(m, n)`` matrix (0: none does)."""
+    return max(0, -(-(m * n) // (m + n)) - 1)  # ceil(m n / (m + n)) - 1
+
+
 class PowerSGD(GradCompressor):
     """Rank-``rank`` PowerSGD with error feedback and warm start over ``dp_group`` (see the module docstring).
 
@@ -69,7 +82,7 @@ class PowerSGD(GradCompressor):
 
     name = "powersgd"
 
-    def __init__(self, *, rank: int, dp_group: Group, seed: int = 0, start_step: int = 0):
+    def __init__(self, *, rank: int, dp_group: Group, seed: int = 0, start_step: int = 0, checked: bool = False):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"optim.powersgd_rank={rank!r} must be an integer >= 1 (e.g. 4)")
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
@@ -79,6 +92,9 @@ class PowerSGD(GradCompressor):
         self.group = dp_group
         self.seed = seed
         self.start_step = start_step  # reductions (steps) per bucket run as a plain all-reduce first
+        # the whole layout's matrices were checked (check_powersgd_rank): a pipeline stage whose own matrices
+        # are all too small to compress is then no error (they go uncompressed)
+        self.checked = checked
         self.steps: dict[tuple[int, int], int] = {}  # bucket key -> reductions done (warm-up bookkeeping)
         self.error: dict[str, torch.Tensor] = {}  # name -> (m, n) or (k,) error feedback (matrices only)
         self.q: dict[str, torch.Tensor] = {}  # name -> (n, r) warm-start factor
@@ -91,12 +107,8 @@ class PowerSGD(GradCompressor):
                 for p, (s, e) in zip(b.params, b.ranges):
                     name = ddp.param_names[id(p)]
                     shape = tuple(p.shape)
-                    if len(shape) == 2:
+                    if len(shape) == 2 and powersgd_compresses(self.rank, *shape):
                         m, n = shape
-                        if self.rank > min(m, n):
-                            raise ValueError(f"optim.powersgd_rank={self.rank} exceeds the size of matrix {name!r} "
-                                             f"(local shape {m} x {n}; min {min(m, n)}): a rank-r factorisation needs "
-                                             f"r <= min(m, n); set optim.powersgd_rank <= {min(m, n)}")
                         # seeded by the parameter's name (the same on every dp rank); the two copies of a tied
                         # embedding (first and last pipeline stage, different names) by one shared key, so
                         # they start from the same Q and stay equal
@@ -106,6 +118,13 @@ class PowerSGD(GradCompressor):
                         self.error[name] = torch.zeros(m, n, dtype=torch.float32, device=buf.device)
                     entries.append((name, s, e, shape))
                 self._layout[(bi, b.index)] = entries
+        if not self.q and not self.checked:  # standalone use (engine.assembly checks the layout first)
+            mats = [tuple(p.shape) for buf in ddp.flat_buffers for b in buf.buckets for p in b.params if p.dim() == 2]
+            if mats:
+                best = max(powersgd_max_rank(m, n) for m, n in mats)
+                raise ValueError(f"optim.powersgd_rank={self.rank} compresses none of these matrices (a rank-r "
+                                 "factor pair is smaller than an (m, n) matrix only where r (m + n) < m n): every "
+                                 f"gradient would go uncompressed; set optim.powersgd_rank <= {best}")
 
     def reduce(self, key, grad, bucket) -> None:
         done = self.steps.get(key, 0)
@@ -114,8 +133,9 @@ class PowerSGD(GradCompressor):
             comm.all_reduce(grad, self.group)
             return
         entries = self._layout[key]
-        mats = [(name, grad[s:e].view(shape)) for name, s, e, shape in entries if len(shape) == 2]
-        vecs = [grad[s:e] for name, s, e, shape in entries if len(shape) != 2]
+        mats = [(name, grad[s:e].view(shape)) for name, s, e, shape in entries if name in self.q]
+        # 1-D gradients and the matrices PowerSGD would not shrink (powersgd_compresses): summed exactly
+        vecs = [grad[s:e] for name, s, e, shape in entries if name not in self.q]
         with torch.no_grad():
             # M = gradient + error feedback (m, n), new tensors: the error is replaced only once the step is
             # known finite everywhere, so one non-finite gradient does not poison it for the rest of the run.
@@ -152,10 +172,17 @@ class PowerSGD(GradCompressor):
                 self.q[name] = torch.where(ok, q_sum, self.q[name])  # warm start for the next step
 
     def bytes_per_step(self) -> dict[str, int]:
-        """Elements all-reduced per step: ``{"matrices": sum r * (m + n), "vectors": sum of 1-D sizes}``."""
-        mat = sum(self.rank * (s[0] + s[1]) for ents in self._layout.values() for _, _, _, s in ents if len(s) == 2)
-        vec = sum(e - s for ents in self._layout.values() for _, s, e, shape in ents if len(shape) != 2)
-        return {"matrices": mat, "vectors": vec}
+        """Elements all-reduced per step: ``{"matrices": sum of r * (m + n) over the compressed matrices,
+        "uncompressed": the sizes of the 1-D gradients and of the matrices sent whole}``."""
+        ents = [e for es in self._layout.values() for e in es]
+        mat = sum(self.rank * (shape[0] + shape[1]) for name, _, _, shape in ents if name in self.q)
+        raw = sum(e - s for name, s, e, _ in ents if name not in self.q)
+        return {"matrices": mat, "uncompressed": raw}
+
+    def uncompressed_matrices(self) -> list[str]:
+        """The names of the matrices sent whole (``r * (m + n) >= m * n``), for the start-up log."""
+        return [name for es in self._layout.values() for name, _, _, shape in es
+                if len(shape) == 2 and name not in self.q]
 
     def state_dict(self) -> dict:
         return {"method": self.name, "steps": [[k[0], k[1], n] for k, n in sorted(self.steps.items())]}
@@ -264,30 +291,35 @@ class OneBit(GradCompressor):
 
 
 def check_powersgd_rank(modules, rank: int, world: Group, *, device) -> None:
-    """Before the buckets are built: ``rank`` must not exceed any trainable matrix's smaller side on ANY
-    rank (pipeline stages and TP shards hold different matrices). The smallest side is agreed with one
-    MIN all-reduce over ``world`` (one int), so every rank raises the same error, said once by the launcher
-    (``on_every_rank``), instead of the ranks holding a small matrix each printing their own."""
+    """Before the buckets are built: ``rank`` must compress at least one trainable matrix somewhere (a
+    matrix it would not shrink, ``r (m + n) >= m n``, goes uncompressed: :func:`powersgd_compresses`).
+    Pipeline stages and TP shards hold different matrices, so the largest rank that still compresses one
+    is agreed with one MAX all-reduce over ``world`` (one int): every rank raises the same error, said once
+    by the launcher (``on_every_rank``)."""
     params = [p for m in modules for p in m.parameters() if p.requires_grad]
-    local = min((min(p.shape) for p in params if p.dim() == 2), default=torch.iinfo(torch.int64).max)
-    smallest = torch.tensor([local], dtype=torch.int64, device=device)  # the run's device: NCCL takes no CPU tensor
-    comm.all_reduce(smallest, world, op="min")
-    smallest = int(smallest.item())
-    if rank > smallest:
-        err = ValueError(f"optim.powersgd_rank={rank} exceeds the smaller side of a trainable matrix of this model "
-                         f"at this layout ({smallest}): a rank-r factorisation needs r <= min(m, n) of every "
-                         f"matrix it compresses; set optim.powersgd_rank <= {smallest}")
+    local = max((powersgd_max_rank(*p.shape) for p in params if p.dim() == 2), default=0)
+    best = torch.tensor([local], dtype=torch.int64, device=device)  # the run's device: NCCL takes no CPU tensor
+    comm.all_reduce(best, world, op="max")
+    best = int(best.item())
+    if rank > best:
+        err = ValueError(f"optim.powersgd_rank={rank} exceeds the size of every trainable matrix of this model at "
+                         f"this layout: a rank-r factor pair is smaller than an (m, n) matrix only where "
+                         f"r (m + n) < m n, so no gradient would be compressed; set optim.powersgd_rank <= {best}"
+                         if best else
+                         f"optim.powersgd_rank={rank}: this model has no trainable matrix PowerSGD could compress at "
+                         "this layout; use optim.grad_compression=onebit or none")
         err.on_every_rank = True
         raise err
 
 
 def build_grad_compressor(method: str, *, dp_group: Group, rank: int = 4, seed: int = 0,
-                          start_step: int = 0) -> GradCompressor | None:
-    """``optim.grad_compression``: None for "none", else the compressor for ``dp_group``."""
+                          start_step: int = 0, checked: bool = False) -> GradCompressor | None:
+    """``optim.grad_compression``: None for "none", else the compressor for ``dp_group`` (``checked``:
+    :func:`check_powersgd_rank` has passed for the whole layout)."""
     if method == "none":
         return None
     if method == "powersgd":
-        return PowerSGD(rank=rank, dp_group=dp_group, seed=seed, start_step=start_step)
+        return PowerSGD(rank=rank, dp_group=dp_group, seed=seed, start_step=start_step, checked=checked)
     if method == "onebit":
         return OneBit(dp_group=dp_group)
     raise ValueError(f"optim.grad_compression={method!r} is not valid; choose one of {', '.join(GRAD_COMPRESSIONS)}")
@@ -299,4 +331,5 @@ def ring_all_reduce_bytes(numel: int, p: int, itemsize: int = 4) -> float:
 
 
 __all__ = ["GRAD_COMPRESSIONS", "GradCompressor", "PowerSGD", "OneBit", "build_grad_compressor", "pack_signs",
+           "check_powersgd_rank", "powersgd_compresses", "powersgd_max_rank",
            "unpack_signs", "ring_all_reduce_bytes"]

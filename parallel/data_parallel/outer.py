@@ -55,6 +55,12 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # a parameter of transformer bl
 DEFAULT_INT8_CHUNK = 1024
 
 
+def topk_index_dtype(n: int) -> torch.dtype:
+    """The dtype top-k sends its indices into a fragment of ``n`` elements in: int32 (4 bytes) while every
+    index fits, int64 beyond 2^31 - 1 elements (a fragment of a model that large on one rank)."""
+    return torch.int32 if n <= torch.iinfo(torch.int32).max + 1 else torch.int64
+
+
 def _pad_to(n: int, q: int) -> int:
     return -(-n // q) * q
 
@@ -335,7 +341,7 @@ class OuterOptimizer:
         p, g = self.group.size, self.group
         vals, idx = self._topk_select(delta, lo, hi)
         gv, wv = comm.all_gather(vals, g, async_op=True)  # (p * k,)
-        gi, wi = comm.all_gather(idx.to(torch.int32), g, async_op=True)  # (p * k,)
+        gi, wi = comm.all_gather(idx.to(topk_index_dtype(hi - lo)), g, async_op=True)  # (p * k,)
 
         def finish():
             comm.wait([wv, wi], g)
@@ -353,9 +359,11 @@ class OuterOptimizer:
         self.dist.ddp.set_local_grads(step > self.start_step)
 
     @torch.no_grad()
-    def step(self, step: int) -> dict[str, float]:
+    def step(self, step: int, *, final: bool = False) -> dict[str, float]:
         """After inner step ``step`` (1-based, counted by the trainer, applied or not): apply the fragments
-        that are due, launch the ones whose turn it is. Returns metrics: ``outer_step_norm`` (global L2 of
+        that are due, launch the ones whose turn it is. ``final`` (the run's last step, ``train.steps``):
+        a Streaming fragment launched now is applied now, not one step later, so the run's final weights
+        (and checkpoint) include it. Returns metrics: ``outer_step_norm`` (global L2 of
         the change of the shared weights, over the fragments applied now) and ``outer_syncs``; {} when idle.
         During the warm-up (``step <= start_step``) nothing; after step ``start_step`` the anchor is taken
         from the (synchronized) weights."""
@@ -373,7 +381,7 @@ class OuterOptimizer:
                 continue
             lo, hi = self.bounds[f]
             delta = self.anchor[lo:hi] - self._read(lo, hi)  # (hi - lo,) fp32 pseudo-gradient
-            pend = _Pending(fragment=f, due=step + (1 if self.method == "streaming_diloco" else 0),
+            pend = _Pending(fragment=f, due=step + (1 if self.method == "streaming_diloco" and not final else 0),
                             finish=self._start_average(delta, lo, hi))
             if pend.due <= step:
                 sq = self._apply(pend)

@@ -7,7 +7,10 @@
   matrix decode the true sum (fp32, 1e-5 relative); 1-D gradients are summed exactly.
 * PowerSGD's start_step: the first steps are the exact sum at DDP's bytes with no error feedback, then it
   compresses; the step counters survive state_dict/load_state.
-* Sign packing round-trips; a rank above a matrix's size is refused before any communication.
+* A matrix PowerSGD would not shrink (r (m + n) >= m n, e.g. a side below r) is summed exactly and
+  uncompressed, beside compressed ones; a rank that compresses no matrix anywhere is refused before any
+  communication, with the largest rank that would.
+* Sign packing round-trips.
 Resume of both is in tests/parallel/test_outer.py (test_resume_is_bitwise[powersgd|onebit]).
 """
 from __future__ import annotations
@@ -39,14 +42,16 @@ def dp2(tmp_path_factory):
 
 def test_compressed_dp_bytes_are_exact(dp2):
     r = dp2[0]["compressed"]
+    from parallel.data_parallel.compression import powersgd_compresses
+
     p, rank = 2, 2
     ps = r["powersgd"]
-    mats = sum(rank * (s[0] + s[1]) for s in ps["shapes"] if len(s) == 2)
-    vecs = sum(s[0] for s in ps["shapes"] if len(s) == 1)
-    assert mats > 0 and vecs > 0
-    expected = 2 * (p - 1) / p * 4 * (mats + vecs)  # ring all-reduces of P (+ vectors) and Q, fp32
+    mats = sum(rank * (s[0] + s[1]) for s in ps["shapes"] if len(s) == 2 and powersgd_compresses(rank, *s))
+    raw = sum(torch.Size(s).numel() for s in ps["shapes"] if len(s) != 2 or not powersgd_compresses(rank, *s))
+    assert mats > 0 and raw > 0
+    expected = 2 * (p - 1) / p * 4 * (mats + raw)  # ring all-reduces of P (+ uncompressed) and Q, fp32
     assert ps["sent"] == [expected, expected], (ps["sent"], expected)
-    assert ps["counted"] == {"matrices": mats, "vectors": vecs}
+    assert ps["counted"] == {"matrices": mats, "uncompressed": raw}
     full = 2 * (p - 1) / p * 4 * sum(ps["numels"])
     assert expected < full / 5  # what it saves here against DDP's per-step volume
     ob = r["onebit"]
@@ -125,6 +130,45 @@ def test_powersgd_start_step_runs_plain_all_reduce_first(dp2):
         assert r["resumed_steps"] == r["steps_done"] and list(r["steps_done"].values()) == [3]
 
 
+def _small_matrix_whole():
+    """Rank 2 over a (16, 16) and a (2, 16) matrix: 2 (2 + 16) = 36 >= 32, so the small one is summed
+    exactly (no error feedback, no Q) in the call that carries the P s; the large one is compressed."""
+    import torch.distributed as dist
+
+    from parallel.comm import Group, Ledger
+    from parallel.data_parallel import DataParallel
+    from parallel.data_parallel.compression import PowerSGD
+
+    ledger = Ledger()
+    group = Group(axis="dp", ranks=range(2), rank=dist.get_rank(), pg=dist.group.WORLD, ledger=ledger)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16, bias=False), torch.nn.Linear(16, 2, bias=False))
+    comp = PowerSGD(rank=2, dp_group=group, seed=0)
+    ddp = DataParallel(model, dp_group=group, grad_compressor=comp, grad_reduce="sum")
+    gen = torch.Generator().manual_seed(3)
+    big = [torch.randn(16, 16, generator=gen) for _ in range(2)]  # full rank, one per dp rank
+    small = [torch.randn(2, 16, generator=gen) for _ in range(2)]
+    me = dist.get_rank()
+    loss = (model[0].weight * big[me]).sum() + (model[1].weight * small[me]).sum()
+    with ledger.capture() as cap:
+        loss.backward()
+        ddp.finish_grad_sync()
+    return {"small": model[1].weight.main_grad.clone(), "want_small": small[0] + small[1],
+            "big": model[0].weight.main_grad.clone(), "want_big": big[0] + big[1],
+            "sent": sum(r.sent_bytes for r in cap.records if r.axis == "dp"), "error": sorted(comp.error),
+            "counted": comp.bytes_per_step(), "whole": comp.uncompressed_matrices()}
+
+
+def test_powersgd_sends_a_matrix_it_would_not_shrink_whole(dp2):
+    p = 2
+    for r in (out["small_whole"] for out in dp2):
+        assert torch.equal(r["small"], r["want_small"])  # the exact sum: it went uncompressed
+        assert not torch.allclose(r["big"], r["want_big"], atol=1e-3)  # rank 2 of a full-rank sum
+        assert r["error"] == ["0.weight"] and r["whole"] == ["1.weight"]
+        assert r["counted"] == {"matrices": 2 * (16 + 16), "uncompressed": 2 * 16}
+        # P (16 x 2) with the small matrix (32) in one all-reduce, then Q (16 x 2); ring model, fp32
+        assert r["sent"] == 2 * (p - 1) / p * 4 * (2 * 16 + 32 + 2 * 16), r["sent"]
+
+
 def test_powersgd_is_exact_on_a_rank1_sum(dp2):
     for r in (out["exact_rank1"] for out in dp2):
         assert torch.allclose(r["w"], r["want_w"], rtol=1e-5, atol=1e-6), (r["w"], r["want_w"])
@@ -141,8 +185,10 @@ def test_sign_packing_round_trips():
 
 
 def _rank_check():
-    """Ranks holding different matrices (as pipeline stages do): rank 0 a 8 x 3, rank 1 a 16 x 16. Both
-    raise the same error, naming the smallest side anywhere (3), marked to be said once."""
+    """Ranks holding different matrices (as pipeline stages do): rank 0 a 8 x 3 (compressed up to rank 2),
+    rank 1 a 16 x 16 (up to rank 7). Rank 7 passes (rank 0's matrix then goes uncompressed); rank 8 makes
+    both raise the same error, naming the largest rank that compresses a matrix anywhere (7), marked to be
+    said once."""
     import torch.distributed as dist
 
     from parallel.comm import Group, Ledger
@@ -150,9 +196,9 @@ def _rank_check():
 
     world = Group(axis="world", ranks=range(2), rank=dist.get_rank(), pg=dist.group.WORLD, ledger=Ledger())
     model = torch.nn.Linear(3, 8) if dist.get_rank() == 0 else torch.nn.Linear(16, 16)
-    check_powersgd_rank([model], 3, world, device="cpu")  # fits everywhere: nothing raised
+    check_powersgd_rank([model], 7, world, device="cpu")  # compresses rank 1's matrix: nothing raised
     try:
-        check_powersgd_rank([model], 4, world, device="cpu")
+        check_powersgd_rank([model], 8, world, device="cpu")
     except ValueError as e:
         return {"message": str(e), "once": getattr(e, "on_every_rank", False)}
     return {"message": None, "once": False}
@@ -161,7 +207,7 @@ def _rank_check():
 def test_powersgd_rank_check_agrees_across_ranks(dp2):
     got = [r["rank_check"] for r in dp2]
     assert got[0] == got[1] and got[0]["once"], got
-    assert "optim.powersgd_rank=4 exceeds" in got[0]["message"] and "set optim.powersgd_rank <= 3" in got[0]["message"]
+    assert "optim.powersgd_rank=8 exceeds" in got[0]["message"] and "set optim.powersgd_rank <= 7" in got[0]["message"]
 
 
 def test_powersgd_rank_above_a_matrix_is_refused():
@@ -170,8 +216,10 @@ def test_powersgd_rank_above_a_matrix_is_refused():
     from parallel.data_parallel.compression import PowerSGD
 
     group = Group.trivial("dp")
-    with pytest.raises(ValueError, match=r"optim.powersgd_rank=4 exceeds .* set optim.powersgd_rank <= 3"):
-        DataParallel(torch.nn.Linear(3, 8), dp_group=group, grad_compressor=PowerSGD(rank=4, dp_group=group))
+    with pytest.raises(ValueError, match=r"optim.powersgd_rank=3 compresses none .* set optim.powersgd_rank <= 2"):
+        DataParallel(torch.nn.Linear(3, 8), dp_group=group, grad_compressor=PowerSGD(rank=3, dp_group=group))
+    # checked=True (engine.assembly checked the whole layout): a stage with only small matrices sends them whole
+    DataParallel(torch.nn.Linear(3, 8), dp_group=group, grad_compressor=PowerSGD(rank=3, dp_group=group, checked=True))
     with pytest.raises(ValueError, match="zero_stage=0"):
         DataParallel(torch.nn.Linear(3, 8), dp_group=group, zero_stage=1,
                      grad_compressor=PowerSGD(rank=1, dp_group=group))

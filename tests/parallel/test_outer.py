@@ -205,6 +205,15 @@ def test_dp_bytes_per_inner_step_are_ddp_over_h_times_compression(dp2):
     assert all(x > 0 for x in s) and sum(s) / (2 * H) == pytest.approx(ddp / H, rel=1e-12), s
 
 
+def test_topk_indices_widen_past_int32():
+    """top-k's indices go as int32 (the bytes above) while every index of the fragment fits, as int64 past
+    2^31 elements, where int32 would wrap."""
+    from parallel.data_parallel.outer import topk_index_dtype
+
+    assert topk_index_dtype(2 ** 31) == torch.int32  # the largest index, 2^31 - 1, fits
+    assert topk_index_dtype(2 ** 31 + 1) == torch.int64
+
+
 def test_warmup_steps_are_data_parallel_then_diloco(dp2):
     for rank, r in enumerate(x["bytes"] for x in dp2):
         w, n, ddp = r["warmup"], r["numel"], r["ddp_step"]
@@ -226,9 +235,10 @@ FRAGMENT_NAMES = {0: ("0.embedding.", "0.layers.0."), 1: ("0.layers.1.", "0.fina
 
 def _fragments(pp: int = 1):
     """Streaming DiLoCo, strided layout (the default), F = 2, H = 2 (fragment 0 sends after odd steps, fragment 1
-    after even ones, each applied one step later), at dp2 (x pp2: each pp rank holds one block, so one of its
-    two fragments is empty): after each step, the names of this rank's parameters on which it and its dp
-    peer agree (bitwise), and the refusal to load outer state laid out otherwise."""
+    after even ones, each applied one step later, except at the run's last step, train.steps = 3), at dp2
+    (x pp2: each pp rank holds one block, so one of its two fragments is empty): after each step, the names
+    of this rank's parameters on which it and its dp peer agree (bitwise), and the refusal to load outer
+    state laid out otherwise."""
     import torch.distributed as dist
 
     run = _run(_cfg(steps=3, extra=["outer.method=streaming_diloco", "outer.inner_steps=2", "outer.fragments=2",
@@ -252,7 +262,7 @@ def _fragments(pp: int = 1):
         except ValueError as err:
             refused.append(str(err))
     return {"agreed": agreed, "names": sorted(mine), "refused": refused, "pp_rank": run.mesh.coords["pp"],
-            "norms": norms}
+            "norms": norms, "pending": state["pending"]}
 
 
 @pytest.mark.parametrize("layout", ["dp2", "dp2xpp2"])
@@ -263,8 +273,10 @@ def test_strided_fragments_sync_whole_blocks(request, layout):
         if layout == "dp2xpp2":  # pp rank 0: embedding + block 0 only (fragment 1 empty); pp rank 1 the reverse
             assert (frag[1] if r["pp_rank"] == 0 else frag[0]) == [], (rank, r["names"])
         # step 1: fragment 0 in flight, nothing applied; step 2: fragment 0 applied (its replicas agree), fragment 1
-        # in flight; step 3: fragment 1 applied, fragment 0 trained locally again and in flight
-        assert r["agreed"] == [[], frag[0], frag[1]], (rank, r["agreed"])
+        # in flight; step 3, the run's last: fragment 1 applied, and fragment 0, trained locally again, sent and
+        # applied at once (the final weights are synced; nothing is left in flight)
+        assert r["agreed"] == [[], frag[0], r["names"]], (rank, r["agreed"])
+        assert r["pending"] == [], (rank, r["pending"])
         assert r["norms"] == [False, True, True], (rank, r["norms"])  # every pp rank logs (and reduces) each sync
         assert "outer.fragment_layout='strided'" in r["refused"][0] and "resume with the saved" in r["refused"][0]
         assert "outer.start_step=5" in r["refused"][1] and "resume with the saved" in r["refused"][1]
@@ -312,13 +324,49 @@ def _resume(tmp: str, names: list[str]):
     return out
 
 
+def _local_normalisation():
+    """DiLoCo's inner step at dp2 with replica 1's loss mask halved (8 of its 16 tokens per sequence): each
+    replica's local gradient is that of its OWN token mean (as a run of its own would take), and the logged
+    loss is still the global batch's token mean. The reference: torch.autograd.grad of the replica's own
+    masked mean through the same (not yet stepped) model, which bypasses DataParallel's hooks."""
+    import torch.distributed as dist
+
+    run = _run(_cfg(extra=["outer.method=diloco", "outer.inner_steps=2"]))
+    t = run.trainer
+    micro = [t._to_device(next(run.train_loader)) for _ in range(t.num_micro)]
+    if dist.get_rank() == 1:
+        for mb in micro:
+            mb["loss_mask"][:, : SEQ // 2] = 0  # (b, s): half the loss tokens of replica 0
+    t.optimizer.zero_grad()
+    t.outer.begin_step(1)
+    logged = t._global_mean_loss(t._pipeline(micro, train=True))
+    t.ddp.finish_grad_sync()
+    params = [p for p in t.chunks.parameters() if p.requires_grad]
+    got = [p.main_grad.clone() for p in params]
+    chunk = t.chunks[0]
+    token_sums = [chunk(mb["tokens"], labels=mb["labels"], position_ids=mb["position_ids"],
+                        loss_mask=mb["loss_mask"]).sum() for mb in micro]  # each (b, s) masked, summed
+    own = sum(float(mb["loss_mask"].sum()) for mb in micro)
+    want = torch.autograd.grad(sum(token_sums) / own, params)
+    both = torch.tensor([float(sum(token_sums)), own], dtype=torch.float64)
+    dist.all_reduce(both)  # the global batch's token sum and count
+    return {"grad_err": max(float((g - w).abs().max() / w.abs().max()) for g, w in zip(got, want)),
+            "logged": logged, "global_mean": float(both[0] / both[1])}
+
+
+def test_diloco_replicas_normalise_by_their_own_loss_tokens(dp2):
+    for rank, r in enumerate(x["local_norm"] for x in dp2):
+        assert r["grad_err"] < 1e-5, (rank, r)  # fp32; before: 4/3 and 2/3 of it (normalised by the global count)
+        assert r["logged"] == pytest.approx(r["global_mean"], rel=1e-6), (rank, r)
+
+
 def _all_dp2(tmp: str):
     """Every dp2 part of this file and of tests/parallel/test_grad_compression.py in one 2-rank launch."""
-    from tests.parallel.test_grad_compression import _compressed, _exact_rank1, _rank_check, _warmup
+    from tests.parallel.test_grad_compression import _compressed, _exact_rank1, _rank_check, _small_matrix_whole, _warmup
 
     return {"sanity": _sanity(1), "bytes": _bytes(), "fragments": _fragments(), "resume": _resume(tmp, list(RESUME_CASES)),
             "compressed": _compressed(), "exact_rank1": _exact_rank1(), "warmup": _warmup(),
-            "rank_check": _rank_check()}
+            "rank_check": _rank_check(), "small_whole": _small_matrix_whole(), "local_norm": _local_normalisation()}
 
 
 _LAUNCHED: dict[str, list] = {}  # one launch per pytest process, whichever of the two files asks first

@@ -287,7 +287,7 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, tensors: Sequence[Sha
                 raise ValueError(f"side file {name!r} is a {type(data).__name__}: give its bytes (files are written "
                                  "byte for byte; encode text with .encode())")
         descs, writes = _describe_local(tensors, rank)
-    except (ValueError, CheckpointError) as e:
+    except Exception as e:  # noqa: BLE001 - said by every rank after the gather below
         local_error = e
     tmp_name = None
     if rank == 0 and local_error is None:
@@ -308,7 +308,7 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, tensors: Sequence[Sha
         if failed:
             raise CheckpointError(f"save of step {step} aborted before writing: {'; '.join(failed)}")
         index = build_tensor_index([g["pieces"] for g in gathered])
-    except (ValueError, CheckpointError):
+    except Exception:
         if rank == 0 and tmp_dir is not None:
             os.rmdir(tmp_dir)  # still empty: nothing was written yet
         raise
@@ -316,28 +316,35 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, tensors: Sequence[Sha
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "world_size": len(gathered), **gathered[0]["shared"],
             "rank_states": [g["rank_state"] for g in gathered], "tensors": index}
+    # From here on the ranks have met in a collective: a failure on one rank (staging out of host memory, a
+    # full disk) is kept as ``error`` and said by every rank in finalize()'s collective, never raised alone
+    # (which left the others waiting in that collective until its timeout, before 2026-11-28).
     entries, hosts = [], []
+    writer = result = error = None
     if writes:
         # Widest dtypes first: with the 8-byte aligned header every tensor starts naturally aligned.
         writes.sort(key=lambda nt: -nt[1].data.element_size())
-        hosts = stage_to_host([t.data for _, t in writes], snapshot=async_save, pool=staging)
-        entries = list(zip([n for n, _ in writes], hosts))
+        try:
+            hosts = stage_to_host([t.data for _, t in writes], snapshot=async_save, pool=staging)
+            entries = list(zip([n for n, _ in writes], hosts))
+        except Exception as e:  # noqa: BLE001 - every rank must learn about it (finalize)
+            error = e
     path = tmp_dir / rank_filename(rank)
     file_meta = {"format": FORMAT_NAME, "step": str(step), "rank": str(rank)}
-    writer = result = error = None
-    if rank == 0 and side_files:  # data files, durable before the commit like the shards
+    if rank == 0 and side_files and error is None:  # data files, durable before the commit like the shards
         try:
             for name, data in side_files.items():
                 (tmp_dir / name).parent.mkdir(parents=True, exist_ok=True)
                 write_file_durable(tmp_dir / name, data)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001
             error = e
-    if entries and async_save and error is None:
-        writer = BackgroundWrite(path, entries, metadata=file_meta)
-    elif entries and error is None:
+    if entries and error is None:
         try:
-            result = write_safetensors(path, entries, metadata=file_meta)
-        except OSError as e:
+            if async_save:
+                writer = BackgroundWrite(path, entries, metadata=file_meta)
+            else:
+                result = write_safetensors(path, entries, metadata=file_meta)
+        except Exception as e:  # noqa: BLE001
             error = e
     handle = SaveHandle(root=root, step=step, group=group, tmp_dir=tmp_dir, meta=meta, keep_last=keep_last,
                         keep_every=keep_every, writer=writer, result=result, error=error,

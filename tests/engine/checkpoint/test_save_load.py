@@ -168,6 +168,38 @@ def test_failed_write_deletes_nothing(tmp_path, monkeypatch):
         assert find_latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
 
 
+def _staging_fails_on_rank1(root: str):
+    """Two ranks save step 1, then step 2 with rank 1's host staging failing (out of host memory, say), after
+    the ranks have met in the save's first collective."""
+    import torch.distributed as dist
+
+    from engine.checkpoint._dist import world_group
+
+    group = world_group()
+    me = dist.get_rank()
+    t = [ShardedTensor.chunked("w", torch.full((4,), float(me)), dim=0, rank=me, size=2)]  # each rank writes
+    save_checkpoint(root, step=1, tensors=t, group=group, keep_last=1)
+    if me == 1:
+        def no_memory(tensors, *, snapshot, pool=None):
+            raise RuntimeError("cannot allocate 12 bytes of pinned host memory")
+        save_mod.stage_to_host = no_memory
+    try:
+        save_checkpoint(root, step=2, tensors=t, group=group, keep_last=1)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_a_staging_failure_on_one_rank_fails_every_rank_and_deletes_nothing(tmp_path):
+    from parallel.testing import run_distributed
+
+    got = run_distributed(_staging_fails_on_rank1, 2, str(tmp_path), timeout=60)
+    assert got[0] == got[1] and got[0] is not None, got  # the same error on both ranks, none waits alone
+    assert "saving step 2 failed (rank 1: RuntimeError: cannot allocate 12 bytes" in got[0], got[0]
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1]  # the previous checkpoint is untouched
+    assert (tmp_path / "latest").read_text() == "step_00000001\n"
+
+
 def test_json_state_round_trip():
     state = {"rng": torch.get_rng_state(), "bf": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
              "lr": {"last_epoch": 3, "base": [1e-3, None], "warm": True}, "empty": torch.zeros(0, 2)}

@@ -79,12 +79,17 @@ def _cli(*args, nproc=1):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
 
 
-def test_bad_input_is_a_clear_error(tmp_path, corpus):
-    r = _cli("--config", "no_such_preset")
-    assert r.returncode != 0 and "no_such_preset" in r.stderr and "tiny_llama_cpu" in r.stderr
-    r = _cli("--config", "tiny_llama_cpu", "--set", "data.paths=/nonexistent/text_document",
-             "--set", "parallel.tp=1", "--set", "parallel.pp=1", "--set", "data.tokenizer=none")
-    assert r.returncode != 0 and "data path '/nonexistent/text_document' is missing" in r.stderr
+def test_bad_input_is_a_clear_error(tmp_path, corpus, capsys):
+    from tools.pretrain import main
+
+    # refused in main()'s prepare(), before any process group: in this process (no interpreter start each)
+    assert main(["--config", "no_such_preset"]) == 2
+    err = capsys.readouterr().err
+    assert "no_such_preset" in err and "tiny_llama_cpu" in err
+    assert main(["--config", "tiny_llama_cpu", "--set", "data.paths=/nonexistent/text_document",
+                 "--set", "parallel.tp=1", "--set", "parallel.pp=1", "--set", "data.tokenizer=none"]) == 2
+    assert "data path '/nonexistent/text_document' is missing" in capsys.readouterr().err
+    # and through torchrun, two ranks: the layout's world size against the launch's, said by rank 0
     r = _cli("--config", "tiny_llama_cpu", *sum((["--set", o] for o in _overrides(corpus, str(tmp_path))), []),
              "--set", "parallel.tp=2", "--set", "parallel.pp=2", "--set", "parallel.dp=2", nproc=2)
     assert r.returncode != 0 and "world size 2" in r.stderr, r.stderr[-2000:]

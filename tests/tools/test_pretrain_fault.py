@@ -113,21 +113,33 @@ def test_sigterm_saves_exits_0_and_the_relaunch_resumes(corpus, tmp_path):
     assert [m["step"] for m in _metrics(run) if m["split"] == "train"] == list(range(1, step + 3))
 
 
-def test_another_model_size_and_a_foreign_directory_are_refused(corpus, tmp_path):
+def _main_in_process(args, capsys):
+    """tools/pretrain.py's main() in this process (a refusal in its prepare(), before any process group, is the
+    same there as under a launcher and costs no interpreter start): (exit status, stdout, stderr)."""
+    from tools.pretrain import main
+
+    capsys.readouterr()
+    code = main(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_another_model_size_and_a_foreign_directory_are_refused(corpus, tmp_path, capsys):
     run = tmp_path / "run"
     assert _pretrain(_args(corpus, run, "train.steps=1", "checkpoint.interval=0")).returncode == 0
     saved = (run / "config.json").read_bytes()
-    r = _pretrain(_args(corpus, run, "train.steps=2", "model.hidden_size=64", "model.num_layers=3"))
-    assert r.returncode == 2 and r.stdout == "", r.stderr[-2000:]
-    (line,) = r.stderr.splitlines()
+    code, out, err = _main_in_process(_args(corpus, run, "train.steps=2", "model.hidden_size=64", "model.num_layers=3"),
+                                      capsys)
+    assert code == 2 and out == "", err[-2000:]
+    (line,) = err.splitlines()
     assert len(line) < 700 and "strict=False" not in line and "hidden_size (32 -> 64)" in line, line
     assert "num_hidden_layers (2 -> 3)" in line and "start a new run directory" in line, line
     assert (run / "config.json").read_bytes() == saved  # the refused launch wrote nothing
     foreign = tmp_path / "home"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
-    r = _pretrain(_args(corpus, foreign, "train.steps=1"))
-    assert r.returncode == 2 and "is not a Tessel run" in r.stderr, r.stderr[-2000:]
+    code, _, err = _main_in_process(_args(corpus, foreign, "train.steps=1"), capsys)
+    assert code == 2 and "is not a Tessel run" in err, err[-2000:]
     assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
 
 

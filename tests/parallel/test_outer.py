@@ -300,19 +300,27 @@ RESUME_CASES = {
 
 
 def _resume(tmp: str, names: list[str]):
-    """4 steps straight vs 2 steps + save + a fresh run resuming them for 2 more: bitwise equal."""
+    """4 steps straight vs 2 steps + an async save + a fresh run resuming them for 2 more: bitwise equal. The
+    saving run trains its 2 more steps before the save commits (the outer state goes to the save uncloned:
+    the save's host snapshot must hold the step-2 values), and they equal the straight run's too."""
     import torch.distributed as dist
 
     out = {}
     for name in names:
-        extra = RESUME_CASES[name] + ["checkpoint.async_save=false"]
+        extra = RESUME_CASES[name] + ["checkpoint.async_save=true"]
         straight = _run(_cfg(steps=4, extra=extra))
         ref = [straight.trainer.train_step(straight.train_loader).loss for _ in range(4)]
         run_dir = os.path.join(tmp, name)
         first = _run(_cfg(steps=4, extra=extra), run_dir=run_dir, checkpoints=True)
         for _ in range(2):
             first.trainer.train_step(first.train_loader)
+        saved = []
+        save = first.checkpointer.save
+        first.checkpointer.save = lambda **kw: saved.extend(kw["tensors"]) or save(**kw)
         first.save()
+        live = first.trainer.outer.anchor if first.trainer.outer is not None else None
+        uncloned = live is None or any(st.data.data_ptr() == live.data_ptr() for st in saved)
+        after = [first.trainer.train_step(first.train_loader).loss for _ in range(2)]  # the save still open
         first.checkpointer.finalize()
         dist.barrier()
         second = _run(_cfg(steps=4, extra=extra), run_dir=run_dir, checkpoints=True)
@@ -320,6 +328,7 @@ def _resume(tmp: str, names: list[str]):
         got = [second.trainer.train_step(second.train_loader).loss for _ in range(2)]
         a, b = _params(straight), _params(second)
         out[name] = {"losses": (ref[2:], got), "equal": all(torch.equal(a[k], b[k]) for k in a),
+                     "after_save": after, "uncloned": uncloned,
                      "start_step": getattr(second.trainer.ddp.grad_compressor, "start_step", None)}
     return out
 
@@ -388,7 +397,9 @@ def test_resume_is_bitwise(dp2, name):
     for rank, r in enumerate(r["resume"] for r in dp2):
         ref, got = r[name]["losses"]
         assert ref == got, (rank, name, ref, got)
+        assert r[name]["after_save"] == ref, (rank, name)  # an open async save changes nothing either
         assert r[name]["equal"], (rank, name)
+        assert r[name]["uncloned"], (rank, name)  # the outer anchor went to the save without a device clone
         if name == "powersgd":  # optim.powersgd_start_step reaches the compressor the assembly builds
             assert r[name]["start_step"] == 3
 

@@ -73,8 +73,23 @@ def _identity(meta_path: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
-def _to_uint8(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+def _read_into(path: Path, out: torch.Tensor) -> None:
+    """Read the file ``path`` into the uint8 tensor ``out`` of its size, with no intermediate copy."""
+    view = memoryview(out.numpy()).cast("B")
+    with open(path, "rb") as f:
+        done = 0
+        while done < len(view):
+            n = f.readinto(view[done:])
+            if not n:
+                raise OSError(f"{path} is shorter than {len(view)} bytes (it changed while being read)")
+            done += n
+
+
+def _file_uint8(path: Path) -> torch.Tensor:
+    """The bytes of the file ``path`` as a uint8 tensor, read straight into it."""
+    out = torch.empty(path.stat().st_size, dtype=torch.uint8)
+    _read_into(path, out)
+    return out
 
 
 def _backend(pg) -> str:
@@ -119,13 +134,20 @@ class PeerReplica:
         meta_bytes = meta_path.read_bytes()
         files = json.loads(meta_bytes)["files"]
         mine = rank_filename(g.rank)
-        data = (step_dir / mine).read_bytes() if mine in files else b""
+        n_data = (step_dir / mine).stat().st_size if mine in files else 0
         held = json.dumps({"step": step, "from": g.rank, "file": mine if mine in files else None,
                            "world": g.size, "metadata_identity": _identity(meta_path)}).encode()
-        lengths = torch.tensor([len(held), len(meta_bytes), len(data)], dtype=torch.int64)
+        lengths = torch.tensor([len(held), len(meta_bytes), n_data], dtype=torch.int64)
         theirs = torch.zeros(3, dtype=torch.int64)
         comm.wait(comm.batch_p2p([comm.P2P("send", lengths, self.dst), comm.P2P("recv", theirs, self.src)], g), g)
-        payload = _to_uint8(held + meta_bytes + data)  # (held + metadata + file bytes,)
+        # One buffer, the shard read straight into it: this rank's file once plus the peer's incoming copy in host
+        # memory (before 2026-11-28: the file's bytes, their concatenation, a bytearray of it and the incoming copy).
+        payload = torch.empty(len(held) + len(meta_bytes) + n_data, dtype=torch.uint8)  # (held + metadata + file,)
+        head = memoryview(payload.numpy()).cast("B")
+        head[:len(held)] = held
+        head[len(held):len(held) + len(meta_bytes)] = meta_bytes
+        if n_data:
+            _read_into(step_dir / mine, payload[len(held) + len(meta_bytes):])
         incoming = torch.zeros(int(theirs.sum()), dtype=torch.uint8)
         comm.wait(comm.batch_p2p([comm.P2P("send", payload, self.dst), comm.P2P("recv", incoming, self.src)], g), g)
         raw = memoryview(incoming.numpy())
@@ -250,7 +272,7 @@ class ReplicaSource:
                     if n == g.rank:
                         out[f] = (self.local_dir / f).read_bytes()
                 elif g.rank == h:
-                    ops.append(comm.P2P("send", _to_uint8((self.local_dir / f).read_bytes()), n))
+                    ops.append(comm.P2P("send", _file_uint8(self.local_dir / f), n))
                 elif g.rank == n:
                     recv_bufs[f] = torch.zeros(files[f]["bytes"], dtype=torch.uint8)  # (file bytes,)
                     ops.append(comm.P2P("recv", recv_bufs[f], h))

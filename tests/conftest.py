@@ -7,6 +7,20 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+class TorchState:
+    """A tool's ``main()`` run in the test process may set torch's thread count and seed its global RNG (the
+    benchmarks do): ``with TorchState():`` puts both back afterwards."""
+
+    def __enter__(self):
+        self.threads, self.rng = torch.get_num_threads(), torch.get_rng_state()
+        return self
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.threads)
+        torch.set_rng_state(self.rng)
+        return False
+
+
 def pytest_collection_modifyitems(config, items):
     if "composition_full" not in (config.option.markexpr or ""):
         full = pytest.mark.skip(reason="the composition matrix's full cross product: select it with -m composition_full")

@@ -5,34 +5,39 @@ torch.compile baseline (a cold compile costs ~20 s per op on this machine), so i
 seconds. Only consistency is asserted (rows present, positive times, rates = work / time,
 percentages = rate / ceiling, peaks relative to eager), never speed.
 """
+import contextlib
+import io
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests.conftest import TorchState
 from tools import bench_kernels
 from tools.bench_kernels import CPUMemoryPeak
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OPS = ["rmsnorm", "swiglu", "rope", "linear_ce"]
 TOKENS, VOCAB = 32, 512
 HIDDEN = bench_kernels.MODELS["8b"]["hidden"]
 LABELS = {"rmsnorm": "rmsnorm+residual", "swiglu": "swiglu", "rope": "rope(q+k)", "linear_ce": "linear+ce"}
 
 
+def _main(*argv) -> str:
+    """tools/bench_kernels.py's main() in this process (no interpreter start; its thread count and seed put
+    back after): what it printed."""
+    out = io.StringIO()
+    with TorchState(), contextlib.redirect_stdout(out):
+        bench_kernels.main(list(argv))
+    return out.getvalue()
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "kernels.json"
-    cmd = [sys.executable, "tools/bench_kernels.py", "--cpu", "--models", "8b", "--ops", *OPS,
-           "--tokens", str(TOKENS), "--vocab", str(VOCAB), "--reps", "1", "--warmup", "0",
-           "--no-compile", "--json", str(path)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    stdout = _main("--cpu", "--models", "8b", "--ops", *OPS, "--tokens", str(TOKENS), "--vocab", str(VOCAB),
+                   "--reps", "1", "--warmup", "0", "--no-compile", "--json", str(path))
     with open(path) as f:
-        return json.load(f), proc.stdout
+        return json.load(f), stdout
 
 
 def test_json_has_every_op_with_positive_times(tiny_run):
@@ -174,12 +179,9 @@ def test_fp32_dtype_reaches_inputs_and_ceiling(tmp_path):
     """--dtype fp32: the linear + CE inputs are fp32 (their gradients' bytes say so) and the matmul
     ceiling, the rows' rates and the printed ceiling line are fp32 too."""
     path = tmp_path / "fp32.json"
-    cmd = [sys.executable, "tools/bench_kernels.py", "--cpu", "--ops", "linear_ce", "--dtype", "fp32",
-           "--tokens", str(TOKENS), "--vocab", str(VOCAB), "--reps", "1", "--warmup", "0",
-           "--no-compile", "--json", str(path)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "dtype fp32" in proc.stdout and "fp32 matmul" in proc.stdout
+    stdout = _main("--cpu", "--ops", "linear_ce", "--dtype", "fp32", "--tokens", str(TOKENS), "--vocab", str(VOCAB),
+                   "--reps", "1", "--warmup", "0", "--no-compile", "--json", str(path))
+    assert "dtype fp32" in stdout and "fp32 matmul" in stdout
     with open(path) as f:
         result = json.load(f)
     assert result["dtype"] == "fp32" and result["ceilings"]["matmul_dtype"] == "fp32"

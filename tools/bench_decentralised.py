@@ -5,13 +5,17 @@ compressors) with an injected per-byte delay on every data-parallel collective.
         [--bandwidth-mbps 20] [--steps 20] [--warmup 2] [--json out.json]
 
 Every rank builds the CPU preset (configs/tiny_llama_cpu.toml) at tp=1, pp=1 (dp = the world) through the
-main job's assembly line, once per method, on synthetic tokens. The link: each collective the ledger
-records on the dp axis sleeps ``sent_bytes / bandwidth`` on the calling rank when it is issued (a
-bandwidth cap of ``--bandwidth-mbps`` MB/s per rank, no latency term). The model charges an async
-collective at its launch, so Streaming DiLoCo's overlap of a fragment with the next inner step is NOT
-credited here: its figure shows the cost of its bytes only (the same total as DiLoCo's, spread over the
-cycle). Prints one row per method: tokens/s, dp bytes per step (ledger) and the ratio to DDP in the same
-run; ``--json`` writes the rows.
+main job's assembly line, once per method, on synthetic tokens. The link (:class:`Link`): each rank's dp
+collectives share one simulated link of ``--bandwidth-mbps`` MB/s (1e6 B), its rate split evenly between
+the transfers in flight, no latency term. A collective's bytes (the ledger's ``sent_bytes`` on the dp axis)
+start when it is issued; a synchronous collective returns once they are through, an asynchronous one at
+once, and its ``wait()`` blocks until they are through. (An NCCL communicator runs its collectives in
+order, one at a time: there a small collective would wait behind a large one in flight, which this
+model, like gloo's worker threads, does not make it do.) So compute that runs between an async collective and
+its wait hides the transfer, as on a real link: DDP's bucket all-reduces overlap the rest of backward,
+and Streaming DiLoCo's fragment reduction overlaps the next inner step (until 2026-11-28 every
+collective slept its bytes when issued, which credited neither). Prints one row per method: tokens/s, dp
+bytes per step (ledger) and the ratio to DDP in the same run; ``--json`` writes the rows.
 """
 from __future__ import annotations
 
@@ -52,15 +56,121 @@ class _Synthetic:
                 "loss_mask": np.ones(self.seq, dtype=np.float32)}
 
 
-def _throttle(ledger, *, axis: str, bytes_per_s: float) -> None:
-    """Wrap ``ledger.add``: a record on ``axis`` sleeps its sent bytes over the link first."""
+class Link:
+    """One rank's simulated data-parallel link of ``bytes_per_s``, shared fairly by the transfers in flight
+    (processor sharing: ``n`` concurrent transfers get ``1/n`` of the rate each, as interleaved packets of
+    separate messages do), so a small synchronous collective is not stuck behind a large transfer in
+    flight. :meth:`send` starts a transfer and returns its id; :meth:`block_until_done` sleeps until it is
+    through. ``clock`` and ``sleep`` are injectable for tests."""
+
+    def __init__(self, bytes_per_s: float, *, clock=time.perf_counter, sleep=time.sleep):
+        if bytes_per_s <= 0:
+            raise ValueError(f"bytes_per_s={bytes_per_s} must be > 0")
+        self.bytes_per_s, self.clock, self.sleep = bytes_per_s, clock, sleep
+        self.left: dict[int, float] = {}  # transfer id -> bytes still to go
+        self.t = 0.0  # the time self.left describes
+        self.blocked_s = 0.0  # time spent waiting on the link (what the compute did not hide)
+        self._next = 0
+
+    @staticmethod
+    def _run(left: dict[int, float], t: float, until: float | None, bps: float, target: int | None = None):
+        """Share the rate over ``left`` from ``t`` (in place) until time ``until`` or until ``target`` is
+        through; returns the time reached."""
+        while left:
+            rate = bps / len(left)
+            fid, smallest = min(left.items(), key=lambda kv: kv[1])
+            done_at = t + smallest / rate
+            if until is not None and done_at > until:
+                for k in left:
+                    left[k] -= (until - t) * rate
+                return until
+            for k in left:
+                left[k] -= smallest
+            t = done_at
+            for k in [k for k, v in left.items() if v <= 1e-9]:
+                del left[k]
+                if k == target:
+                    return t
+        return t if until is None else max(t, until)
+
+    def send(self, nbytes: float) -> int:
+        now = self.clock()
+        self.t = self._run(self.left, self.t, max(now, self.t), self.bytes_per_s)
+        fid, self._next = self._next, self._next + 1
+        self.left[fid] = float(nbytes)
+        return fid
+
+    def done_at(self, fid: int) -> float:
+        """When transfer ``fid`` is through if nothing else starts meanwhile (this rank is blocked on it)."""
+        if fid not in self.left:
+            return self.t
+        return self._run(dict(self.left), self.t, None, self.bytes_per_s, target=fid)
+
+    def block_until_done(self, fid: int) -> None:
+        left = self.done_at(fid) - self.clock()
+        if left > 0:
+            self.blocked_s += left
+            self.sleep(left)
+
+    def drain(self) -> None:
+        """Block until every transfer in flight is through (the end of a timed window)."""
+        for fid in sorted(self.left):
+            self.block_until_done(fid)
+
+
+class _LinkWork:
+    """An async collective's handle whose ``wait()`` first waits for its bytes on the link."""
+
+    def __init__(self, work, link: Link, transfers: list[int]):
+        self._work, self._link, self._transfers = work, link, transfers
+
+    def wait(self, *args, **kwargs):
+        for fid in self._transfers:
+            self._link.block_until_done(fid)
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+ASYNC_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+
+
+def install_link(ledger, comm_module, *, axis: str, link: Link) -> None:
+    """Route ``axis``'s collectives over ``link``: wrap ``ledger.add`` (where each collective's bytes are
+    recorded, when it is issued) and ``comm_module``'s collectives (which say whether a call is async and
+    hand out its work handle)."""
+    calls: list[dict] = []  # the comm calls in progress, innermost last: {"async": bool, "transfers": [...]}
     add = ledger.add
 
-    def slow_add(rec):
+    def link_add(rec):
         if rec.axis == axis and rec.sent_bytes > 0:
-            time.sleep(rec.sent_bytes / bytes_per_s)
+            fid = link.send(rec.sent_bytes)
+            if calls and calls[-1]["async"]:
+                calls[-1]["transfers"].append(fid)  # paid at the handle's wait()
+            else:
+                link.block_until_done(fid)  # a synchronous collective: through before it returns
         add(rec)
-    ledger.add = slow_add
+    ledger.add = link_add
+
+    def wrap(fn):
+        def call(*args, **kwargs):
+            calls.append({"async": bool(kwargs.get("async_op")), "transfers": []})
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                frame = calls.pop()
+            if not frame["transfers"]:
+                return out
+            fids = frame["transfers"]
+            if isinstance(out, tuple):  # (result, work)
+                return tuple(_LinkWork(o, link, fids) if hasattr(o, "wait") and not torch.is_tensor(o) else o
+                             for o in out)
+            return _LinkWork(out, link, fids)
+        return call
+
+    for name in ASYNC_OPS:
+        setattr(comm_module, name, wrap(getattr(comm_module, name)))
 
 
 def bench(method: str, *, steps: int, warmup: int, bandwidth: float, seq: int):
@@ -79,19 +189,30 @@ def bench(method: str, *, steps: int, warmup: int, bandwidth: float, seq: int):
     run = build_run(cfg, model=model, train_data=_Synthetic(gbs * (steps + warmup + 1), seq=seq,
                                                             vocab=cfg.model.vocab_size),
                     checkpoints=False, log_stream=open(os.devnull, "w"))
+    from parallel import comm
+
     axis = run.trainer.ddp.dp_group.axis
-    _throttle(run.mesh.ledger, axis=axis, bytes_per_s=bandwidth)
+    link = Link(bandwidth)
+    saved = {name: getattr(comm, name) for name in ASYNC_OPS}
+    install_link(run.mesh.ledger, comm, axis=axis, link=link)
     for _ in range(warmup):
         run.trainer.train_step(run.train_loader)
     torch.distributed.barrier()
     sent0 = run.mesh.ledger.by_axis().get(axis, 0.0)
+    link.drain()
+    link.blocked_s = 0.0  # the timed steps' waits only
     t0 = time.perf_counter()
     losses = [run.trainer.train_step(run.train_loader).loss for _ in range(steps)]
+    link.drain()  # a transfer still in flight (a Streaming fragment) counts
     torch.distributed.barrier()
     seconds = time.perf_counter() - t0
     sent = run.mesh.ledger.by_axis().get(axis, 0.0) - sent0
+    for name, fn in saved.items():  # the next method installs its own link
+        setattr(comm, name, fn)
+    run.close()
     return {"method": method, "dp": n, "tokens_per_s": gbs * seq * steps / seconds, "seconds": seconds,
-            "dp_bytes_per_step": sent / steps, "last_loss": losses[-1]}
+            "dp_bytes_per_step": sent / steps, "link_blocked_s_per_step": link.blocked_s / steps,
+            "last_loss": losses[-1]}
 
 
 def main(argv=None) -> int:
@@ -120,12 +241,14 @@ def main(argv=None) -> int:
         base = next((r for r in rows if r["method"] == "ddp"), rows[0])
         print(f"dp={world} over gloo, dp link {args.bandwidth_mbps:g} MB/s per rank (injected), {args.steps} steps "
               f"of the tiny_llama_cpu preset at tp=1 pp=1, seq {args.seq_length}")
-        print(f"{'method':<20}{'tokens/s':>12}{'x ' + base['method']:>12}{'dp MB/step':>14}{'x bytes':>10}")
+        print(f"{'method':<20}{'tokens/s':>12}{'x ' + base['method']:>12}{'dp MB/step':>14}{'x bytes':>10}"
+              f"{'link wait s/step':>18}")
         for r in rows:
             r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
             r["bytes_ratio"] = r["dp_bytes_per_step"] / base["dp_bytes_per_step"] if base["dp_bytes_per_step"] else None
             print(f"{r['method']:<20}{r['tokens_per_s']:>12,.0f}{r['speedup']:>12.2f}"
-                  f"{r['dp_bytes_per_step'] / 1e6:>14.3f}{(r['bytes_ratio'] or 0):>10.4f}")
+                  f"{r['dp_bytes_per_step'] / 1e6:>14.3f}{(r['bytes_ratio'] or 0):>10.4f}"
+                  f"{r['link_blocked_s_per_step']:>18.4f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"bandwidth_mbps": args.bandwidth_mbps, "steps": args.steps, "world": world, "rows": rows},

@@ -127,7 +127,7 @@ class Trainer:
         self.nonfinite_report: dict | None = None  # the last replay's findings (engine/nan_locate.py)
         self.straggler = None  # fault.straggler_ratio: per-rank step and compute times, compared every log step
         self.outer = None  # parallel.data_parallel.outer.OuterOptimizer (outer.method != 'none'): set by engine.assembly
-        self._loss_log_scale = 1.0  # this rank's loss sum -> the global batch's weights (_loss_weights)
+        self._local_units = None  # this replica's loss units when _loss_weights normalised locally (DiLoCo)
         self._outer_last: dict[str, float] = {}  # the latest sync's metrics, logged at every log step
         if cfg.fault.straggler_ratio is not None:
             from engine.straggler import StragglerMonitor
@@ -182,19 +182,19 @@ class Trainer:
 
         ``local`` (DiLoCo's inner steps: no dp reduction, each replica steps on its own gradient): each
         replica normalises by its own loss units ``n_r``, ``w_i = n_i * m / n_r``, as a run of its own would,
-        so a replica with fewer loss tokens does not take a smaller step; the logged loss stays the global
-        batch's token mean (:meth:`_global_mean_loss` scales this rank's sum by ``n_r * dp / N``)."""
+        so a replica with fewer loss tokens does not take a smaller step. No collective: the global count is
+        needed only for the logged loss, which :meth:`_global_mean_loss` reduces after the step (a blocking
+        dp all-reduce before the forward costs a round trip per inner step on a slow link)."""
         counts = torch.stack([self._units(mb) for mb in micro]).to(torch.float64)  # (m,)
         own = counts.sum().reshape(1)  # (1,)
+        if local:
+            both = torch.cat([torch.where(own > 0, counts * len(micro) / own, torch.zeros_like(counts)), own]).tolist()
+            self._local_units = both[-1]
+            return both[:-1]
+        self._local_units = None
         total = own.clone()
         comm.all_reduce(total, self.mesh.dp_cp)
         dp = self.mesh.dp_cp.size
-        if local:
-            weights = torch.where(own > 0, counts * len(micro) / own, torch.zeros_like(counts))
-            both = torch.cat([weights, torch.where(total > 0, own * dp / total, torch.zeros_like(own))]).tolist()
-            self._loss_log_scale = both[-1]
-            return both[:-1]
-        self._loss_log_scale = 1.0
         weights = torch.where(total > 0, counts * float(len(micro) * dp) / total, torch.zeros_like(counts))
         return weights.tolist()
 
@@ -270,13 +270,19 @@ class Trainer:
 
     def _global_mean_loss(self, losses: list[float]) -> float:
         """The global batch's token-weighted loss, known on every rank: the weighted micro-batch means
-        summed over pp and dp, divided by the number of micro-batches in the global batch."""
-        # under local normalisation (_loss_weights(local=True)) this rank's sum is rescaled to the global weights
-        t = torch.tensor([sum(losses) * self._loss_log_scale, float(len(losses))], dtype=torch.float64,
-                         device=self.device)
+        summed over pp and dp, divided by the number of micro-batches in the global batch. Under local
+        normalisation (:meth:`_loss_weights` ``local``) this rank's weighted sum times ``n_r / m`` is its
+        token-loss sum: those sums and the replicas' units (counted once, on the stage holding the losses)
+        are summed instead, and divided."""
+        if self._local_units is not None:
+            units = self._local_units if losses else 0.0
+            t = torch.tensor([sum(losses) * units / max(len(losses), 1), units], dtype=torch.float64,
+                             device=self.device)
+        else:
+            t = torch.tensor([sum(losses), float(len(losses))], dtype=torch.float64, device=self.device)
         comm.all_reduce(t, self.mesh.pp)  # only the last stage has losses
         comm.all_reduce(t, self.mesh.dp_cp)
-        return float(t[0] / t[1])
+        return float(t[0] / t[1]) if float(t[1]) > 0 else 0.0
 
     def _to_device(self, batch: dict) -> dict:
         """A loader's micro-batch (CPU tensors) on the model's device; under context parallelism, this cp

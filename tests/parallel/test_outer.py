@@ -348,7 +348,9 @@ def _local_normalisation():
             mb["loss_mask"][:, : SEQ // 2] = 0  # (b, s): half the loss tokens of replica 0
     t.optimizer.zero_grad()
     t.outer.begin_step(1)
-    logged = t._global_mean_loss(t._pipeline(micro, train=True))
+    with run.mesh.ledger.capture() as cap:  # forward and backward of an inner step: no dp collective at all
+        losses = t._pipeline(micro, train=True)
+    logged = t._global_mean_loss(losses)
     t.ddp.finish_grad_sync()
     params = [p for p in t.chunks.parameters() if p.requires_grad]
     got = [p.main_grad.clone() for p in params]
@@ -360,13 +362,14 @@ def _local_normalisation():
     both = torch.tensor([float(sum(token_sums)), own], dtype=torch.float64)
     dist.all_reduce(both)  # the global batch's token sum and count
     return {"grad_err": max(float((g - w).abs().max() / w.abs().max()) for g, w in zip(got, want)),
-            "logged": logged, "global_mean": float(both[0] / both[1])}
+            "logged": logged, "global_mean": float(both[0] / both[1]), "dp_calls": len(cap.select(axis="dp_cp"))}
 
 
 def test_diloco_replicas_normalise_by_their_own_loss_tokens(dp2):
     for rank, r in enumerate(x["local_norm"] for x in dp2):
         assert r["grad_err"] < 1e-5, (rank, r)  # fp32; before: 4/3 and 2/3 of it (normalised by the global count)
         assert r["logged"] == pytest.approx(r["global_mean"], rel=1e-6), (rank, r)
+        assert r["dp_calls"] == 0, (rank, r)  # the replica's own count needs no all-reduce before the forward
 
 
 def _all_dp2(tmp: str):

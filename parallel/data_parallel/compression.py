@@ -13,7 +13,8 @@ added to the next step's gradient), which a checkpoint saves (:meth:`state_tenso
   then ``Q = sum_ranks(M^T P)`` (n, r); ``Q`` is kept for the next step (warm start: one power
   iteration per step). Per matrix and step that is ``r * (m + n)`` fp32 elements all-reduced;
   1-D gradients (norms, biases), and every matrix whose factors would not be smaller than the matrix
-  (``r * (m + n) >= m * n``, :func:`powersgd_compresses`, as torch's ``powerSGD_hook`` decides), are
+  (``r * (m + n) >= m * n``, :func:`powersgd_compresses`: the break-even point; torch's ``powerSGD_hook``
+  asks for a 2x saving by default, ``min_compression_rate=2``), are
   all-reduced uncompressed in the same call as the ``P`` s (exact, no error feedback).
   ``start_step`` (``optim.powersgd_start_step``, torch's ``start_powerSGD_iter``): the first
   ``start_step`` reductions of each bucket are a plain all-reduce (error feedback and ``Q`` untouched).
@@ -124,7 +125,9 @@ class PowerSGD(GradCompressor):
                 best = max(powersgd_max_rank(m, n) for m, n in mats)
                 raise ValueError(f"optim.powersgd_rank={self.rank} compresses none of these matrices (a rank-r "
                                  "factor pair is smaller than an (m, n) matrix only where r (m + n) < m n): every "
-                                 f"gradient would go uncompressed; set optim.powersgd_rank <= {best}")
+                                 "gradient would go uncompressed; "
+                                 + (f"set optim.powersgd_rank <= {best}" if best else
+                                    "no rank compresses them; use optim.grad_compression=onebit or none"))
 
     def reduce(self, key, grad, bucket) -> None:
         done = self.steps.get(key, 0)

@@ -218,6 +218,8 @@ def test_powersgd_rank_above_a_matrix_is_refused():
     group = Group.trivial("dp")
     with pytest.raises(ValueError, match=r"optim.powersgd_rank=3 compresses none .* set optim.powersgd_rank <= 2"):
         DataParallel(torch.nn.Linear(3, 8), dp_group=group, grad_compressor=PowerSGD(rank=3, dp_group=group))
+    with pytest.raises(ValueError, match="no rank compresses them; use optim.grad_compression=onebit or none"):
+        DataParallel(torch.nn.Linear(1, 4), dp_group=group, grad_compressor=PowerSGD(rank=1, dp_group=group))
     # checked=True (engine.assembly checked the whole layout): a stage with only small matrices sends them whole
     DataParallel(torch.nn.Linear(3, 8), dp_group=group, grad_compressor=PowerSGD(rank=3, dp_group=group, checked=True))
     with pytest.raises(ValueError, match="zero_stage=0"):

@@ -1,10 +1,10 @@
 """tools/bench_decentralised.py's simulated link (no launch: a fake clock and a stand-in comm module).
 
 The bench itself (4 ranks, every method) runs by hand; docs/decentralised.md has its command and numbers.
-What is tested is the link model its figures rest on: transfers queue first come first served at the
-link's rate; a synchronous collective returns once its bytes are through; an asynchronous one returns at
-once and its handle's wait() blocks only for what the compute since its launch did not hide; records on
-another axis cost nothing.
+What is tested is the link model its figures rest on: the transfers in flight share the link's rate; a
+synchronous collective returns once its bytes are through; an asynchronous one returns at once and its
+handle's wait() blocks only for what the compute since its launch did not hide; records on another axis
+cost nothing.
 """
 from __future__ import annotations
 

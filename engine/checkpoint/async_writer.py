@@ -59,23 +59,36 @@ def stage_to_host(tensors: list[torch.Tensor], *, snapshot: bool, pool: StagingP
     copies only what is on a device or strided.
     """
     out: list[torch.Tensor] = []
+    taken: list[torch.Tensor] = []  # buffers from ``pool``: given back if staging fails part way
     any_cuda = False
-    for t in tensors:
-        t = t.detach()
-        if t.is_cuda or snapshot:
-            pinned = t.is_cuda
-            host = pool.take(t.shape, t.dtype, pinned=pinned) if pool is not None else (
-                torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned))
-            if pinned or not t.is_contiguous() or t.numel() == 0:
-                host.copy_(t, non_blocking=pinned)
-            else:  # numpy's memcpy-based copy is several times faster than Tensor.copy_ on CPU
-                np.copyto(_byte_view_np(host), _byte_view_np(t))
-            any_cuda |= pinned
-        else:
-            host = t.contiguous()
-        out.append(host)
-    if any_cuda:
-        torch.cuda.synchronize()
+    try:
+        for t in tensors:
+            t = t.detach()
+            if t.is_cuda or snapshot:
+                pinned = t.is_cuda
+                host = pool.take(t.shape, t.dtype, pinned=pinned) if pool is not None else (
+                    torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned))
+                if pool is not None:
+                    taken.append(host)
+                if pinned or not t.is_contiguous() or t.numel() == 0:
+                    host.copy_(t, non_blocking=pinned)
+                else:  # numpy's memcpy-based copy is several times faster than Tensor.copy_ on CPU
+                    np.copyto(_byte_view_np(host), _byte_view_np(t))
+                any_cuda |= pinned
+            else:
+                host = t.contiguous()
+            out.append(host)
+        if any_cuda:
+            torch.cuda.synchronize()
+    except BaseException:
+        if taken:
+            try:
+                if any_cuda:
+                    torch.cuda.synchronize()  # no copy into them may still be in flight when they are reused
+                pool.give_back(taken)
+            except Exception:  # noqa: BLE001 - a broken device: the buffers are dropped, the error below stands
+                pass
+        raise
     return out
 
 

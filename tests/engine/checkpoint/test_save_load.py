@@ -168,6 +168,19 @@ def test_failed_write_deletes_nothing(tmp_path, monkeypatch):
         assert find_latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
 
 
+def test_a_staging_failure_gives_the_pools_buffers_back():
+    from engine.checkpoint.async_writer import StagingPool, stage_to_host
+
+    class Broken:
+        def detach(self):
+            raise RuntimeError("cannot read this tensor")
+
+    pool = StagingPool()
+    with pytest.raises(RuntimeError, match="cannot read"):
+        stage_to_host([torch.ones(4), Broken()], snapshot=True, pool=pool)
+    assert pool.nbytes == 16  # the first tensor's buffer is back in the pool for the next save
+
+
 def _staging_fails_on_rank1(root: str):
     """Two ranks save step 1, then step 2 with rank 1's host staging failing (out of host memory, say), after
     the ranks have met in the save's first collective."""

@@ -8,16 +8,20 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 class TorchState:
-    """A tool's ``main()`` run in the test process may set torch's thread count and seed its global RNG (the
-    benchmarks do): ``with TorchState():`` puts both back afterwards."""
+    """A tool's ``main()`` run in the test process may set torch's thread count and seed its global RNGs (the
+    benchmarks do): ``with TorchState():`` puts them back afterwards (CPU and, where there is one, CUDA)."""
 
     def __enter__(self):
         self.threads, self.rng = torch.get_num_threads(), torch.get_rng_state()
+        # torch.manual_seed reseeds every CUDA device too (on a GPU machine)
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         return self
 
     def __exit__(self, *exc):
         torch.set_num_threads(self.threads)
         torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
         return False
 
 

@@ -31,7 +31,7 @@ from parallel.mesh import Mesh, ParallelDims
 from parallel.pipeline import build_schedule, forward_only
 from parallel.pipeline.actions import placement_of, rank_stages
 from parallel.pipeline.split import split_layers
-from parallel.random import PP_SEED_STRIDE, cp_seed
+from parallel.random import cp_seed, pp_seed
 
 
 def check_data_paths(paths: list[str]) -> None:
@@ -432,7 +432,7 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     # dropout's default stream: cp ranks hold other tokens, pipeline stages other layers (Megatron's 100 x pp_rank;
     # one seed on every stage made stage 1's first masks repeat stage 0's)
-    torch.manual_seed(cp_seed(t.seed, mesh.coords["cp"]) + PP_SEED_STRIDE * mesh.coords["pp"])
+    torch.manual_seed(pp_seed(cp_seed(t.seed, mesh.coords["cp"]), mesh.coords["pp"]))
     chunks = torch.nn.ModuleList([
         model.build_stage(mesh, pre_process=s == 0, post_process=s == num_stages - 1, layer_range=ranges[s],
                           device=device)

@@ -35,7 +35,7 @@ from parallel.comm import Group
 from parallel.context_parallel import (CP_COMM, ContextParallel, ContextParallelMasks, check_cp_sequence,
                                        gather_sequence, zigzag_indices, zigzag_shard)
 from parallel.mappings import copy_to_tp, gather_from_sp
-from parallel.random import PP_SEED_STRIDE, RNGTracker, checkpoint, cp_seed, make_tracker
+from parallel.random import RNGTracker, checkpoint, cp_seed, make_tracker, pp_seed
 from parallel.tensor_parallel import (ColumnParallelLinear, DefaultLinearImpl, LinearImpl, RowParallelLinear,
                                       TPReduce, VocabParallelEmbedding, check_ids, mark_replicated,
                                       vocab_parallel_cross_entropy)
@@ -223,10 +223,10 @@ class TransformerStage(nn.Module):
                                                        make_vocab_size_divisible_by=make_vocab_size_divisible_by)
         self.linear_impl = linear_impl or DefaultLinearImpl()
         # the model-parallel dropout stream: per TP rank, per cp rank (other tokens of the same sequences), and
-        # per pipeline chunk (``PP_SEED_STRIDE`` x its first layer: 0 for a whole model; each chunk holds its own
+        # per pipeline chunk (``pp_seed`` of its first layer: 0 for a whole model; each chunk holds its own
         # tracker, and with one seed every stage and virtual chunk repeated the first one's masks)
-        self.rng = make_tracker(cp_seed(seed, 0 if self.cp is None else self.cp.group.rank)
-                                + PP_SEED_STRIDE * layer_range[0], tp_rank=tp_group.rank, device=device or "cpu")
+        self.rng = make_tracker(pp_seed(cp_seed(seed, 0 if self.cp is None else self.cp.group.rank), layer_range[0]),
+                                tp_rank=tp_group.rank, device=device or "cpu")
         init = Initializer(cfg, seed=seed)
         kw = dict(tp_group=tp_group, sequence_parallel=self.sequence_parallel, dtype=dtype, device=device)
         self.embedding = (Embedding(cfg, padded_vocab=self.padded_vocab_size, init=init, rng=self.rng, **kw)

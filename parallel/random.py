@@ -147,6 +147,12 @@ def cp_seed(seed: int, cp_rank: int) -> int:
     return int(seed) + CP_SEED_STRIDE * int(cp_rank)
 
 
+def pp_seed(seed: int, index: int) -> int:
+    """The seed of pipeline position ``index`` (a pp rank for the default stream, a model chunk's first layer
+    for its tracker): ``seed + PP_SEED_STRIDE * index``, Megatron's stage offset."""
+    return int(seed) + PP_SEED_STRIDE * int(index)
+
+
 def model_parallel_seed(seed: int, *, tp_rank: int, offset: int = TP_SEED_OFFSET) -> int:
     """The model-parallel stream's seed: differs across TP ranks."""
     return int(seed) + offset + int(tp_rank)
@@ -167,11 +173,11 @@ def seed_streams(seed: int, *, tp_rank: int, pp_rank: int = 0, device: torch.dev
 
     This sets torch's global default generators (``torch.manual_seed``): call it once at start-up.
     """
-    stage_seed = int(seed) + PP_SEED_STRIDE * int(pp_rank)
+    stage_seed = pp_seed(seed, pp_rank)
     torch.manual_seed(stage_seed)
     return make_tracker(stage_seed, tp_rank=tp_rank, device=device, offset=offset)
 
 
-__all__ = ["RNGTracker", "checkpoint", "MODEL_PARALLEL_STREAM", "TP_SEED_OFFSET", "cp_seed", "model_parallel_seed",
+__all__ = ["RNGTracker", "checkpoint", "MODEL_PARALLEL_STREAM", "TP_SEED_OFFSET", "cp_seed", "pp_seed", "model_parallel_seed",
            "make_tracker",
            "seed_streams"]

@@ -21,6 +21,16 @@ import torch
 from tests.parallel.test_outer import _cfg, _train, dp2_results
 
 
+def _two_ranks(axis: str, ledger=None):
+    """The 2-rank launch's world as a Group on ``axis`` (a fresh ledger unless given)."""
+    import torch.distributed as dist
+
+    from parallel.comm import Group, Ledger
+
+    return Group(axis=axis, ranks=range(2), rank=dist.get_rank(), pg=dist.group.WORLD,
+                 ledger=ledger if ledger is not None else Ledger())
+
+
 def _compressed():
     out = {}
     for name, extra in (("powersgd", ["optim.grad_compression=powersgd", "optim.powersgd_rank=2"]),
@@ -65,11 +75,10 @@ def _exact_rank1():
     scale, so the sum is rank-1 and PowerSGD at r=1 recovers it exactly; a 1-D gradient is summed exactly."""
     import torch.distributed as dist
 
-    from parallel.comm import Group, Ledger
     from parallel.data_parallel import DataParallel
     from parallel.data_parallel.compression import PowerSGD
 
-    group = Group(axis="dp", ranks=range(2), rank=dist.get_rank(), pg=dist.group.WORLD, ledger=Ledger())
+    group = _two_ranks("dp")
     model = torch.nn.Linear(3, 4)
     comp = PowerSGD(rank=1, dp_group=group, seed=0)
     ddp = DataParallel(model, dp_group=group, grad_compressor=comp, grad_reduce="sum")
@@ -89,12 +98,12 @@ def _warmup():
     the step counters survive state_dict/load_state, so a resumed compressor compresses at once."""
     import torch.distributed as dist
 
-    from parallel.comm import Group, Ledger
+    from parallel.comm import Ledger
     from parallel.data_parallel import DataParallel
     from parallel.data_parallel.compression import PowerSGD
 
     ledger = Ledger()
-    group = Group(axis="dp", ranks=range(2), rank=dist.get_rank(), pg=dist.group.WORLD, ledger=ledger)
+    group = _two_ranks("dp", ledger)
     model = torch.nn.Linear(3, 4)
     comp = PowerSGD(rank=1, dp_group=group, seed=0, start_step=2)
     ddp = DataParallel(model, dp_group=group, grad_compressor=comp, grad_reduce="sum")
@@ -135,12 +144,12 @@ def _small_matrix_whole():
     exactly (no error feedback, no Q) in the call that carries the P s; the large one is compressed."""
     import torch.distributed as dist
 
-    from parallel.comm import Group, Ledger
+    from parallel.comm import Ledger
     from parallel.data_parallel import DataParallel
     from parallel.data_parallel.compression import PowerSGD
 
     ledger = Ledger()
-    group = Group(axis="dp", ranks=range(2), rank=dist.get_rank(), pg=dist.group.WORLD, ledger=ledger)
+    group = _two_ranks("dp", ledger)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16, bias=False), torch.nn.Linear(16, 2, bias=False))
     comp = PowerSGD(rank=2, dp_group=group, seed=0)
     ddp = DataParallel(model, dp_group=group, grad_compressor=comp, grad_reduce="sum")
@@ -191,10 +200,9 @@ def _rank_check():
     said once."""
     import torch.distributed as dist
 
-    from parallel.comm import Group, Ledger
     from parallel.data_parallel.compression import check_powersgd_rank
 
-    world = Group(axis="world", ranks=range(2), rank=dist.get_rank(), pg=dist.group.WORLD, ledger=Ledger())
+    world = _two_ranks("world")
     model = torch.nn.Linear(3, 8) if dist.get_rank() == 0 else torch.nn.Linear(16, 16)
     check_powersgd_rank([model], 7, world, device="cpu")  # compresses rank 1's matrix: nothing raised
     try:

@@ -421,6 +421,17 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
     if (getattr(model, "expert_tp", None) or p.tp) != p.expert_tp_size:  # the memory plan reads the config's
         raise ValueError(f"the model hook holds expert_tp={model.expert_tp} but parallel.expert_tp={p.expert_tp}; "
                          "build the hook from the run config (ModelHook.from_run_config) or give it the same value")
+    m = cfg.model  # the hook builds the stages: a config key it does not hold would be silently ignored
+    held = {"fp8": (getattr(model, "fp8", "none"), m.fp8),
+            "fp8_backend": (getattr(model, "fp8_backend", "tessel"), m.fp8_backend)}
+    if m.fp8 != "none":
+        held.update(fp8_exclude=(tuple(getattr(model, "fp8_exclude", ())), tuple(m.fp8_exclude)),
+                    fp8_amax_history=(getattr(model, "fp8_amax_history", 16), m.fp8_amax_history),
+                    fp8_margin=(getattr(model, "fp8_margin", 0), m.fp8_margin))
+    differ = [f"model.{k}={want!r} (the hook's: {have!r})" for k, (have, want) in held.items() if have != want]
+    if differ:
+        raise ValueError(f"the model hook was built with other FP8 settings than the run config's: {', '.join(differ)}; "
+                         "build the hook from the run config (ModelHook.from_run_config) or give it the same values")
     mesh = build_mesh(cfg, world=world)
     p, t, o = cfg.parallel, cfg.train, cfg.optim
 

@@ -305,7 +305,8 @@ class Trainer:
         except NonFiniteGradError:  # optim.nonfinite = "stop": say where it started, then stop
             self._localise_nonfinite(micro, finite=False)
             raise
-        update_fp8(self.chunks, (self.mesh.tp, self.mesh.dp_cp))  # delayed scaling: one amax all-reduce per axis
+        # delayed scaling: one amax all-reduce per axis; DiLoCo's inner steps keep each replica's own (no dp traffic)
+        update_fp8(self.chunks, (self.mesh.tp,) if self.ddp.local_grads else (self.mesh.tp, self.mesh.dp_cp))
         outer = (self.outer.step(self.step + 1, final=self.step + 1 == self.cfg.train.steps)  # DiLoCo: sync when due
                  if self.outer is not None else None)
         if outer:

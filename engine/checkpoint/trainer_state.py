@@ -46,6 +46,7 @@ from engine.checkpoint.sharded import ShardedTensor
 from engine.ops.fp8_linear import delayed_states
 from engine.posttrain.lora import lora_settings
 from parallel.comm import Group
+from parallel.tensor_parallel.fp8 import ReplicaFp8State
 
 PARAM_SELECTIONS = ("all", "trainable", "frozen")
 
@@ -92,7 +93,8 @@ def trainer_tensors(trainer, *, hook: Callable | None = None, optimizer: bool = 
         else:
             out.extend(layout.sharded(by_name[name].detach(), prefix="model."))
     # FP8 delayed-scaling state (amax histories, scales, update counts): identical on every TP and
-    # DP replica (reduced each step), keyed by the layer's global name; replica 0 writes.
+    # DP replica (reduced each step), keyed by the layer's global name; replica 0 writes. (DiLoCo's
+    # replicas differ between synchronisations: each rank's own also goes in its per-rank state.)
     replica = ctx.replica_rank * ctx.tp_size + ctx.tp_rank
     for name, state in delayed_states(trainer.chunks):
         name = re.sub(r"^\d+\.", "", name)
@@ -142,6 +144,9 @@ def _local_components(trainer) -> list[tuple[str, object]]:
     out = []
     if getattr(trainer, "outer", None) is not None:
         out.append(("outer", trainer.outer))
+        fp8 = ReplicaFp8State(trainer.chunks)
+        if fp8.states:  # delayed scaling: each replica's own amax histories and scales (inner steps reduce over tp only)
+            out.append(("fp8_replica", fp8))
     if getattr(trainer.ddp, "grad_compressor", None) is not None:
         out.append(("grad_compression", trainer.ddp.grad_compressor))
     return out
@@ -295,7 +300,7 @@ def load_trainer(trainer, path: str | os.PathLike, *, group: Group | None, loade
         if saved is not None and lacking:  # e.g. outer.momentum 0 -> 0.9, outer.compression none -> topk
             raise ValueError(f"checkpoint {result.path} holds {name} state without {', '.join(lacking)}, which this "
                              f"run keeps: its {name} settings (outer.method, outer.momentum, outer.compression, "
-                             "optim.grad_compression) differ from the saved run's; resume with the saved settings "
+                             "optim.grad_compression, model.fp8, model.fp8_exclude) differ from the saved run's; resume with the saved settings "
                              "(a fresh start of the outer loop would silently drop the replicas' own weights)")
         found = saved is not None
         comp.load_state(saved if found else None, {k: st.data for k, st in local[name].items()} if found else None)

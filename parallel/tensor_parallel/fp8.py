@@ -174,7 +174,8 @@ def apply_fp8(stage: nn.Module, recipe: str, *, exclude: Sequence[str] = (), his
 
 def update_fp8(module: nn.Module, groups: Sequence[Group]) -> None:
     """Once per optimizer step: all-reduce (MAX) every delayed-scaling amax of ``module`` over
-    ``groups`` (TP and DP) in one stacked tensor per group, then update histories and scales."""
+    ``groups`` (TP and DP; TP only on DiLoCo's inner steps, whose replicas keep their own histories, see
+    :class:`ReplicaFp8State`) in one stacked tensor per group, then update histories and scales."""
     states = [s for _, s in delayed_states(module)]
     if not states:
         return
@@ -185,6 +186,32 @@ def update_fp8(module: nn.Module, groups: Sequence[Group]) -> None:
             comm.all_reduce(t, g, op="max")
         return t
     update_delayed_states(states, reduce)
+
+
+class ReplicaFp8State:
+    """Delayed-scaling state kept per data-parallel replica: on DiLoCo's inner steps each replica reduces
+    its amaxes over TP only (a dp all-reduce per inner step is the traffic DiLoCo removes), so the replicas'
+    histories and scales differ between synchronisations, as their AdamW moments do. A checkpoint's
+    ``fp8.*`` keys hold one replica's (replica 0 writes them); this component of the per-rank state
+    (engine/checkpoint/trainer_state.py) keeps every rank's own, so a resume is exact. Keys: the layer's
+    name within this rank's chunks and the buffer, e.g. ``0.layers.1.mlp.fc1.impl.state.amax_history``."""
+
+    def __init__(self, module: nn.Module):
+        self.states = delayed_states(module)
+
+    def state_dict(self) -> dict:
+        return {"layers": len(self.states)}
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {f"{name}.{buf}": t for name, state in self.states for buf, t in state.state_dict().items()}
+
+    def load_state(self, state: dict | None, tensors: dict[str, torch.Tensor] | None) -> None:
+        """``None`` (a checkpoint without per-replica FP8 state): keep the replicated ``fp8.*`` values."""
+        if state is None or tensors is None:
+            return
+        mine = self.state_tensors()
+        for key, t in mine.items():
+            t.copy_(tensors[key])
 
 
 def fp8_impls(module: nn.Module) -> list[Fp8LinearImpl]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -237,6 +238,20 @@ def test_fp8_weight_casts_once_per_step_in_the_trainer(monkeypatch):
     linears = 2 * 4  # 2 layers: qkv, out, fc1, fc2
     assert got[None][0] == got["false"][0]
     assert got[None][1] == linears * 3 and got["false"][1] == 0  # 2 steps and 1 evaluation; none without the cache
+
+
+def test_a_hook_built_without_the_configs_fp8_is_refused():
+    """build_run takes the model hook as given: model.fp8 in the config of a hook built without it would
+    train in high precision and say nothing. Refused before any group is built, with the fix named."""
+    from engine.assembly import build_run
+    from models.hook import ModelHook
+
+    cfg = _cfg(mbs=1, gbs=2, extra=["model.fp8=delayed", "model.fp8_amax_history=4"])
+    for hook, needle in [({}, "model.fp8='delayed' (the hook's: 'none')"),
+                         ({"fp8": "delayed"}, "model.fp8_amax_history=4 (the hook's: 16)")]:
+        model = ModelHook.from_hf(HF, dtype=torch.float32, seed=cfg.train.seed, **hook)
+        with pytest.raises(ValueError, match=re.escape(needle) + ".*ModelHook.from_run_config"):
+            build_run(cfg, model=model, train_data=_Masked(6), checkpoints=False)
 
 
 class _Weighted(_Masked):

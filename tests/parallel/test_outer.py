@@ -13,7 +13,9 @@
   weights bitwise, the replicas agree after each of them, and the 2H steps after send DDP / H x int8's ratio.
 * Fragments (strided layout): after each step the replicas agree exactly on the parameters of the fragment
   just applied (its blocks, with the embedding or the final norm and output layer), and on no other.
-* Resume is bitwise for DiLoCo (top-k, mid-cycle), Streaming DiLoCo (int8, strided, with a reduction in
+* FP8 delayed scaling: DiLoCo's inner steps send nothing over dp (amaxes reduced over tp only, the replicas'
+  histories differ), and the per-rank histories resume bitwise.
+* Resume is bitwise for DiLoCo (top-k, mid-cycle; with FP8 delayed scaling), Streaming DiLoCo (int8, strided, with a reduction in
   flight at the save), DiLoCo saved inside its data-parallel warm-up, Streaming DiLoCo saved right after it,
   and both per-step compressors (tests/parallel/test_grad_compression.py shares the runs).
 * Bad inputs are refused with the fix named.
@@ -57,7 +59,7 @@ def _run(cfg, *, run_dir=None, checkpoints=False):
     from models.hook import ModelHook
 
     model = ModelHook.from_hf(HF, dtype=torch.float32, seed=cfg.train.seed,
-                              sequence_parallel=cfg.parallel.sequence_parallel)
+                              sequence_parallel=cfg.parallel.sequence_parallel, fp8=cfg.model.fp8)
     return build_run(cfg, model=model, train_data=_tokens(4 * (cfg.train.steps + 2)), checkpoints=checkpoints,
                      run_dir=run_dir)
 
@@ -296,6 +298,8 @@ RESUME_CASES = {
     # saved right after the warm-up (snapshot taken at step 2), the first local steps after the resume
     "streaming_warmup_after": ["outer.method=streaming_diloco", "outer.inner_steps=2", "outer.fragments=2",
                                "outer.start_step=2"],
+    # FP8 delayed scaling: each replica's own amax histories (inner steps reduce over tp only), saved per rank
+    "diloco_fp8_delayed": ["outer.method=diloco", "outer.inner_steps=3", "model.fp8=delayed"],
 }
 
 
@@ -365,6 +369,36 @@ def _local_normalisation():
             "logged": logged, "global_mean": float(both[0] / both[1]), "dp_calls": len(cap.select(axis="dp_cp"))}
 
 
+def _fp8_inner_steps():
+    """DiLoCo H=3 with FP8 delayed scaling at dp2: the inner steps 1-2 send nothing over dp (their amaxes
+    are reduced over tp only, each replica keeps its own histories, which then differ), the sync at step 3
+    sends the pseudo-gradient."""
+    import torch.distributed as dist
+
+    from engine.ops.fp8_linear import delayed_states
+
+    run = _run(_cfg(extra=["outer.method=diloco", "outer.inner_steps=3", "model.fp8=delayed"]))
+    sent = []
+    for _ in range(3):
+        with run.mesh.ledger.capture() as cap:
+            run.trainer.train_step(run.train_loader)
+        sent.append(_grad_bytes(cap))
+        if len(sent) == 2:  # after 2 inner steps: this replica's histories against the other's
+            mine = torch.cat([s.amax_history.flatten() for _, s in delayed_states(run.trainer.chunks)])
+            both = [torch.empty_like(mine) for _ in range(2)]
+            dist.all_gather(both, mine)
+            differ = not torch.equal(*both)
+    return {"sent": sent, "histories_differ": differ, "layers": len(delayed_states(run.trainer.chunks))}
+
+
+def test_fp8_delayed_scaling_keeps_each_replicas_amax_on_inner_steps(dp2):
+    for rank, r in enumerate(x["fp8_inner"] for x in dp2):
+        assert r["layers"] > 0, (rank, r)
+        assert r["sent"][:2] == [0, 0], (rank, r)  # before: the amax all-reduce over dp on every inner step
+        assert r["sent"][2] > 0, (rank, r)  # the sync
+        assert r["histories_differ"], (rank, r)  # each replica scales by its own amaxes (resume: RESUME_CASES)
+
+
 def test_diloco_replicas_normalise_by_their_own_loss_tokens(dp2):
     for rank, r in enumerate(x["local_norm"] for x in dp2):
         assert r["grad_err"] < 1e-5, (rank, r)  # fp32; before: 4/3 and 2/3 of it (normalised by the global count)
@@ -378,7 +412,8 @@ def _all_dp2(tmp: str):
 
     return {"sanity": _sanity(1), "bytes": _bytes(), "fragments": _fragments(), "resume": _resume(tmp, list(RESUME_CASES)),
             "compressed": _compressed(), "exact_rank1": _exact_rank1(), "warmup": _warmup(),
-            "rank_check": _rank_check(), "small_whole": _small_matrix_whole(), "local_norm": _local_normalisation()}
+            "rank_check": _rank_check(), "small_whole": _small_matrix_whole(), "local_norm": _local_normalisation(),
+            "fp8_inner": _fp8_inner_steps()}
 
 
 _LAUNCHED: dict[str, list] = {}  # one launch per pytest process, whichever of the two files asks first

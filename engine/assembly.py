@@ -374,7 +374,8 @@ def build_mesh(cfg: TesselConfig, *, world: int | None = None) -> Mesh:
     dp = cfg.validate_world(world)
     return Mesh.build(ParallelDims(dp=dp, pp=p.pp, cp=p.cp, tp=p.tp, ep=p.ep), order=p.order,
                       cp_a2a_size=p.cp_a2a_size if p.cp_comm == "hybrid" else None,
-                      timeout_s=cfg.fault.collective_timeout_s, placement=placement_of(p.schedule))
+                      timeout_s=cfg.fault.collective_timeout_s, placement=placement_of(p.schedule),
+                      separate_outer=cfg.outer.method == "streaming_diloco")
 
 
 def build_loaders(cfg: TesselConfig, mesh: Mesh, *, train_data=None, valid_data=None, collate_fn=None):
@@ -524,7 +525,7 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
         from parallel.data_parallel.outer import OuterOptimizer
 
         u = cfg.outer
-        trainer.outer = OuterOptimizer(optimizer.dist, dp_group=mesh.dp_cp, method=u.method, inner_steps=u.inner_steps,
+        trainer.outer = OuterOptimizer(optimizer.dist, dp_group=mesh.dp_outer, method=u.method, inner_steps=u.inner_steps,
                                        lr=u.lr, momentum=u.momentum, nesterov=u.nesterov, fragments=u.fragments,
                                        mix=u.mix, compression=u.compression, topk_fraction=u.topk_fraction,
                                        layout=u.fragment_layout, start_step=u.start_step,

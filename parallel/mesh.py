@@ -17,6 +17,11 @@ Groups provided (all :class:`parallel.comm.Group`, sharing the mesh's :class:`Le
 * ``embedding``: first and last pipeline stage of this rank's pipeline (tied embedding /
   lm-head gradients are all-reduced over it); just this rank when pp == 1, on middle stages
   (which hold neither copy), and under the V placement (both copies on pp rank 0).
+* ``dp_outer``: the ``dp_cp`` ranks on a communicator of their own when :meth:`Mesh.build` is asked for
+  one (``separate_outer=True``: Streaming DiLoCo's outer reductions, parallel/data_parallel/outer.py), else
+  ``dp_cp`` itself. On NCCL one communicator runs its collectives in order, so a fragment's all-reduce in
+  flight would hold back every dp collective of the inner steps it should overlap. Its traffic is booked
+  on the ``dp_cp`` axis.
 * ``ep`` and ``edp``: expert parallelism carves ``ep`` out of dp: the dp ranks are split into
   blocks of ``ep`` consecutive dp indices (``ep`` group, at one cp index), and ``edp`` links the ranks
   that hold the same experts: the same position in every block, at every cp index (expert-data-parallel
@@ -112,17 +117,19 @@ class Mesh:
         ledger = Ledger()
         groups = {name: Group.trivial(name, ledger=ledger) for name in _GROUP_AXES}
         groups["world"] = Group.trivial("world", ledger=ledger)
+        groups["dp_outer"] = groups["dp_cp"]
         return cls(dims, rank=0, groups=groups, ledger=ledger)
 
     @classmethod
     def build(cls, dims: ParallelDims, *, order: str = DEFAULT_ORDER, cp_a2a_size: int | None = None,
-              timeout_s: float | None = None, placement: str = "loop") -> "Mesh":
+              timeout_s: float | None = None, placement: str = "loop", separate_outer: bool = False) -> "Mesh":
         """Create every group (a collective call: all ranks must call it with the same arguments).
         ``cp_a2a_size``: the all-to-all block of hybrid context parallelism (divides ``dims.cp``).
         ``timeout_s``: how long a collective of the new groups waits for a missing peer before it raises
         (``fault.collective_timeout_s``; None: torch's default, 30 min for gloo; the world group keeps
         the timeout of :func:`init_distributed`). ``placement``: the pipeline's stage placement ("loop", or
-        "v" for zbv/dualpipev), which decides the ``embedding`` group."""
+        "v" for zbv/dualpipev), which decides the ``embedding`` group. ``separate_outer``: give ``dp_outer``
+        its own process groups (the same ranks as ``dp_cp``)."""
         check_cp_a2a_size(cp_a2a_size, dims.cp)
         if not dist.is_initialized():
             if dims.world_size == 1:
@@ -151,11 +158,22 @@ class Mesh:
                     groups[name] = Group(axis=name, ranks=ranks, rank=ranks.index(rank), pg=pg, ledger=ledger)
             if name not in groups:  # e.g. a middle pipeline stage is in no embedding group
                 groups[name] = Group.trivial(name, ledger=ledger, global_rank=rank)
+        groups["dp_outer"] = groups["dp_cp"]
+        outer_made = []
+        if separate_outer:  # a second communicator over each dp_cp group (not shared with dp_cp's)
+            for ranks in group_rank_lists("dp_cp", dims, order):
+                if len(ranks) < 2:
+                    continue
+                pg = dist.new_group(ranks, timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s))
+                outer_made.append(pg)
+                if rank in ranks:
+                    groups["dp_outer"] = Group(axis="dp_cp", ranks=ranks, rank=ranks.index(rank), pg=pg, ledger=ledger)
         # Every rank (checkpoints, stop agreement): the default process group, no new one.
         groups["world"] = Group(axis="world", ranks=range(world), rank=rank,
                                 pg=dist.group.WORLD if world > 1 else None, ledger=ledger)
         # this rank's own groups, in creation order (new_group hands a non-member NON_GROUP_MEMBER)
-        made_here = tuple(pg for pg in made.values() if pg is not None and pg is not dist.GroupMember.NON_GROUP_MEMBER)
+        made_here = tuple(pg for pg in [*made.values(), *outer_made]
+                          if pg is not None and pg is not dist.GroupMember.NON_GROUP_MEMBER)
         return cls(dims, rank=rank, order=order, groups=groups, ledger=ledger, made=made_here)
 
     def destroy(self) -> None:

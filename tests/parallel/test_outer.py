@@ -263,8 +263,10 @@ def _fragments(pp: int = 1):
             refused.append("")
         except ValueError as err:
             refused.append(str(err))
+    own = outer.group.pg is not run.mesh.dp_cp.pg and outer.group.ranks == run.mesh.dp_cp.ranks
     return {"agreed": agreed, "names": sorted(mine), "refused": refused, "pp_rank": run.mesh.coords["pp"],
-            "norms": norms, "pending": state["pending"]}
+            "norms": norms, "pending": state["pending"], "own_communicator": own,
+            "gradients_on_dp_cp": run.trainer.ddp.dp_group is run.mesh.dp_cp}
 
 
 @pytest.mark.parametrize("layout", ["dp2", "dp2xpp2"])
@@ -282,6 +284,9 @@ def test_strided_fragments_sync_whole_blocks(request, layout):
         assert r["norms"] == [False, True, True], (rank, r["norms"])  # every pp rank logs (and reduces) each sync
         assert "outer.fragment_layout='strided'" in r["refused"][0] and "resume with the saved" in r["refused"][0]
         assert "outer.start_step=5" in r["refused"][1] and "resume with the saved" in r["refused"][1]
+        # the fragments' reductions on a communicator of their own (the same ranks), so on NCCL the inner steps'
+        # dp collectives do not queue behind a fragment in flight
+        assert r["own_communicator"] and r["gradients_on_dp_cp"], (rank, r)
 
 
 # -- bitwise resume ----------------------------------------------------------------------------------

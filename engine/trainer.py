@@ -425,12 +425,15 @@ class Trainer:
         if p.tp_overlap != "none":
             extras.append(f"tp_overlap {p.tp_overlap}")
         if c.optim.grad_compression != "none":
-            whole = (self.ddp.grad_compressor.uncompressed_matrices()
-                     if c.optim.grad_compression == "powersgd" else [])  # r (m + n) >= m n: sent uncompressed
+            whole = 0
+            if c.optim.grad_compression == "powersgd":  # r (m + n) >= m n: sent uncompressed; every stage's
+                n = torch.tensor([len(self.ddp.grad_compressor.uncompressed_matrices())], device=self.device)
+                comm.all_reduce(n, self.mesh.pp)  # (1,): every rank calls log_start
+                whole = int(n.item())
             extras.append(f"grad_compression {c.optim.grad_compression}"
                           + (f" rank {c.optim.powersgd_rank}" if c.optim.grad_compression == "powersgd" else "")
-                          + (f", {len(whole)} matrices too small to compress sent whole on rank {self.rank}"
-                             if whole else ""))
+                          + (f", {whole} matrices too small to compress sent whole (TP-local shapes, all pipeline "
+                             "stages)" if whole else ""))
         self.logger.info(
             f"tessel: world {self.mesh.world_size} = dp {self.dp} x pp {p.pp} x tp {p.tp}{cp}"
             f" (vp {p.vp}, schedule {p.schedule}, sp {p.sequence_parallel and p.tp > 1}"

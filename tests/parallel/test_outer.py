@@ -109,10 +109,30 @@ def _too_many_contiguous_fragments() -> str:
     return "built"
 
 
+def _powersgd_start_line() -> str:
+    """PowerSGD rank 16 at dp2 x pp2: each stage's block has one 32 x 32 matrix (the attention output) that
+    rank 16 would not shrink (16 x 64 >= 32 x 32), so 2 go whole; the start-up line (rank 0, pipeline
+    stage 0) counts both stages'."""
+    import io
+
+    stream = io.StringIO()
+    run = _run(_cfg(extra=["parallel.pp=2", "optim.grad_compression=powersgd", "optim.powersgd_rank=16"]))
+    run.trainer.logger.stream = stream
+    run.trainer.log_start()
+    return stream.getvalue()
+
+
 def _all_4():
     """The 4-rank parts in one launch: the dp2 x tp2 sanity check, the strided fragments at dp2 x pp2 and the
-    contiguous cut's refusal there."""
-    return {"sanity": _sanity(2), "fragments": _fragments(pp=2), "too_many": _too_many_contiguous_fragments()}
+    contiguous cut's refusal there, PowerSGD's start-up line at dp2 x pp2."""
+    return {"sanity": _sanity(2), "fragments": _fragments(pp=2), "too_many": _too_many_contiguous_fragments(),
+            "powersgd_line": _powersgd_start_line()}
+
+
+def test_powersgd_start_line_counts_every_stages_whole_matrices(four):
+    line = four[0]["powersgd_line"]
+    # before: "1 matrices ... on rank 0" (stage 0's only)
+    assert "grad_compression powersgd rank 16, 2 matrices too small to compress sent whole" in line, line
 
 
 def test_too_many_contiguous_fragments_for_one_stage_are_refused_on_every_rank(four):

@@ -21,7 +21,10 @@ class OuterConfig(Section):
     the paper's pattern) or ``contiguous`` (F ranges of whole parameters of about equal size).
     ``compression`` of the pseudo-gradient: none | bf16 | int8 | topk (``topk_fraction`` of the entries,
     with error feedback). ``start_step`` = N: steps 1..N are plain data parallelism (the gradient all-reduce
-    every step, as ``optim.powersgd_start_step`` for PowerSGD), the outer loop starts from step N's weights."""
+    every step, as ``optim.powersgd_start_step`` for PowerSGD), the outer loop starts from step N's weights.
+    ``momentum_start_step`` = M: the syncs applied at steps <= M take the replicas' plain average (outer lr 1,
+    no momentum); from step M + 1 on, ``lr`` and ``momentum`` (from a zero momentum buffer). From scratch
+    the outer momentum overshoots while the loss falls fast (docs/decentralised.md, Quality); 0: from the start."""
 
     SECTION = "outer"
 
@@ -36,6 +39,7 @@ class OuterConfig(Section):
     compression: str = "none"
     topk_fraction: float = 0.01
     start_step: int = 0
+    momentum_start_step: int = 0
 
     def _validate(self) -> None:
         check_choice(self, "method", OUTER_METHODS)
@@ -54,6 +58,18 @@ class OuterConfig(Section):
         if isinstance(self.start_step, bool) or not isinstance(self.start_step, int) or self.start_step < 0:
             raise ValueError(f"outer.start_step={self.start_step} must be an integer >= 0: the plain data-parallel "
                              "steps before the outer loop starts (0 starts it at once)")
+        m = self.momentum_start_step
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"outer.momentum_start_step={m} must be an integer >= 0: the last step whose syncs take "
+                             "the plain average before outer.lr and outer.momentum apply (0: from the start)")
+        if m and m <= self.start_step:
+            raise ValueError(f"outer.momentum_start_step={m} is not after outer.start_step={self.start_step}: no sync "
+                             "happens before the outer loop starts, so it changes nothing; set it above "
+                             "outer.start_step or to 0")
+        if m and self.lr == 1.0 and self.momentum == 0.0:
+            raise ValueError(f"outer.momentum_start_step={m} with outer.lr=1 and outer.momentum=0: every sync already "
+                             "takes the plain average, so it changes nothing; remove it or set outer.momentum "
+                             "(DiLoCo: 0.9) or outer.lr")
         check_positive(self, "lr")
         check_min(self, "momentum", 0.0)
         if self.momentum >= 1.0:

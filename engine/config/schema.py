@@ -234,6 +234,11 @@ class TesselConfig:
             raise ValueError(f"outer.start_step={u.start_step} is not below train.steps={self.train.steps}: every step "
                              f"would be plain data parallelism and {method!r} would never start; lower "
                              "outer.start_step or set outer.method='none'")
+        if u.momentum_start_step >= self.train.steps:
+            raise ValueError(f"outer.momentum_start_step={u.momentum_start_step} is not below train.steps="
+                             f"{self.train.steps}: every sync would take the plain average and outer.lr / "
+                             "outer.momentum would never apply; lower it, or set outer.lr=1 and outer.momentum=0 "
+                             "(and outer.nesterov=false) for plain averaging")
         if u.fragment_layout == "strided" and u.fragments > 1 and layers is not None and u.fragments > layers:
             raise ValueError(f"outer.fragments={u.fragments} with outer.fragment_layout='strided' exceeds "
                              f"model.num_layers={layers}: block l goes to fragment l % fragments, so fragments "

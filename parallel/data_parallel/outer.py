@@ -24,6 +24,9 @@ into ``F`` ranges of whole parameters of about equal size.
 every step: :meth:`DataParallel.set_local_grads` off, so every replica holds the same weights and Adam
 moments), and the outer loop starts from step N's weights (the anchor is taken after step N; the H-step
 cycle counts from there), as the DiLoCo paper's replicas start from a data-parallel pretrained model.
+``momentum_start_step = M`` (``outer.momentum_start_step``): the syncs applied at steps <= M take the plain
+average (``global <- mean(theta)``: outer lr 1, the momentum buffer left at zero), later ones the outer
+step above; the DDP bytes of a warm-up are not spent.
 
 The averaged pseudo-gradient travels compressed (``compression``): ``none`` (fp32 all-reduce), ``bf16``
 and ``int8`` (a reduce-scatter as an all-to-all of the compressed vector, fp32 sums locally, the reduced
@@ -87,7 +90,7 @@ class OuterOptimizer:
     def __init__(self, dist_opt, *, dp_group: Group, method: str = "diloco", inner_steps: int = 10,
                  lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True, fragments: int = 1, mix: float = 1.0,
                  compression: str = "none", topk_fraction: float = 0.01, chunk: int = DEFAULT_INT8_CHUNK,
-                 layout: str = "strided", start_step: int = 0, counts=None,
+                 layout: str = "strided", start_step: int = 0, momentum_start_step: int = 0, counts=None,
                  norm_groups: tuple[Group | None, ...] = (), tp_group: Group | None = None,
                  embedding_group: Group | None = None):
         if method not in ("diloco", "streaming_diloco"):
@@ -106,6 +109,9 @@ class OuterOptimizer:
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
             raise ValueError(f"outer.start_step={start_step!r} must be an integer >= 0 (plain data-parallel steps "
                              "before the outer loop starts; 0 starts it at once)")
+        if isinstance(momentum_start_step, bool) or not isinstance(momentum_start_step, int) or momentum_start_step < 0:
+            raise ValueError(f"outer.momentum_start_step={momentum_start_step!r} must be an integer >= 0 (the last "
+                             "step whose syncs take the plain average; 0: outer lr and momentum from the start)")
         ddp = dist_opt.ddp
         if ddp.sharded or ddp.grad_compressor is not None:
             raise ValueError("the outer optimizer needs DataParallel(zero_stage=0) without a grad_compressor: "
@@ -114,7 +120,7 @@ class OuterOptimizer:
         self.dist = dist_opt
         self.group = dp_group
         self.method, self.H, self.lr, self.momentum, self.nesterov = method, inner_steps, lr, momentum, nesterov
-        self.start_step = start_step
+        self.start_step, self.momentum_start_step = start_step, momentum_start_step
         self.F, self.mix, self.compression, self.topk_fraction, self.chunk = (fragments, mix, compression,
                                                                              topk_fraction, chunk)
         self.layout = layout if self.F > 1 else "contiguous"  # one fragment: the order does not matter
@@ -275,6 +281,9 @@ class OuterOptimizer:
         if self.start_step:
             line += (f"; steps 1-{self.start_step} plain data parallelism (outer.start_step={self.start_step}), "
                      f"the outer loop from step {self.start_step}'s weights")
+        if self.momentum_start_step:
+            line += (f"; syncs up to step {self.momentum_start_step} take the plain average "
+                     f"(outer.momentum_start_step={self.momentum_start_step})")
         return line
 
     # -- compressed averaging ----------------------------------------------------------------------------
@@ -425,13 +434,16 @@ class OuterOptimizer:
         lo, hi = self.bounds[pend.fragment]
         avg = pend.result if pend.result is not None else pend.finish()  # (hi - lo,)
         self._equalise(avg, pend.fragment)
-        if self.mom is not None:
+        lr = self.lr
+        if pend.due <= self.momentum_start_step:  # the plain average (outer lr 1, momentum untouched: zero)
+            update, lr = avg, 1.0
+        elif self.mom is not None:
             m = self.mom[lo:hi]
             m.mul_(self.momentum).add_(avg)
             update = avg.add(m, alpha=self.momentum) if self.nesterov else m.clone()
         else:
             update = avg
-        change = update.mul(self.lr)  # global - anchor = -change
+        change = update.mul(lr)  # global - anchor = -change
         self.anchor[lo:hi].sub_(change)
         theta = self._read(lo, hi)
         if self.mix != 1.0:

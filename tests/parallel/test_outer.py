@@ -416,6 +416,35 @@ def _fp8_inner_steps():
     return {"sent": sent, "histories_differ": differ, "layers": len(delayed_states(run.trainer.chunks))}
 
 
+def _momentum_start():
+    """DiLoCo H=1 at dp2 for 3 steps: with the paper's outer step (lr 0.7, Nesterov 0.9) after
+    outer.momentum_start_step=2, and plain averaging throughout. Steps 1-2 (plain average) are bitwise the
+    same in both; at step 3 both replicas' inner steps start from the same weights, so the averaged
+    pseudo-gradient is the same too, and the first momentum step moves 0.7 x (1 + 0.9) of it (a zero
+    buffer: m = avg, update = avg + 0.9 m)."""
+    runs = {}
+    for name, extra in {"switch": ["outer.momentum_start_step=2"],
+                        "average": ["outer.lr=1.0", "outer.momentum=0.0", "outer.nesterov=false"]}.items():
+        run, losses, _ = _train(_cfg(steps=3, extra=["outer.method=diloco", "outer.inner_steps=1", *extra]), 0)
+        norms, params = [], []
+        for _ in range(3):
+            norms.append(run.trainer.train_step(run.train_loader).outer["outer_step_norm"])
+            params.append(_params(run))
+        runs[name] = (norms, params, run.trainer.outer.describe())
+    (n_s, p_s, line), (n_a, p_a, _) = runs["switch"], runs["average"]
+    return {"norms": (n_s, n_a), "equal_before": [all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(p_s, p_a)],
+            "line": line}
+
+
+def test_outer_momentum_starts_after_momentum_start_step(dp2):
+    for rank, r in enumerate(x["momentum_start"] for x in dp2):
+        (s1, s2, s3), (a1, a2, a3) = r["norms"]
+        assert r["equal_before"] == [True, True, False], (rank, r)
+        assert (s1, s2) == (a1, a2), (rank, r)
+        assert s3 == pytest.approx(0.7 * 1.9 * a3, rel=1e-5), (rank, r)
+        assert "syncs up to step 2 take the plain average (outer.momentum_start_step=2)" in r["line"]
+
+
 def test_fp8_delayed_scaling_keeps_each_replicas_amax_on_inner_steps(dp2):
     for rank, r in enumerate(x["fp8_inner"] for x in dp2):
         assert r["layers"] > 0, (rank, r)
@@ -438,7 +467,7 @@ def _all_dp2(tmp: str):
     return {"sanity": _sanity(1), "bytes": _bytes(), "fragments": _fragments(), "resume": _resume(tmp, list(RESUME_CASES)),
             "compressed": _compressed(), "exact_rank1": _exact_rank1(), "warmup": _warmup(),
             "rank_check": _rank_check(), "small_whole": _small_matrix_whole(), "local_norm": _local_normalisation(),
-            "fp8_inner": _fp8_inner_steps()}
+            "fp8_inner": _fp8_inner_steps(), "momentum_start": _momentum_start()}
 
 
 _LAUNCHED: dict[str, list] = {}  # one launch per pytest process, whichever of the two files asks first
@@ -487,6 +516,12 @@ def test_resume_is_bitwise(dp2, name):
     (["outer.method=diloco", "outer.start_step=-1"], "outer.start_step=-1 must be an integer >= 0"),
     (["outer.method=diloco", "outer.start_step=3"], "not below train.steps=3"),
     (["outer.start_step=2"], "outer.method='none'"),
+    (["outer.method=diloco", "outer.momentum_start_step=-1"], "must be an integer >= 0"),
+    (["outer.method=diloco", "outer.start_step=2", "outer.momentum_start_step=2"], "set it above outer.start_step"),
+    (["outer.method=diloco", "outer.lr=1.0", "outer.momentum=0.0", "outer.nesterov=false",
+      "outer.momentum_start_step=1"], "already takes the plain average"),
+    (["outer.method=diloco", "outer.momentum_start_step=3"], "not below train.steps=3"),
+    (["outer.momentum_start_step=1"], "outer.method='none'"),
 ])
 def test_bad_inputs_are_refused(extra, needle):
     with pytest.raises(ValueError, match=None) as err:

@@ -18,6 +18,11 @@ What is saved (keys are layout-independent):
   The plain (non-ZeRO) optimizer's state is a replica on every dp rank, saved once.
 * ``fp8.<layer>.{amax_history,scale,steps}``: FP8 delayed-scaling state (model.fp8 = "delayed"),
   keyed by the linear's global name, so it follows its layer into any layout.
+* per rank, keyed by global rank and restored into the same layout only (:func:`_local_components`):
+  ``outer.rank<R>.*`` (DiLoCo's anchor, momentum, error feedback, reductions in flight and the replica's
+  own masters and moments), ``fp8_replica.rank<R>.*`` (with DiLoCo and delayed scaling: the replica's own
+  amax histories, which differ between syncs) and ``grad_compression.rank<R>.*`` (PowerSGD / 1-bit error
+  feedback), with their JSON under ``trainer_state.<component>``.
 
 ``params`` selects the model parameters saved or loaded: ``"all"``, ``"trainable"`` (requires_grad:
 with LoRA the adapters alone, an adapter-only checkpoint; the optimizer only ever holds trainable
@@ -136,6 +141,13 @@ def _zero3_param_shards(ddp, layouts: dict) -> dict[str, list[ShardedTensor]]:
     return out
 
 
+LOST = {  # what a resume that starts a per-rank component afresh would silently lose
+    "outer": "a fresh start of the outer loop would silently drop the replicas' own weights",
+    "fp8_replica": "fresh amax histories would silently replace the replicas' own FP8 scaling state",
+    "grad_compression": "a fresh start would silently drop the compressor's error feedback",
+}
+
+
 def _local_components(trainer) -> list[tuple[str, object]]:
     """Per-rank state beside the layout-independent keys (docs/decentralised.md): DiLoCo's outer optimizer
     (anchor, momentum, error feedback, and the replica's own masters and moments, which differ between
@@ -144,9 +156,10 @@ def _local_components(trainer) -> list[tuple[str, object]]:
     out = []
     if getattr(trainer, "outer", None) is not None:
         out.append(("outer", trainer.outer))
-        fp8 = ReplicaFp8State(trainer.chunks)
-        if fp8.states:  # delayed scaling: each replica's own amax histories and scales (inner steps reduce over tp only)
-            out.append(("fp8_replica", fp8))
+        m = getattr(getattr(trainer, "cfg", None), "model", None)  # from the config, the same on every rank: the
+        # JSON state is rank 0's, whose stage may hold no FP8 linear (model.fp8_exclude, parallel.pipeline_layout)
+        if m is not None and m.fp8 == "delayed" and m.fp8_backend == "tessel":
+            out.append(("fp8_replica", ReplicaFp8State(trainer.chunks)))  # each replica's own amax histories
     if getattr(trainer.ddp, "grad_compressor", None) is not None:
         out.append(("grad_compression", trainer.ddp.grad_compressor))
     return out
@@ -301,7 +314,7 @@ def load_trainer(trainer, path: str | os.PathLike, *, group: Group | None, loade
             raise ValueError(f"checkpoint {result.path} holds {name} state without {', '.join(lacking)}, which this "
                              f"run keeps: its {name} settings (outer.method, outer.momentum, outer.compression, "
                              "optim.grad_compression, model.fp8, model.fp8_exclude) differ from the saved run's; resume with the saved settings "
-                             "(a fresh start of the outer loop would silently drop the replicas' own weights)")
+                             f"({LOST[name]})")
         found = saved is not None
         comp.load_state(saved if found else None, {k: st.data for k, st in local[name].items()} if found else None)
     return result

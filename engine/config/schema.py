@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.config._fields import coerce, unknown_key_error
 from engine.config.outer import OuterConfig
+from parallel.data_parallel.outer import apply_steps
 from engine.config.posttrain import PosttrainConfig
 from engine.config.sections import (CheckpointConfig, DataConfig, FaultConfig, LoggingConfig, ModelConfig,
                                     OptimConfig, ParallelConfig, TrainConfig)
@@ -234,11 +235,22 @@ class TesselConfig:
             raise ValueError(f"outer.start_step={u.start_step} is not below train.steps={self.train.steps}: every step "
                              f"would be plain data parallelism and {method!r} would never start; lower "
                              "outer.start_step or set outer.method='none'")
-        if u.momentum_start_step >= self.train.steps:
-            raise ValueError(f"outer.momentum_start_step={u.momentum_start_step} is not below train.steps="
-                             f"{self.train.steps}: every sync would take the plain average and outer.lr / "
-                             "outer.momentum would never apply; lower it, or set outer.lr=1 and outer.momentum=0 "
-                             "(and outer.nesterov=false) for plain averaging")
+        m = u.momentum_start_step
+        span = apply_steps(method, inner_steps=u.inner_steps, fragments=u.fragments, start_step=u.start_step,
+                           steps=self.train.steps) if m else None
+        if m and span is None:
+            raise ValueError(f"outer.momentum_start_step={m}, but no sync is applied in train.steps={self.train.steps} "
+                             f"(outer.inner_steps={u.inner_steps} after outer.start_step={u.start_step}), so it changes "
+                             "nothing; remove it")
+        if m and span is not None and m >= span[1]:
+            raise ValueError(f"outer.momentum_start_step={m} is not below the run's last sync (applied at step "
+                             f"{span[1]} of train.steps={self.train.steps}): every sync would take the plain "
+                             "average and outer.lr / outer.momentum would never apply; lower it, or set "
+                             "outer.lr=1, outer.momentum=0 and outer.nesterov=false for plain averaging")
+        if m and span is not None and m < span[0]:
+            raise ValueError(f"outer.momentum_start_step={m} is before the first sync (applied at step {span[0]}), so "
+                             f"it changes nothing; set it to {span[0]} or more (the last step whose sync takes the "
+                             "plain average), or remove it")
         if u.fragment_layout == "strided" and u.fragments > 1 and layers is not None and u.fragments > layers:
             raise ValueError(f"outer.fragments={u.fragments} with outer.fragment_layout='strided' exceeds "
                              f"model.num_layers={layers}: block l goes to fragment l % fragments, so fragments "

@@ -64,6 +64,23 @@ def topk_index_dtype(n: int) -> torch.dtype:
     return torch.int32 if n <= torch.iinfo(torch.int32).max + 1 else torch.int64
 
 
+def apply_steps(method: str, *, inner_steps: int, fragments: int, start_step: int, steps: int) -> tuple[int, int] | None:
+    """The first and last step (1-based, of a run of ``steps``) at which a sync is applied (None: none is):
+    fragment f sends after the steps t > start_step with (t - start_step) % H == phase(f) and is applied
+    after t (DiLoCo, or Streaming DiLoCo's fragment sent at the run's last step) or after t + 1."""
+    H, F = inner_steps, fragments
+    phases = {((f + 1) * H // F) % H for f in range(F)}
+
+    def due(t: int) -> int:
+        return t + 1 if method == "streaming_diloco" and t != steps else t
+
+    sends = [t for t in range(start_step + 1, min(start_step + H, steps) + 1) if (t - start_step) % H in phases]
+    if not sends:
+        return None
+    last = [t for t in range(max(start_step + 1, steps - H + 1), steps + 1) if (t - start_step) % H in phases]
+    return due(sends[0]), due(last[-1])
+
+
 def _pad_to(n: int, q: int) -> int:
     return -(-n // q) * q
 
@@ -465,7 +482,8 @@ class OuterOptimizer:
     def state_dict(self) -> dict:
         self.settle()
         return {"syncs": self.syncs, "pending": [{"fragment": p.fragment, "due": p.due} for p in self.pending],
-                "fragments": self.F, "layout": self.layout, "start_step": self.start_step}
+                "fragments": self.F, "layout": self.layout, "start_step": self.start_step,
+                "momentum_start_step": self.momentum_start_step}
 
     def _restart(self) -> None:
         """Start the outer loop from the current weights: anchor = masters, no momentum, error or reduction."""
@@ -514,6 +532,11 @@ class OuterOptimizer:
             raise ValueError(f"the checkpoint's outer loop starts after outer.start_step={saved_start}, this run's "
                              f"after outer.start_step={self.start_step}: the anchor and the sync steps count from "
                              "there; resume with the saved value")
+        saved_m = int(state.get("momentum_start_step", 0))  # written before the key existed: 0
+        if saved_m != self.momentum_start_step:
+            raise ValueError(f"the checkpoint's outer loop takes the plain average up to outer.momentum_start_step="
+                             f"{saved_m}, this run's up to outer.momentum_start_step={self.momentum_start_step}: its "
+                             "momentum buffer was kept under the saved value; resume with the saved value")
         self.syncs = int(state["syncs"])
         self.anchor.copy_(tensors["anchor"])
         if self.mom is not None:

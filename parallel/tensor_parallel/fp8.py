@@ -23,7 +23,8 @@ scale equals the unsharded tensor's:
 
 ``delayed`` reduces nothing per call: each call records its local amax, and the trainer's
 :func:`update_fp8` all-reduces (MAX) all of a stage's amaxes at once, once per step, over TP and
-DP, so every replica keeps identical histories (Transformer Engine's amax reduction group).
+DP, so every replica keeps identical histories (Transformer Engine's amax reduction group); on DiLoCo's
+inner steps over TP only, each replica keeping its own (:class:`ReplicaFp8State`).
 
 Weight casts reused across micro-batches: inside :func:`fp8_weight_casts` (the trainer opens it
 around one step's forward and backward, and around evaluation) each layer's impl holds a

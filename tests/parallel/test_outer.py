@@ -59,7 +59,8 @@ def _run(cfg, *, run_dir=None, checkpoints=False):
     from models.hook import ModelHook
 
     model = ModelHook.from_hf(HF, dtype=torch.float32, seed=cfg.train.seed,
-                              sequence_parallel=cfg.parallel.sequence_parallel, fp8=cfg.model.fp8)
+                              sequence_parallel=cfg.parallel.sequence_parallel, fp8=cfg.model.fp8,
+                              fp8_exclude=tuple(cfg.model.fp8_exclude))
     return build_run(cfg, model=model, train_data=_tokens(4 * (cfg.train.steps + 2)), checkpoints=checkpoints,
                      run_dir=run_dir)
 
@@ -122,11 +123,26 @@ def _powersgd_start_line() -> str:
     return stream.getvalue()
 
 
-def _all_4():
+def _all_4(tmp: str):
     """The 4-rank parts in one launch: the dp2 x tp2 sanity check, the strided fragments at dp2 x pp2 and the
-    contiguous cut's refusal there, PowerSGD's start-up line at dp2 x pp2."""
+    contiguous cut's refusal there, PowerSGD's start-up line and an FP8 DiLoCo resume at dp2 x pp2."""
     return {"sanity": _sanity(2), "fragments": _fragments(pp=2), "too_many": _too_many_contiguous_fragments(),
-            "powersgd_line": _powersgd_start_line()}
+            "powersgd_line": _powersgd_start_line(),
+            "resume": _resume(tmp, ["fp8_stage0_excluded"], cases=PP2_RESUME_CASES)}
+
+
+# DiLoCo with FP8 delayed scaling at dp2 x pp2 where pipeline stage 0 (global rank 0, whose JSON state the
+# checkpoint keeps) has no FP8 linear: the other stage's replicas must still get their own histories back
+PP2_RESUME_CASES = {"fp8_stage0_excluded": [
+    "parallel.pp=2", "outer.method=diloco", "outer.inner_steps=3", "model.fp8=delayed",
+    "model.fp8_exclude=['layers.0.attention.qkv','layers.0.attention.out','layers.0.mlp.fc1','layers.0.mlp.fc2']"]}
+
+
+def test_fp8_replica_state_resumes_when_rank_0_holds_no_fp8_linear(four):
+    for rank, r in enumerate(x["resume"]["fp8_stage0_excluded"] for x in four):
+        ref, got = r["losses"]
+        assert ref == got, (rank, ref, got)
+        assert r["equal"], rank
 
 
 def test_powersgd_start_line_counts_every_stages_whole_matrices(four):
@@ -146,9 +162,9 @@ _LAUNCHED4: list = []
 
 
 @pytest.fixture(scope="module")
-def four():
+def four(tmp_path_factory):
     if not _LAUNCHED4:
-        _LAUNCHED4.append(run_distributed(_all_4, 4, timeout=300))
+        _LAUNCHED4.append(run_distributed(_all_4, 4, str(tmp_path_factory.mktemp("outer_four")), timeout=300))
     return _LAUNCHED4[0]
 
 
@@ -277,7 +293,7 @@ def _fragments(pp: int = 1):
     outer = run.trainer.outer
     state = outer.state_dict()
     refused = []
-    for changed in ({"layout": "contiguous"}, {"start_step": 5}):
+    for changed in ({"layout": "contiguous"}, {"start_step": 5}, {"momentum_start_step": 1}):
         try:
             outer.load_state({**state, **changed}, outer.state_tensors())
             refused.append("")
@@ -304,6 +320,7 @@ def test_strided_fragments_sync_whole_blocks(request, layout):
         assert r["norms"] == [False, True, True], (rank, r["norms"])  # every pp rank logs (and reduces) each sync
         assert "outer.fragment_layout='strided'" in r["refused"][0] and "resume with the saved" in r["refused"][0]
         assert "outer.start_step=5" in r["refused"][1] and "resume with the saved" in r["refused"][1]
+        assert "outer.momentum_start_step=1, this run's up to outer.momentum_start_step=0" in r["refused"][2]
         # the fragments' reductions on a communicator of their own (the same ranks), so on NCCL the inner steps'
         # dp collectives do not queue behind a fragment in flight
         assert r["own_communicator"] and r["gradients_on_dp_cp"], (rank, r)
@@ -328,7 +345,7 @@ RESUME_CASES = {
 }
 
 
-def _resume(tmp: str, names: list[str]):
+def _resume(tmp: str, names: list[str], cases: dict | None = None):
     """4 steps straight vs 2 steps + an async save + a fresh run resuming them for 2 more: bitwise equal. The
     saving run trains its 2 more steps before the save commits (the outer state goes to the save uncloned:
     the save's host snapshot must hold the step-2 values), and they equal the straight run's too."""
@@ -336,7 +353,7 @@ def _resume(tmp: str, names: list[str]):
 
     out = {}
     for name in names:
-        extra = RESUME_CASES[name] + ["checkpoint.async_save=true"]
+        extra = (cases or RESUME_CASES)[name] + ["checkpoint.async_save=true"]
         straight = _run(_cfg(steps=4, extra=extra))
         ref = [straight.trainer.train_step(straight.train_loader).loss for _ in range(4)]
         run_dir = os.path.join(tmp, name)
@@ -520,7 +537,13 @@ def test_resume_is_bitwise(dp2, name):
     (["outer.method=diloco", "outer.start_step=2", "outer.momentum_start_step=2"], "set it above outer.start_step"),
     (["outer.method=diloco", "outer.lr=1.0", "outer.momentum=0.0", "outer.nesterov=false",
       "outer.momentum_start_step=1"], "already takes the plain average"),
-    (["outer.method=diloco", "outer.momentum_start_step=3"], "not below train.steps=3"),
+    (["outer.method=diloco", "outer.inner_steps=1", "outer.momentum_start_step=3"],
+     "not below the run's last sync (applied at step 3 of train.steps=3)"),
+    (["outer.method=streaming_diloco", "outer.inner_steps=2", "outer.fragments=2", "outer.momentum_start_step=3"],
+     "not below the run's last sync (applied at step 3"),
+    (["outer.method=diloco", "outer.inner_steps=2", "outer.momentum_start_step=1"],
+     "before the first sync (applied at step 2)"),
+    (["outer.method=diloco", "outer.momentum_start_step=1"], "no sync is applied in train.steps=3"),
     (["outer.momentum_start_step=1"], "outer.method='none'"),
 ])
 def test_bad_inputs_are_refused(extra, needle):

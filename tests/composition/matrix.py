@@ -135,8 +135,10 @@ DEFAULT_ROWS: tuple[Row, ...] = (
     Row(L(pp=2, vp=2, dp=2, schedule="zbv"), "zero1", tied=True, reshard=L(pp=2, dp=2)),
     # DiLoCo and PowerSGD (docs/decentralised.md): per-rank state (outer.rank<R>.*, grad_compression.rank<R>.*)
     # resumes into the same layout only. DiLoCo stops mid-cycle (step 2 of H = 4) and ends on a sync step, so
-    # the export sees the shared weights, not replica 0's local ones.
-    Row(L(dp=2, tp=2, sp=True), "plain", reshard=None, extra=("outer.method=diloco", "outer.inner_steps=4")),
+    # the export sees the shared weights, not replica 0's local ones; with FP8 delayed scaling, whose amax
+    # histories each replica keeps between syncs (fp8_replica.rank<R>.*).
+    Row(L(dp=2, tp=2, sp=True), "plain", fp8="delayed", reshard=None,
+        extra=("outer.method=diloco", "outer.inner_steps=4")),
     Row(L(dp=2), "plain", family="qwen3", reshard=None, extra=("optim.grad_compression=powersgd",)),
     # Expert parallelism (docs/moe.md) with ZeRO and context parallelism: expert state sharded over edp (the 2 cp
     # ranks holding the same experts), the rest over dp x cp (4); expert keys are global, so the checkpoint

@@ -248,12 +248,14 @@ class Group:
     single-process code runs without ``torch.distributed`` being initialised.
     """
 
-    def __init__(self, *, axis: str, ranks: Sequence[int], rank: int, pg, ledger: Ledger):
+    def __init__(self, *, axis: str, ranks: Sequence[int], rank: int, pg, ledger: Ledger,
+                 flight_axis: str | None = None):
         if rank not in range(len(ranks)):
             raise ValueError(f"group {axis}: rank {rank} not in 0..{len(ranks) - 1}")
         if len(ranks) > 1 and pg is None:
             raise ValueError(f"group {axis} of size {len(ranks)} needs a torch process group")
-        self.axis = axis
+        self.axis = axis  # the ledger books its bytes and blocked time under it
+        self.flight_axis = flight_axis or axis  # the flight recorder numbers its calls under it (parallel/flight.py)
         self.ranks = tuple(int(r) for r in ranks)
         self.rank = rank
         self.size = len(self.ranks)
@@ -356,7 +358,7 @@ def wait(works, group: Group) -> None:
         group.ledger.span_stop(group.axis, t0)
     if flight is not None:
         recorder.finish(flight)
-        recorder.finish_async(group.axis)
+        recorder.finish_async(group.flight_axis)
 
 
 @contextlib.contextmanager

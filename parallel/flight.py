@@ -67,13 +67,14 @@ class FlightRecorder:
         self.last_progress = time.monotonic()  # the last time a call finished (the comm heartbeat)
 
     def start(self, op: str, group, nbytes: int, *, async_op: bool = False, peer: int | None = None) -> Flight:
-        key = f"{group.axis}:p2p" if op in P2P_OPS else group.axis
+        axis = getattr(group, "flight_axis", group.axis)  # a second communicator over an axis counts apart
+        key = f"{axis}:p2p" if op in P2P_OPS else axis
         with self._lock:
             seq = None
             if op != "wait":
                 seq = self.started.get(key, 0) + 1
                 self.started[key] = seq
-            f = Flight(seq=seq, op=op, axis=group.axis, nbytes=int(nbytes), ranks=group.ranks,
+            f = Flight(seq=seq, op=op, axis=axis, nbytes=int(nbytes), ranks=group.ranks,
                        start=time.monotonic(), start_wall=time.time(), async_op=async_op, peer=peer)
             self._ring.append(f)
         return f

@@ -21,7 +21,7 @@ Groups provided (all :class:`parallel.comm.Group`, sharing the mesh's :class:`Le
   one (``separate_outer=True``: Streaming DiLoCo's outer reductions, parallel/data_parallel/outer.py), else
   ``dp_cp`` itself. On NCCL one communicator runs its collectives in order, so a fragment's all-reduce in
   flight would hold back every dp collective of the inner steps it should overlap. Its traffic is booked
-  on the ``dp_cp`` axis.
+  on the ``dp_cp`` axis; the flight recorder numbers its calls apart, as ``dp_outer``.
 * ``ep`` and ``edp``: expert parallelism carves ``ep`` out of dp: the dp ranks are split into
   blocks of ``ep`` consecutive dp indices (``ep`` group, at one cp index), and ``edp`` links the ranks
   that hold the same experts: the same position in every block, at every cp index (expert-data-parallel
@@ -167,7 +167,8 @@ class Mesh:
                 pg = dist.new_group(ranks, timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s))
                 outer_made.append(pg)
                 if rank in ranks:
-                    groups["dp_outer"] = Group(axis="dp_cp", ranks=ranks, rank=ranks.index(rank), pg=pg, ledger=ledger)
+                    groups["dp_outer"] = Group(axis="dp_cp", ranks=ranks, rank=ranks.index(rank), pg=pg, ledger=ledger,
+                                               flight_axis="dp_outer")
         # Every rank (checkpoints, stop agreement): the default process group, no new one.
         groups["world"] = Group(axis="world", ranks=range(world), rank=rank,
                                 pg=dist.group.WORLD if world > 1 else None, ledger=ledger)

@@ -16,10 +16,10 @@ from typing import Any
 
 from engine.config._fields import coerce, unknown_key_error
 from engine.config.outer import OuterConfig
-from parallel.data_parallel.outer import apply_steps
 from engine.config.posttrain import PosttrainConfig
 from engine.config.sections import (CheckpointConfig, DataConfig, FaultConfig, LoggingConfig, ModelConfig,
                                     OptimConfig, ParallelConfig, TrainConfig)
+from parallel.data_parallel.outer import apply_steps
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,

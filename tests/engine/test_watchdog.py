@@ -25,8 +25,10 @@ from parallel.flight import FlightRecorder
 
 
 class _Group:
-    def __init__(self, axis, ranks=(0, 1)):
+    def __init__(self, axis, ranks=(0, 1), flight_axis=None):
         self.axis, self.ranks = axis, tuple(ranks)
+        if flight_axis is not None:
+            self.flight_axis = flight_axis
 
 
 def test_flight_recorder_numbers_each_axis_and_keeps_the_last_n():
@@ -48,6 +50,21 @@ def test_flight_recorder_numbers_each_axis_and_keeps_the_last_n():
     assert rec.in_flight() is b and "IN FLIGHT" in b.line(time.monotonic())
     with pytest.raises(ValueError, match="fault.flight_records"):
         FlightRecorder(0)
+
+
+def test_a_second_communicator_over_an_axis_is_recorded_apart():
+    """Streaming DiLoCo's fragment reductions run on a second dp communicator (the mesh's dp_outer, booked on
+    the dp_cp axis): its calls are numbered apart, and a wait on dp_cp does not mark its async work done."""
+    rec = FlightRecorder(8)
+    dp, outer = _Group("dp_cp"), _Group("dp_cp", flight_axis="dp_outer")
+    frag = rec.start("all_reduce", outer, 1024, async_op=True)
+    loss = rec.start("all_reduce", dp, 16, async_op=True)
+    w = rec.start("wait", dp, 0)
+    rec.finish(w)
+    rec.finish_async("dp_cp")
+    _, started, done, _ = rec.snapshot()
+    assert (frag.seq, loss.seq) == (1, 1) and started == {"dp_outer": 1, "dp_cp": 1} and done == {"dp_cp": 1}
+    assert frag.end is None and frag.axis == "dp_outer" and loss.end is not None  # before: both done, #1 and #2
 
 
 def test_comm_feeds_the_recorder_only_when_set():

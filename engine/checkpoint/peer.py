@@ -108,7 +108,9 @@ def _host_group(group: Group) -> tuple[Group, object | None]:
     import torch.distributed as dist
 
     pg = dist.new_group(ranks=list(group.ranks), backend="gloo")
-    return Group(axis=group.axis, ranks=group.ranks, rank=group.rank, pg=pg, ledger=group.ledger), pg
+    # its own communicator: the flight recorder numbers its calls apart from group's (parallel/flight.py)
+    return Group(axis=group.axis, ranks=group.ranks, rank=group.rank, pg=pg, ledger=group.ledger,
+                 flight_axis=f"{group.flight_axis}_host"), pg
 
 
 class PeerReplica:

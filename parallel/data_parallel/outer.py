@@ -64,21 +64,28 @@ def topk_index_dtype(n: int) -> torch.dtype:
     return torch.int32 if n <= torch.iinfo(torch.int32).max + 1 else torch.int64
 
 
+def fragment_phase(fragment: int, inner_steps: int, fragments: int) -> int:
+    """The residue (mod H) of the steps counted from ``start_step`` after which ``fragment`` sends its
+    pseudo-gradient: fragment f at ``(f + 1) H // F`` (H=10, F=4: steps 2, 5, 7, 10 of each cycle)."""
+    return ((fragment + 1) * inner_steps // fragments) % inner_steps
+
+
+def sync_due(method: str, step: int, *, final: bool) -> int:
+    """The step after which a sync sent after ``step`` is applied: at once (DiLoCo, or the run's ``final``
+    step), else one inner step later (Streaming DiLoCo's overlap)."""
+    return step + (1 if method == "streaming_diloco" and not final else 0)
+
+
 def apply_steps(method: str, *, inner_steps: int, fragments: int, start_step: int, steps: int) -> tuple[int, int] | None:
-    """The first and last step (1-based, of a run of ``steps``) at which a sync is applied (None: none is):
-    fragment f sends after the steps t > start_step with (t - start_step) % H == phase(f) and is applied
-    after t (DiLoCo, or Streaming DiLoCo's fragment sent at the run's last step) or after t + 1."""
-    H, F = inner_steps, fragments
-    phases = {((f + 1) * H // F) % H for f in range(F)}
-
-    def due(t: int) -> int:
-        return t + 1 if method == "streaming_diloco" and t != steps else t
-
+    """The first and last step (1-based, of a run of ``steps``) at which a sync is applied (None: none is),
+    by :meth:`OuterOptimizer.step`'s schedule (:func:`fragment_phase`, :func:`sync_due`)."""
+    H = inner_steps
+    phases = {fragment_phase(f, H, fragments) for f in range(fragments)}
     sends = [t for t in range(start_step + 1, min(start_step + H, steps) + 1) if (t - start_step) % H in phases]
     if not sends:
         return None
     last = [t for t in range(max(start_step + 1, steps - H + 1), steps + 1) if (t - start_step) % H in phases]
-    return due(sends[0]), due(last[-1])
+    return (sync_due(method, sends[0], final=sends[0] == steps), sync_due(method, last[-1], final=last[-1] == steps))
 
 
 def _pad_to(n: int, q: int) -> int:
@@ -282,8 +289,8 @@ class OuterOptimizer:
 
     def phase(self, fragment: int) -> int:
         """The residue (mod H) of the steps counted from ``start_step`` after which ``fragment`` sends its
-        pseudo-gradient."""
-        return ((fragment + 1) * self.H // self.F) % self.H
+        pseudo-gradient (:func:`fragment_phase`)."""
+        return fragment_phase(fragment, self.H, self.F)
 
     def phase_name(self, step: int) -> str:
         """What inner step ``step`` (1-based) runs as: ``"ddp_warmup"`` (plain data parallelism, step <=
@@ -407,7 +414,7 @@ class OuterOptimizer:
                 continue
             lo, hi = self.bounds[f]
             delta = self.anchor[lo:hi] - self._read(lo, hi)  # (hi - lo,) fp32 pseudo-gradient
-            pend = _Pending(fragment=f, due=step + (1 if self.method == "streaming_diloco" and not final else 0),
+            pend = _Pending(fragment=f, due=sync_due(self.method, step, final=final),
                             finish=self._start_average(delta, lo, hi))
             if pend.due <= step:
                 sq = self._apply(pend)

@@ -235,16 +235,19 @@ class TesselConfig:
             raise ValueError(f"outer.start_step={u.start_step} is not below train.steps={self.train.steps}: every step "
                              f"would be plain data parallelism and {method!r} would never start; lower "
                              "outer.start_step or set outer.method='none'")
-        m = u.momentum_start_step
+        m, t = u.momentum_start_step, self.train
+        # the run's last step: train.steps, or earlier where train.max_tokens stops it (the trainer's rule)
+        end = t.steps if not t.max_tokens else min(t.steps, math.ceil(t.max_tokens / (t.global_batch_size * t.seq_length)))
+        ends = f"train.steps={t.steps}" + (f" (train.max_tokens stops it after step {end})" if end < t.steps else "")
         span = apply_steps(method, inner_steps=u.inner_steps, fragments=u.fragments, start_step=u.start_step,
-                           steps=self.train.steps) if m else None
+                           steps=t.steps, end=end) if m else None
         if m and span is None:
-            raise ValueError(f"outer.momentum_start_step={m}, but no sync is applied in train.steps={self.train.steps} "
+            raise ValueError(f"outer.momentum_start_step={m}, but no sync is applied in {ends} "
                              f"(outer.inner_steps={u.inner_steps} after outer.start_step={u.start_step}), so it changes "
                              "nothing; remove it")
         if m and span is not None and m >= span[1]:
             raise ValueError(f"outer.momentum_start_step={m} is not below the run's last sync (applied at step "
-                             f"{span[1]} of train.steps={self.train.steps}): every sync would take the plain "
+                             f"{span[1]} of {ends}): every sync would take the plain "
                              "average and outer.lr / outer.momentum would never apply; lower it, or set "
                              "outer.lr=1, outer.momentum=0 and outer.nesterov=false for plain averaging")
         if m and span is not None and m < span[0]:

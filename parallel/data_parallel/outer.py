@@ -76,16 +76,18 @@ def sync_due(method: str, step: int, *, final: bool) -> int:
     return step + (1 if method == "streaming_diloco" and not final else 0)
 
 
-def apply_steps(method: str, *, inner_steps: int, fragments: int, start_step: int, steps: int) -> tuple[int, int] | None:
-    """The first and last step (1-based, of a run of ``steps``) at which a sync is applied (None: none is),
-    by :meth:`OuterOptimizer.step`'s schedule (:func:`fragment_phase`, :func:`sync_due`)."""
-    H = inner_steps
+def apply_steps(method: str, *, inner_steps: int, fragments: int, start_step: int, steps: int,
+                end: int | None = None) -> tuple[int, int] | None:
+    """The first and last step (1-based) at which a sync is applied in a run of ``train.steps = steps`` that
+    stops after step ``end`` (default ``steps``; earlier on ``train.max_tokens``), by
+    :meth:`OuterOptimizer.step`'s schedule (:func:`fragment_phase`, :func:`sync_due`); None: none is. A
+    Streaming fragment sent at ``end < steps`` is still in flight when the run stops."""
+    H, end = inner_steps, steps if end is None else min(end, steps)
     phases = {fragment_phase(f, H, fragments) for f in range(fragments)}
-    sends = [t for t in range(start_step + 1, min(start_step + H, steps) + 1) if (t - start_step) % H in phases]
-    if not sends:
-        return None
-    last = [t for t in range(max(start_step + 1, steps - H + 1), steps + 1) if (t - start_step) % H in phases]
-    return (sync_due(method, sends[0], final=sends[0] == steps), sync_due(method, last[-1], final=last[-1] == steps))
+    # the first and the last cycle (and a step) are enough: every cycle of H steps sends at least once
+    ts = sorted({*range(start_step + 1, min(start_step + H + 1, end) + 1), *range(max(start_step + 1, end - H - 1), end + 1)})
+    dues = [d for d in (sync_due(method, t, final=t == steps) for t in ts if (t - start_step) % H in phases) if d <= end]
+    return (dues[0], dues[-1]) if dues else None
 
 
 def _pad_to(n: int, q: int) -> int:

@@ -544,6 +544,8 @@ def test_resume_is_bitwise(dp2, name):
     (["outer.method=diloco", "outer.inner_steps=2", "outer.momentum_start_step=1"],
      "before the first sync (applied at step 2)"),
     (["outer.method=diloco", "outer.momentum_start_step=1"], "no sync is applied in train.steps=3"),
+    (["outer.method=diloco", "outer.inner_steps=1", "train.max_tokens=128", "outer.momentum_start_step=2"],
+     "applied at step 2 of train.steps=3 (train.max_tokens stops it after step 2)"),
     (["outer.momentum_start_step=1"], "outer.method='none'"),
 ])
 def test_bad_inputs_are_refused(extra, needle):

@@ -489,7 +489,8 @@ def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_samp
     if cfg.model.fp8 != "none":
         from parallel.tensor_parallel.fp8 import weight_casts_enabled
         te = cfg.model.fp8_backend == "te"  # Transformer Engine keeps its own casts and workspaces
-        held = not te and weight_casts_enabled(cfg.model.fp8_weight_cache, zero_stage=zero)
+        held = not te and weight_casts_enabled(cfg.model.fp8_weight_cache, zero_stage=zero,
+                                                   cuda_graph=cfg.model.cuda_graph)
         what = "FP8 scales and casts"
         if te:  # not modeled: TE's layout of what it saves has not been measured here (docs/fp8.md)
             what = "Transformer Engine's FP8 casts and workspaces" + (

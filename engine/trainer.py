@@ -20,6 +20,7 @@ counts every ``w_i`` is exactly 1.0.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import time
@@ -139,7 +140,18 @@ class Trainer:
         self.precision = cfg.model.dtype if fp8 == "none" else f"fp8-{fp8}{backend}/{cfg.model.dtype}"
         # model.fp8_weight_cache: each FP8 weight cast once per step (and per evaluation), not per micro-batch
         zero = cfg.optim.zero_stage if cfg.optim.distributed else 0
-        self.fp8_weight_cache = fp8 != "none" and weight_casts_enabled(cfg.model.fp8_weight_cache, zero_stage=zero)
+        self.fp8_weight_cache = fp8 != "none" and weight_casts_enabled(cfg.model.fp8_weight_cache, zero_stage=zero,
+                                                                       cuda_graph=cfg.model.cuda_graph)
+        # model.cuda_graph: each stage's layers replayed as CUDA graphs in training (models/cuda_graphs.py)
+        self.layer_graphs = []
+        if cfg.model.cuda_graph != "none":
+            for chunk in chunks:
+                if not hasattr(chunk, "enable_cuda_graphs"):
+                    raise ValueError(f"model.cuda_graph={cfg.model.cuda_graph!r}: this model's chunk "
+                                     f"({type(chunk).__name__}) has no transformer layers to capture; set "
+                                     "model.cuda_graph='none'")
+                chunk.enable_cuda_graphs()
+                self.layer_graphs.append(chunk.layer_graphs)
 
     # -- state (the checkpoint composes it) ------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -337,7 +349,10 @@ class Trainer:
         self._nonfinite_streak = True
         from engine.nan_locate import localise_nonfinite
 
-        self.nonfinite_report = localise_nonfinite(self, micro)
+        with contextlib.ExitStack() as eager:  # the replay's module hooks need the layers run eagerly
+            for graphs in self.layer_graphs:
+                eager.enter_context(graphs.suspended())
+            self.nonfinite_report = localise_nonfinite(self, micro)
 
     def _measured_step(self, loader) -> StepStats:
         """This process's first step under :class:`engine.memory.PeakMemory` (the others run plainly); rank 0

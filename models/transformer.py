@@ -240,6 +240,7 @@ class TransformerStage(nn.Module):
         for k, layer in enumerate(self.layers.values()):  # k: the layer's index within this stage
             layer.recompute = recompute == "full" and (recompute_num_layers is None or k < recompute_num_layers)
             layer.attention.recompute_core_attention = recompute == "selective"
+        self.layer_graphs = None  # models.cuda_graphs.LayerGraphs once enable_cuda_graphs() (model.cuda_graph)
         self.final_norm = self.output_layer = None
         if post_process:
             self.final_norm = Norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, kernels=kernels,
@@ -330,6 +331,13 @@ class TransformerStage(nn.Module):
         return self._run_layers(input, x, b, s, masks=masks, position_ids=position_ids, labels=labels,
                                 loss_mask=loss_mask)
 
+    def enable_cuda_graphs(self) -> None:
+        """``model.cuda_graph = "layers"``: training forwards and backwards of the layers replayed as CUDA
+        graphs (models/cuda_graphs.py; ValueError naming what keeps this stage from it)."""
+        from models.cuda_graphs import LayerGraphs
+
+        self.layer_graphs = LayerGraphs(self)
+
     def _cp_forward(self, input, x, b: int, s: int, *, labels, position_ids, loss_mask, cu_seqlens, kv_cache,
                     logits_index, document_ids):
         """The forward of a context-parallel stage on this cp rank's shard of ``s`` tokens (see :meth:`forward`)."""
@@ -364,8 +372,11 @@ class TransformerStage(nn.Module):
         if self.pre_process:
             x = self.embedding(input, position_ids.expand(b, s))
         rope = self._rope(position_ids)
-        for layer in self.layers.values():
-            x = layer(x, rope=rope, masks=masks)
+        if self.layer_graphs is not None and self.layer_graphs.active():
+            x = self.layer_graphs.run(x, rope=rope, masks=masks)  # replayed CUDA graphs (model.cuda_graph)
+        else:
+            for layer in self.layers.values():
+                x = layer(x, rope=rope, masks=masks)
         if not self.post_process:
             return x
         x = self.final_norm(x)

@@ -290,16 +290,18 @@ def bench_step(args) -> dict:
 
     sides = {}
     names = ["none", *args.recipes] + ([f"{r}/nocache" for r in args.recipes] if args.weight_cache_ab else [])
+    names += [f"{r}/graph" for r in ("none", *args.recipes)] if args.cuda_graph else []  # model.cuda_graph=layers
+    variant_cfg = {"": (), "nocache": ("model.fp8_weight_cache=false",), "graph": ("model.cuda_graph=layers",)}
     ops = {}  # computing aten ops dispatched per train step (each a kernel launch on a GPU)
     for name in names:
-        fp8, _, nocache = name.partition("/")
+        fp8, _, variant = name.partition("/")
         base = 0
         if args.device == "cuda":  # what earlier sides left (none, since DataParallel's hooks hold it weakly)
             gc.collect()
             torch.cuda.empty_cache()
             base = torch.cuda.memory_allocated()
         trainer, _, _ = _tessel_trainer(ns, fp8=fp8, micro_batch=args.micro_batch,
-                                        extra=("model.fp8_weight_cache=false",) if nocache else ())
+                                        extra=variant_cfg[variant])
         loader = itertools.cycle(micro)  # the batch's micro-batches, in turn (one per trainer micro-batch)
         for _ in range(args.warmup):
             trainer.train_step(loader)
@@ -374,6 +376,8 @@ def main(argv=None) -> int:
                    help="train-step micro-batch size (default: the preset's whole batch, one micro-batch)")
     p.add_argument("--weight-cache-ab", action="store_true",
                    help="also time each recipe with model.fp8_weight_cache=false (same run)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="also time none and each recipe with model.cuda_graph=layers (CUDA only; same run)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--skip", choices=("gemms", "host", "step"), action="append", default=[])
     p.add_argument("--host-shape", type=int, nargs=3, default=[16, 16, 16], metavar=("M", "N", "K"),
@@ -420,9 +424,12 @@ def main(argv=None) -> int:
     if any(v < 16 or v % 16 for v in args.host_shape):
         p.error(f"--host-shape={args.host_shape} must be positive multiples of 16 (FP8 GEMM alignment), e.g. 16 16 16")
     if "step" in args.skip or args.profile:
-        for flag, val in (("--micro-batch", args.micro_batch), ("--weight-cache-ab", args.weight_cache_ab)):
+        for flag, val in (("--micro-batch", args.micro_batch), ("--weight-cache-ab", args.weight_cache_ab),
+                          ("--cuda-graph", args.cuda_graph)):
             if val:
                 p.error(f"{flag} applies to the train step, which --skip step / --profile leave out")
+    if args.cuda_graph and not cuda:
+        p.error("--cuda-graph times the step with CUDA graphs: give --device cuda")
     if args.micro_batch is not None:
         from tools.bench_train_step import PRESETS
         batch = PRESETS[args.preset]["batch"]
@@ -485,6 +492,9 @@ def main(argv=None) -> int:
                           f"({s['none']['device_busy_s'] / v['device_busy_s']:.3f}x none's)")
             if k.endswith("/nocache"):  # the same recipe with its weight casts reused, over this side
                 extra += f"   (weight cache: {v['step_s'] / s[k.split('/')[0]]['step_s']:.3f}x)"
+            if k.endswith("/graph"):  # the same side eager, over this one; and over none's graphed step
+                extra += (f"   (graphs: {s[k.split('/')[0]]['step_s'] / v['step_s']:.3f}x eager; "
+                          f"{s['none/graph']['step_s'] / v['step_s']:.3f}x none/graph)")
             print(f"  model.fp8={k:<18} {v['step_s'] * 1e3:9.1f} ms   speed-up vs none {v['speedup_vs_none']:.3f}x, "
                   f"{v['ops_per_step']} ops{extra}")
     if args.json:

@@ -3,7 +3,7 @@
 #
 #   OUT=/some/folder bash tools/gpu_session.sh [STEP ...]      (from the repository root)
 #
-# STEP: info build test fp8 overlap attention moe train kernels (default: all, in that order: the issues'
+# STEP: info build test fp8 graphs overlap attention moe train kernels (default: all, in that order: the issues'
 # GPU checks first, the long benchmarks last). Each step is time-boxed, a failing step does not stop the next ones,
 # and the whole script keeps within $GPU_SESSION_BUDGET_S (default 500 s). A session has 15 minutes of
 # device time in all, machine starts (a minute or more each) included, and no machine starts with under
@@ -24,7 +24,9 @@
 #                      issue one linear per recipe (by function), and the gpu-1b train step per recipe with its
 #                      kernels per step; its JSON results at the end of the same file; then one linear's
 #                      kernel profile, and the gpu-1b step in 4 micro-batches with and without the weight cache,
-#                      each side's kernels per step against its step time (--profile-step)
+#                      each side's kernels per step against its step time (--profile-step); then (step `graphs`)
+#                      the gpu-1b step with each layer replayed from CUDA graphs (model.cuda_graph=layers, --cuda-graph)
+#                      against the same sides eager, for none, tensorwise and delayed
 #   bench_parallel.log four steps, one after another, each with its JSON at its end:
 #                      overlap: tools/bench_overlap.py --gemm-overhead --device cuda: the ring's chunk GEMMs vs
 #                      one GEMM at 8B shapes (one GPU: no multi-rank overlap; issue 17);
@@ -50,7 +52,7 @@ mkdir -p "$OUT" || exit 2
 PY=${PYTHON:-python3}
 BUDGET=${GPU_SESSION_BUDGET_S:-500}
 TAIL_LINES=${TAIL_LINES:-40}
-ALL_STEPS=(info build test fp8 overlap attention moe train kernels)
+ALL_STEPS=(info build test fp8 graphs overlap attention moe train kernels)
 STEPS=("$@")
 [[ ${#STEPS[@]} -eq 0 ]] && STEPS=("${ALL_STEPS[@]}")
 for s in "${STEPS[@]}"; do
@@ -151,6 +153,12 @@ EOF
         # each side's kernels per step against its step time (--profile-step: how long the GPU waited for the host)
         run_json_step fp8_cache 90 "$OUT/bench_fp8.log" "$PY" tools/bench_fp8.py --device cuda --skip gemms \
             --skip host --recipes tensorwise --micro-batch 1 --weight-cache-ab --steps 5 --profile-step --profile-top 8
+    fi
+    if wanted graphs; then
+        # the host taken off the step: each layer's forward and backward replayed as CUDA graphs
+        # (model.cuda_graph = "layers", docs/cuda_graphs.md), against the same sides eager, same run
+        run_json_step graphs 110 "$OUT/bench_fp8.log" "$PY" tools/bench_fp8.py --device cuda --skip gemms --skip host \
+            --recipes tensorwise delayed --cuda-graph --profile-step --profile-top 8
     fi
     if wanted overlap; then
         run_json_step overlap 40 "$OUT/bench_parallel.log" "$PY" tools/bench_overlap.py --gemm-overhead --device cuda

@@ -83,6 +83,7 @@ class TesselConfig:
         self._check_expert_parallel()
         self._check_batch()
         self._check_outer()
+        self._check_cuda_graph()
 
     # ----------------------------------------------------------------------------------------
     # cross-section checks
@@ -208,6 +209,33 @@ class TesselConfig:
             raise ValueError("posttrain.method='grpo' with ZeRO-3: generation gathers every layer over dp at each "
                              "decode step, and the dp replicas stop generating at different steps, so their gathers "
                              "would not pair up (a hang); use optim.zero_stage 1 or 2")
+
+    def _check_cuda_graph(self) -> None:
+        """``model.cuda_graph = "layers"`` (models/cuda_graphs.py): a layer's graphs replay static buffers and
+        no Python, so nothing in a layer may communicate, hook or change shape per call."""
+        if self.model.cuda_graph == "none":
+            return
+        par, o, t = self.parallel, self.optim, self.train
+        what = "model.cuda_graph='layers'"
+        sizes = {k: getattr(par, k) for k in ("tp", "cp", "ep", "pp", "vp") if getattr(par, k) != 1}
+        if sizes:
+            raise ValueError(f"{what} with {', '.join(f'parallel.{k}={v}' for k, v in sizes.items())}: the layers' "
+                             "tp/cp/ep collectives (and their ledger entries) would run only when captured, and a "
+                             "pipeline runs a layer's next forward before its backward, over the graph's static "
+                             "buffers; graphs are built for dp only: set those to 1 or model.cuda_graph='none'")
+        if t.activation_checkpointing != "none":
+            raise ValueError(f"{what} with train.activation_checkpointing={t.activation_checkpointing!r}: recompute "
+                             "reruns the layer's forward inside backward, outside its graphs; set "
+                             "train.activation_checkpointing='none' or model.cuda_graph='none'")
+        if o.distributed and (o.zero_stage == 3 or o.overlap_param_gather):
+            why = "optim.zero_stage=3" if o.zero_stage == 3 else "optim.overlap_param_gather=true"
+            raise ValueError(f"{what} with {why}: the parameters' all-gathers are waited for in module hooks "
+                             "before each layer's forward, which a replayed graph skips; use optim.zero_stage 1 "
+                             "or 2 with optim.overlap_param_gather=false, or model.cuda_graph='none'")
+        if self.logging.profile_steps:
+            raise ValueError(f"{what} with logging.profile_steps: the profiler's layer ranges come from module "
+                             "hooks, which a replayed graph skips; profile with model.cuda_graph='none' (or time "
+                             "the graphed step's kernels with tools/kernel_profile.py)")
 
     def _check_outer(self) -> None:
         """DiLoCo and gradient compression replace the per-step dp reduction (docs/decentralised.md)."""

@@ -32,6 +32,7 @@ RECOMPUTE = ("none", "selective", "full")  # train.activation_checkpointing (doc
 PROGRESS_BAR = ("auto", "on", "off")
 FP8 = ("none",) + FP8_RECIPES  # model.fp8
 FP8_BACKENDS = ("tessel", "te")
+CUDA_GRAPHS = ("none", "layers")  # model.cuda_graph
 
 
 def _finite(value: float) -> bool:
@@ -96,6 +97,9 @@ class ModelConfig(Section):
     micro-batches and recompute (TE's is_first_microbatch); unset = on, except under ZeRO-3, where it
     would hold every layer's FP8 weight for the whole step. Costs up to 2 bytes per FP8 weight element
     during the step (docs/fp8.md).
+    ``cuda_graph``: "none", or "layers": each transformer layer's training forward and backward captured
+    once as CUDA graphs and replayed (one launch each instead of dozens: the host's share of the step;
+    docs/cuda_graphs.md). CUDA only; every micro-batch the same shape; tp, cp, ep and pp 1.
     """
 
     SECTION = "model"
@@ -123,10 +127,20 @@ class ModelConfig(Section):
     fp8_amax_history: int = 16
     fp8_margin: int = 0
     fp8_weight_cache: bool | None = None
+    cuda_graph: str = "none"
 
     def _validate(self) -> None:
         check_choice(self, "family", FAMILIES)
         self._validate_fp8()
+        check_choice(self, "cuda_graph", CUDA_GRAPHS)
+        if self.cuda_graph != "none" and self.fp8 != "none" and self.fp8_backend == "te":
+            raise ValueError("model.cuda_graph='layers' with model.fp8_backend='te' is not built (Transformer "
+                             "Engine's modules keep host-side FP8 state per call); set model.fp8_backend='tessel' "
+                             "or model.cuda_graph='none'")
+        if self.cuda_graph != "none" and self.fp8_weight_cache:
+            raise ValueError("model.fp8_weight_cache=true with model.cuda_graph='layers': a graph replays the weight "
+                             "casts it captured, so a cast kept across micro-batches is not reused but read stale; "
+                             "remove model.fp8_weight_cache (off under graphs) or set model.cuda_graph='none'")
         check_choice(self, "dtype", DTYPES)
         check_choice(self, "kernels", KERNELS)
         check_nonempty(self, "hf_config")

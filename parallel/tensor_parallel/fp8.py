@@ -241,7 +241,10 @@ def fp8_weight_casts(module: nn.Module, enabled: bool = True) -> Iterator[list[W
             impl.weight_casts = None
 
 
-def weight_casts_enabled(setting: bool | None, *, zero_stage: int) -> bool:
+def weight_casts_enabled(setting: bool | None, *, zero_stage: int, cuda_graph: str = "none") -> bool:
     """``model.fp8_weight_cache``: unset means on, except under ZeRO-3, where holding every layer's FP8
-    weight for the whole step would undo the sharding of the parameters."""
+    weight for the whole step would undo the sharding of the parameters, and under ``model.cuda_graph``,
+    whose graphs replay the casts they captured (the config refuses it set true there)."""
+    if cuda_graph != "none":
+        return False
     return setting if setting is not None else zero_stage != 3

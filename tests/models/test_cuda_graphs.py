@@ -1,0 +1,110 @@
+"""``model.cuda_graph = "layers"`` (models/cuda_graphs.py).
+
+* **On a GPU** (`pytest -m gpu`, tools/gpu_session.sh): one process, the tiny Llama in fp32, 3 steps of 2
+  micro-batches and an evaluation, with the layers replayed from CUDA graphs, against the same run eager,
+  for ``model.fp8`` none, tensorwise and delayed: the losses and every trained parameter within 1e-5
+  (the same kernels on the same inputs; the bound allows a GEMM algorithm that differs under capture).
+  The graphs are captured once (one signature); delayed scaling's first step runs eagerly.
+* **Everywhere:** each combination the graphs cannot run is refused, with the fix, by the config schema
+  (tp/cp/ep/pp, recompute, ZeRO-3 and the overlapped parameter gather, the profiler's hooks, TE, the
+  FP8 weight cache) and by the stage (dropout, recompute, MoE, a model not on CUDA).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.data.synthetic import RandomTokens
+from parallel.testing import run_distributed
+
+SEQ, VOCAB = 32, 64
+HF = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+      "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": VOCAB, "max_position_embeddings": 64,
+      "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+ATOL = 1e-5
+
+
+def _cfg(extra=()):
+    from engine.config import load_config
+    return load_config("tiny_llama_cpu", [
+        "parallel.tp=1", "parallel.pp=1", "parallel.dp=-1", "train.steps=3", "train.global_batch_size=4",
+        "train.micro_batch_size=2", f"train.seq_length={SEQ}", "optim.lr=0.01", "optim.warmup_steps=0",
+        "optim.distributed=false", "logging.progress_bar=off", "logging.tensorboard=false", "logging.jsonl=false",
+        "logging.peak_tflops=1.0", "train.eval_interval=0", "model.dtype=fp32", *extra])
+
+
+def _run(extra):
+    from engine.assembly import build_run
+    from models.hook import ModelHook
+
+    cfg = _cfg(extra)
+    model = ModelHook.from_hf(HF, dtype=torch.float32, seed=cfg.train.seed, sequence_parallel=False,
+                              fp8=cfg.model.fp8)
+    run = build_run(cfg, model=model, train_data=RandomTokens(64, vocab=VOCAB, seq=SEQ, seed=100), checkpoints=False)
+    trainer = run.trainer
+    assert next(trainer.chunks.parameters()).is_cuda
+    losses = [trainer.train_step(run.train_loader).loss for _ in range(3)]
+    losses.append(trainer.evaluate(run.train_loader, 1))
+    params = torch.cat([p.detach().float().reshape(-1) for p in trainer.chunks.parameters()]).cpu().numpy()
+    graphs = [(len(g.sets), g.replays, g.eager_calls) for g in trainer.layer_graphs]
+    return losses, params, graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", ["none", "tensorwise", "delayed"])
+def test_layers_replayed_from_cuda_graphs_train_as_eager(fp8):
+    eager = run_distributed(_run, 1, (f"model.fp8={fp8}",))[0]
+    graphed = run_distributed(_run, 1, (f"model.fp8={fp8}", "model.cuda_graph=layers"))[0]
+    print(f"fp8={fp8}: losses eager {eager[0]} graphed {graphed[0]}; max |param diff| "
+          f"{np.abs(eager[1] - graphed[1]).max():.3e}; graphs (sets, replays, eager calls) {graphed[2]}")
+    np.testing.assert_allclose(graphed[0], eager[0], atol=ATOL, rtol=0)
+    np.testing.assert_allclose(graphed[1], eager[1], atol=ATOL, rtol=0)
+    first_eager = 2 if fp8 == "delayed" else 0  # step 1's two micro-batches: delayed scaling not yet updated
+    assert graphed[2] == [(1, 6 - first_eager, first_eager)] and eager[2] == []
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (("parallel.tp=2",), r"parallel.tp=2.*graphs are built for dp only"),
+    (("parallel.pp=2",), r"parallel.pp=2"),
+    (("train.activation_checkpointing=selective",), r"activation_checkpointing='selective'"),
+    (("optim.distributed=true", "optim.zero_stage=3"), r"optim.zero_stage=3.*module hooks"),
+    (("optim.distributed=true", "optim.overlap_param_gather=true"), r"overlap_param_gather=true"),
+    (("logging.profile_steps=[2, 3]",), r"logging.profile_steps"),
+    (("model.fp8=tensorwise", "model.fp8_backend=te"), r"fp8_backend='te' is not built"),
+    (("model.fp8=tensorwise", "model.fp8_weight_cache=true"), r"read stale"),
+    (("model.cuda_graph=all",), r"model.cuda_graph='all' is not valid"),
+])
+def test_what_the_graphs_cannot_run_is_refused_with_the_fix(overrides, match):
+    from engine.config import load_config
+
+    base = ["train.steps=20", "train.global_batch_size=8", "train.micro_batch_size=1", "parallel.dp=-1",
+            "parallel.tp=1", "parallel.pp=1",
+            "model.cuda_graph=layers"]
+    with pytest.raises(ValueError, match=match):
+        cfg = load_config("tiny_llama_cpu", [*base, *overrides])
+        cfg.validate_world(4)
+
+
+def _stage(**changes):
+    from models import build_model
+    from parallel.comm import Group
+    from parallel.comm import Ledger
+    from tests.models.tiny import config
+
+    return build_model(config("llama", **changes.pop("hf", {})), seed=0,
+                       tp_group=Group(axis="tp", ranks=range(1), rank=0, pg=None, ledger=Ledger()), **changes)
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(hf=dict(attention_dropout=0.1)), r"layer 0 has dropout .*attention 0.1"),
+    (dict(recompute="full"), r"recomputes activations"),
+    (dict(), r"needs the model on a CUDA device"),
+])
+def test_a_stage_the_graphs_cannot_run_is_refused(changes, match):
+    stage = _stage(**changes)
+    if torch.cuda.is_available() and not changes:
+        pytest.skip("the device refusal is for a model off CUDA")
+    with pytest.raises(ValueError, match=match):
+        stage.enable_cuda_graphs()
+    assert stage.layer_graphs is None

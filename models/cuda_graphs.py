@@ -68,6 +68,10 @@ class _LayerCall(nn.Module):
         return self.layer(x, rope=rope, masks=_Mask(mask))
 
 
+def _on_cuda(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
 def check_graphable(stage: nn.Module) -> None:
     """ValueError naming what keeps ``stage``'s layers from being captured (the config schema checks the
     run-level conditions; these are the model's)."""
@@ -88,7 +92,7 @@ def check_graphable(stage: nn.Module) -> None:
                              "token counts (and so its shapes) change every micro-batch; set "
                              "model.cuda_graph='none'")
     device = next(stage.parameters()).device
-    if device.type != "cuda" or not torch.cuda.is_available():
+    if not _on_cuda(device):
         raise ValueError(f"model.cuda_graph='layers' needs the model on a CUDA device (CUDA graphs); this run's "
                          f"model is on {device}: set model.cuda_graph='none'")
 

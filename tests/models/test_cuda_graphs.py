@@ -108,3 +108,54 @@ def test_a_stage_the_graphs_cannot_run_is_refused(changes, match):
     with pytest.raises(ValueError, match=match):
         stage.enable_cuda_graphs()
     assert stage.layer_graphs is None
+
+
+def _fake_capture(calls, samples, num_warmup_iters):
+    """CPU stand-in for ``torch.cuda.make_graphed_callables``: the same warm-up passes (forward, then
+    backward with uninitialised output gradients, whose amaxes delayed scaling records) and the callables
+    returned as they are, so the wrappers' arguments, the signatures and the pending amaxes' restore are
+    what is checked."""
+    for call, args in zip(calls, samples):
+        for _ in range(num_warmup_iters + 1):  # the warm-up iterations and the capture pass
+            out = call(*args)
+            inputs = [a for a in (*args, *call.parameters()) if a.requires_grad]
+            torch.autograd.grad(out, inputs, grad_outputs=torch.full_like(out, 1e4))
+    return calls
+
+
+def _cpu_run(extra, monkeypatch_on: bool):
+    import models.cuda_graphs as cg
+
+    if monkeypatch_on:
+        cg._on_cuda = lambda device: True
+        cg.torch.cuda.make_graphed_callables = _fake_capture
+    return _run_cpu(extra)
+
+
+def _run_cpu(extra):
+    from engine.assembly import build_run
+    from models.hook import ModelHook
+
+    cfg = _cfg(extra)
+    model = ModelHook.from_hf(dict(HF, sliding_window=16, use_sliding_window=True, max_window_layers=1,
+                                   model_type="qwen2", attention_bias=True), dtype=torch.float32,
+                              seed=cfg.train.seed, sequence_parallel=False, fp8=cfg.model.fp8)
+    run = build_run(cfg, model=model, train_data=RandomTokens(64, vocab=VOCAB, seq=SEQ, seed=100), checkpoints=False)
+    trainer = run.trainer
+    losses = [trainer.train_step(run.train_loader).loss for _ in range(3)]
+    losses.append(trainer.evaluate(run.train_loader, 1))
+    graphs = [(len(g.sets), g.replays, g.eager_calls) for g in trainer.layer_graphs]
+    return losses, graphs
+
+
+@pytest.mark.parametrize("fp8", ["none", "delayed"])
+def test_the_graphed_layers_arguments_and_restored_amaxes_on_cpu(fp8):
+    """The capture replaced by eager calls with the same warm-up passes (CPU): the wrappers' tensors (rope
+    tables; a sliding-window layer's mask beside a full-attention one) give the layers' own results, and
+    the warm-up passes' amaxes (output gradients of 1e4) do not reach delayed scaling: bitwise equal."""
+    extra = (f"model.fp8={fp8}", "model.family=qwen2")
+    eager = run_distributed(_cpu_run, 1, extra, False)[0]
+    faked = run_distributed(_cpu_run, 1, (*extra, "model.cuda_graph=layers"), True)[0]
+    assert faked[0] == eager[0]
+    first_eager = 2 if fp8 == "delayed" else 0
+    assert faked[1] == [(1, 6 - first_eager, first_eager)] and eager[1] == []

@@ -180,6 +180,11 @@ REFUSED: tuple[tuple[tuple[str, ...], str], ...] = (
     # DiLoCo and compressed gradients replace the per-step dp reduction that ZeRO shards (docs/decentralised.md).
     (("outer.method=diloco", "outer.inner_steps=4", "optim.distributed=true"), "outer.method='diloco' with ZeRO"),
     (("optim.grad_compression=powersgd", "optim.distributed=true"), "replaces the bucketed all-reduce"),
+    # CUDA graphs of the layers (docs/cuda_graphs.md): data parallelism only, no recompute (a GPU feature: its
+    # parity is tests/models/test_cuda_graphs.py's GPU test, not a row here)
+    (("model.cuda_graph=layers",), "graphs are built for dp only"),  # the preset's tp2 x pp2
+    (("model.cuda_graph=layers", "parallel.tp=1", "parallel.pp=1", "train.activation_checkpointing=full"),
+     "recompute reruns the layer's forward"),
 )
 
 

@@ -430,7 +430,54 @@ def _fp8_inner_steps():
             both = [torch.empty_like(mine) for _ in range(2)]
             dist.all_gather(both, mine)
             differ = not torch.equal(*both)
-    return {"sent": sent, "histories_differ": differ, "layers": len(delayed_states(run.trainer.chunks))}
+            inner = {"params": _params(run), "histories": mine.clone()}  # before the sync at step 3
+    return {"sent": sent, "histories_differ": differ, "layers": len(delayed_states(run.trainer.chunks)), **inner}
+
+
+class _ReplicaShare:
+    """The samples dp replica ``r`` of 2 reads (global batches of 4, micro-batches of 1: samples
+    4k + 2r and 4k + 2r + 1 of step k; engine/data/loader.py), as one process's dataset of batches of 2."""
+
+    def __init__(self, base, r: int):
+        self.base, self.r = base, r
+
+    def __len__(self) -> int:
+        return len(self.base) // 2
+
+    def __getitem__(self, i: int) -> dict:
+        return self.base[(i // 2) * 4 + 2 * self.r + i % 2]
+
+
+def _fp8_replica_reference():
+    """One process trained 2 steps on replica r's samples alone, FP8 delayed (for each r): what each DiLoCo
+    replica's inner steps must compute, its amaxes its own."""
+    from engine.assembly import build_run
+    from engine.ops.fp8_linear import delayed_states
+    from models.hook import ModelHook
+
+    out = []
+    for r in range(2):
+        cfg = _cfg(extra=["model.fp8=delayed", "train.global_batch_size=2"])  # train.steps=3: the same lr schedule
+        model = ModelHook.from_hf(HF, dtype=torch.float32, seed=cfg.train.seed, sequence_parallel=False, fp8="delayed")
+        run = build_run(cfg, model=model, train_data=_ReplicaShare(_tokens(4 * (cfg.train.steps + 2)), r),
+                        checkpoints=False)
+        for _ in range(2):
+            run.trainer.train_step(run.train_loader)
+        out.append({"params": _params(run), "histories": torch.cat([s.amax_history.flatten()
+                                                                     for _, s in delayed_states(run.trainer.chunks)])})
+    return out
+
+
+def test_each_replicas_fp8_inner_steps_equal_one_process_on_its_data(dp2):
+    """DiLoCo's inner steps with FP8 delayed scaling at dp2 (H=3, after 2 inner steps) against one process
+    trained on the replica's own micro-batches: every parameter and amax history bitwise equal (fp32; the
+    same kernels, the amaxes reduced over nothing in both)."""
+    reference = run_distributed(_fp8_replica_reference, 1)[0]
+    for rank, r in enumerate(x["fp8_inner"] for x in dp2):
+        want = reference[rank]
+        assert torch.equal(r["histories"], want["histories"]), rank
+        diff = {k: float((v - want["params"][k]).abs().max()) for k, v in r["params"].items()}
+        assert max(diff.values()) == 0.0, (rank, diff)
 
 
 def _momentum_start():

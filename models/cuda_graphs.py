@@ -14,8 +14,8 @@ How it runs (``torch.cuda.make_graphed_callables``, one set of graphs per distin
 * Each graphed layer is an autograd node: parameter gradients reach ``AccumulateGrad`` (and data
   parallelism's gradient hooks) eagerly, as without graphs.
 * A graph replays its inputs' and outputs' static buffers: one micro-batch's forward and backward
-  must finish before the next forward of the same layer, as at ``parallel.pp = 1`` (checked by the
-  config schema with the other conditions: docs/cuda_graphs.md).
+  must finish before the next forward of the same layer, as the 1F1B schedule at ``parallel.pp = 1``
+  runs them (the config schema refuses pp > 1 and every other schedule: docs/cuda_graphs.md).
 * Delayed FP8 scaling picks its path (current scaling until its first update) on the host: layers
   run eagerly until every delayed state under them has been updated once, then are captured. The
   warm-up and capture passes record amaxes of their sample gradients: the pending amaxes are restored
@@ -82,8 +82,9 @@ def check_graphable(stage: nn.Module) -> None:
         n = layer.layer_number
         if layer.hidden_dropout > 0 or layer.attention.dropout_p > 0:
             raise ValueError(f"model.cuda_graph='layers': layer {n} has dropout (hidden {layer.hidden_dropout}, "
-                             f"attention {layer.attention.dropout_p}), whose random streams a graph would replay "
-                             "unchanged; set the model's dropout to 0 or model.cuda_graph='none'")
+                             f"attention {layer.attention.dropout_p}), which forks the tensor-parallel RNG tracker: "
+                             "it saves and restores the generator state on the host, which a replayed graph skips; "
+                             "set the model's dropout to 0 or model.cuda_graph='none'")
         if layer.recompute or layer.attention.recompute_core_attention:
             raise ValueError(f"model.cuda_graph='layers': layer {n} recomputes activations in backward; set "
                              "train.activation_checkpointing='none' or model.cuda_graph='none'")

@@ -223,6 +223,11 @@ class TesselConfig:
                              "tp/cp/ep collectives (and their ledger entries) would run only when captured, and a "
                              "pipeline runs a layer's next forward before its backward, over the graph's static "
                              "buffers; graphs are built for dp only: set those to 1 or model.cuda_graph='none'")
+        if par.schedule != "1f1b":
+            raise ValueError(f"{what} with parallel.schedule={par.schedule!r}: a layer's graphs replay into the same "
+                             "buffers every micro-batch, so each micro-batch's backward must run before the next "
+                             f"forward, as '1f1b' does at pp=1 ({par.schedule!r} runs the forwards first and would "
+                             "back-propagate through the last micro-batch's activations); set parallel.schedule='1f1b'")
         if t.activation_checkpointing != "none":
             raise ValueError(f"{what} with train.activation_checkpointing={t.activation_checkpointing!r}: recompute "
                              "reruns the layer's forward inside backward, outside its graphs; set "
@@ -235,7 +240,13 @@ class TesselConfig:
         if self.logging.profile_steps:
             raise ValueError(f"{what} with logging.profile_steps: the profiler's layer ranges come from module "
                              "hooks, which a replayed graph skips; profile with model.cuda_graph='none' (or time "
-                             "the graphed step's kernels with tools/kernel_profile.py)")
+                             "the graphed step's kernels with tools/bench_fp8.py --device cuda --cuda-graph "
+                             "--profile-step)")
+        if self.posttrain.lora.rank and self.posttrain.lora.dropout > 0:
+            raise ValueError(f"{what} with posttrain.lora.dropout={self.posttrain.lora.dropout}: the adapters' "
+                             "dropout forks the tensor-parallel RNG tracker, whose generator state is saved and "
+                             "restored on the host, which a replayed graph skips; set posttrain.lora.dropout=0 or "
+                             "model.cuda_graph='none'")
 
     def _check_outer(self) -> None:
         """DiLoCo and gradient compression replace the per-step dp reduction (docs/decentralised.md)."""

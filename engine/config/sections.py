@@ -137,6 +137,10 @@ class ModelConfig(Section):
             raise ValueError("model.cuda_graph='layers' with model.fp8_backend='te' is not built (Transformer "
                              "Engine's modules keep host-side FP8 state per call); set model.fp8_backend='tessel' "
                              "or model.cuda_graph='none'")
+        if self.cuda_graph != "none" and self.fp8 not in ("none", "tensorwise", "delayed"):
+            raise ValueError(f"model.cuda_graph='layers' with model.fp8={self.fp8!r} has not run under CUDA graphs "
+                             "(its GEMM paths are chosen by checks that read results on the host, once per process); "
+                             "use model.fp8 'tensorwise' or 'delayed' with the graphs, or model.cuda_graph='none'")
         if self.cuda_graph != "none" and self.fp8_weight_cache:
             raise ValueError("model.fp8_weight_cache=true with model.cuda_graph='layers': a graph replays the weight "
                              "casts it captured, so a cast kept across micro-batches is not reused but read stale; "

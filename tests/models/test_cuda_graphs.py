@@ -6,8 +6,9 @@
   (the same kernels on the same inputs; the bound allows a GEMM algorithm that differs under capture).
   The graphs are captured once (one signature); delayed scaling's first step runs eagerly.
 * **Everywhere:** each combination the graphs cannot run is refused, with the fix, by the config schema
-  (tp/cp/ep/pp, recompute, ZeRO-3 and the overlapped parameter gather, the profiler's hooks, TE, the
-  FP8 weight cache) and by the stage (dropout, recompute, MoE, a model not on CUDA).
+  (tp/cp/ep/pp, a schedule other than 1F1B, recompute, ZeRO-3 and the overlapped parameter gather, the
+  profiler's hooks, LoRA dropout, TE, the FP8 recipes not run under graphs, the FP8 weight cache) and by
+  the stage (dropout, recompute, MoE, a model not on CUDA).
 """
 from __future__ import annotations
 
@@ -74,6 +75,10 @@ def test_layers_replayed_from_cuda_graphs_train_as_eager(fp8):
     (("model.fp8=tensorwise", "model.fp8_backend=te"), r"fp8_backend='te' is not built"),
     (("model.fp8=tensorwise", "model.fp8_weight_cache=true"), r"read stale"),
     (("model.cuda_graph=all",), r"model.cuda_graph='all' is not valid"),
+    (("parallel.schedule=gpipe",), r"parallel.schedule='gpipe'.*set parallel.schedule='1f1b'"),
+    (("posttrain.method=sft", "data.paths=[]", "posttrain.data=[\"x.jsonl\"]", "posttrain.lora.rank=4",
+      "posttrain.lora.dropout=0.1"), r"posttrain.lora.dropout=0.1.*host"),
+    (("model.fp8=rowwise",), r"model.fp8='rowwise' has not run under CUDA graphs"),
 ])
 def test_what_the_graphs_cannot_run_is_refused_with_the_fix(overrides, match):
     from engine.config import load_config

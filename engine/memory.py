@@ -499,6 +499,9 @@ def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_samp
                 else "")
         notes.append(what + (" (model.fp8_weight_cache: each FP8 weight's casts held for the step, "
                              "up to 2 bytes per element, 2.25 for mxfp8)" if held else ""))
+    if cfg.model.cuda_graph != "none":  # models/cuda_graphs.py; the measured (allocated) peak leaves them out too
+        notes.append("the layers' CUDA graph pools (model.cuda_graph: per input signature, a micro-batch's "
+                     "activations, the layers' gradient buffers and their inputs' static copies)")
     # The ring's block kernel (parallel/context_parallel/ring.py): flash unless a sliding window cuts blocks or
     # no flash kernel runs the dtype (CUDA: bf16/fp16, head dim a multiple of 8 up to 256). Documents packed
     # in a sequence also cut blocks: data, not config, so not modeled (named below when cp > 1).

@@ -164,3 +164,17 @@ def test_the_graphed_layers_arguments_and_restored_amaxes_on_cpu(fp8):
     assert faked[0] == eager[0]
     first_eager = 2 if fp8 == "delayed" else 0
     assert faked[1] == [(1, 6 - first_eager, first_eager)] and eager[1] == []
+
+
+def test_the_memory_report_names_the_graph_pools_as_not_modeled():
+    from engine.config import load_config
+    from engine.memory import predict_memory
+    from models.hook import ModelHook
+
+    def notes(graphs: str):
+        cfg = load_config("tiny_llama_cpu", ["parallel.tp=1", "parallel.pp=1", "parallel.dp=1", "train.steps=20",
+                                             f"model.cuda_graph={graphs}"])
+        return predict_memory(cfg, ModelHook.from_run_config(cfg, tokenizer_vocab=None), world=1,
+                              device="cuda").notes
+    assert any("CUDA graph pools" in n for n in notes("layers"))
+    assert not any("CUDA graph" in n for n in notes("none"))

@@ -35,12 +35,17 @@ def _cfg(extra=()):
         "logging.peak_tflops=1.0", "train.eval_interval=0", "model.dtype=fp32", *extra])
 
 
-def _run(extra):
+# Qwen2 whose second layer attends over a sliding window of 16 of the 32 tokens: that layer's graphs take a mask
+WINDOW_HF = dict(HF, sliding_window=16, use_sliding_window=True, max_window_layers=1, model_type="qwen2",
+                 attention_bias=True)
+
+
+def _run(extra, hf=HF):
     from engine.assembly import build_run
     from models.hook import ModelHook
 
     cfg = _cfg(extra)
-    model = ModelHook.from_hf(HF, dtype=torch.float32, seed=cfg.train.seed, sequence_parallel=False,
+    model = ModelHook.from_hf(hf, dtype=torch.float32, seed=cfg.train.seed, sequence_parallel=False,
                               fp8=cfg.model.fp8)
     run = build_run(cfg, model=model, train_data=RandomTokens(64, vocab=VOCAB, seq=SEQ, seed=100), checkpoints=False)
     trainer = run.trainer
@@ -53,10 +58,13 @@ def _run(extra):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8", ["none", "tensorwise", "delayed"])
-def test_layers_replayed_from_cuda_graphs_train_as_eager(fp8):
-    eager = run_distributed(_run, 1, (f"model.fp8={fp8}",))[0]
-    graphed = run_distributed(_run, 1, (f"model.fp8={fp8}", "model.cuda_graph=layers"))[0]
+@pytest.mark.parametrize("fp8, family", [("none", "llama"), ("tensorwise", "llama"), ("delayed", "llama"),
+                                         ("delayed", "qwen2_window")])
+def test_layers_replayed_from_cuda_graphs_train_as_eager(fp8, family):
+    """(The qwen2_window case, a layer with a mask, was added after the 2026-11-28 GPU session: not run yet.)"""
+    hf, extra = (HF, ()) if family == "llama" else (WINDOW_HF, ("model.family=qwen2",))
+    eager = run_distributed(_run, 1, (f"model.fp8={fp8}", *extra), hf)[0]
+    graphed = run_distributed(_run, 1, (f"model.fp8={fp8}", "model.cuda_graph=layers", *extra), hf)[0]
     print(f"fp8={fp8}: losses eager {eager[0]} graphed {graphed[0]}; max |param diff| "
           f"{np.abs(eager[1] - graphed[1]).max():.3e}; graphs (sets, replays, eager calls) {graphed[2]}")
     np.testing.assert_allclose(graphed[0], eager[0], atol=ATOL, rtol=0)
@@ -142,9 +150,8 @@ def _run_cpu(extra):
     from models.hook import ModelHook
 
     cfg = _cfg(extra)
-    model = ModelHook.from_hf(dict(HF, sliding_window=16, use_sliding_window=True, max_window_layers=1,
-                                   model_type="qwen2", attention_bias=True), dtype=torch.float32,
-                              seed=cfg.train.seed, sequence_parallel=False, fp8=cfg.model.fp8)
+    model = ModelHook.from_hf(WINDOW_HF, dtype=torch.float32, seed=cfg.train.seed, sequence_parallel=False,
+                              fp8=cfg.model.fp8)
     run = build_run(cfg, model=model, train_data=RandomTokens(64, vocab=VOCAB, seq=SEQ, seed=100), checkpoints=False)
     trainer = run.trainer
     losses = [trainer.train_step(run.train_loader).loss for _ in range(3)]

@@ -136,13 +136,17 @@ def _fake_capture(calls, samples, num_warmup_iters):
     return calls
 
 
-def _cpu_run(extra, monkeypatch_on: bool):
+def _cpu_runs():
+    """For fp8 none and delayed: the eager run, then (capture replaced by :func:`_fake_capture`) the graphed one."""
     import models.cuda_graphs as cg
 
-    if monkeypatch_on:
-        cg._on_cuda = lambda device: True
-        cg.torch.cuda.make_graphed_callables = _fake_capture
-    return _run_cpu(extra)
+    out = {}
+    for fp8 in ("none", "delayed"):
+        extra = (f"model.fp8={fp8}", "model.family=qwen2")
+        eager = _run_cpu(extra)
+        cg._on_cuda, cg.torch.cuda.make_graphed_callables = (lambda device: True), _fake_capture  # this process only
+        out[fp8] = (eager, _run_cpu((*extra, "model.cuda_graph=layers")))
+    return out
 
 
 def _run_cpu(extra):
@@ -160,17 +164,15 @@ def _run_cpu(extra):
     return losses, graphs
 
 
-@pytest.mark.parametrize("fp8", ["none", "delayed"])
-def test_the_graphed_layers_arguments_and_restored_amaxes_on_cpu(fp8):
+def test_the_graphed_layers_arguments_and_restored_amaxes_on_cpu():
     """The capture replaced by eager calls with the same warm-up passes (CPU): the wrappers' tensors (rope
     tables; a sliding-window layer's mask beside a full-attention one) give the layers' own results, and
-    the warm-up passes' amaxes (output gradients of 1e4) do not reach delayed scaling: bitwise equal."""
-    extra = (f"model.fp8={fp8}", "model.family=qwen2")
-    eager = run_distributed(_cpu_run, 1, extra, False)[0]
-    faked = run_distributed(_cpu_run, 1, (*extra, "model.cuda_graph=layers"), True)[0]
-    assert faked[0] == eager[0]
-    first_eager = 2 if fp8 == "delayed" else 0
-    assert faked[1] == [(1, 6 - first_eager, first_eager)] and eager[1] == []
+    the warm-up passes' amaxes (output gradients of 1e4) do not reach delayed scaling: bitwise equal, for
+    model.fp8 none and delayed (one launch)."""
+    for fp8, (eager, faked) in run_distributed(_cpu_runs, 1)[0].items():
+        assert faked[0] == eager[0], fp8
+        first_eager = 2 if fp8 == "delayed" else 0
+        assert faked[1] == [(1, 6 - first_eager, first_eager)] and eager[1] == [], fp8
 
 
 def test_the_memory_report_names_the_graph_pools_as_not_modeled():

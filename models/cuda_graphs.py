@@ -108,7 +108,7 @@ class LayerGraphs:
         self.warmup = warmup
         self.sets: dict[tuple, list[nn.Module]] = {}
         self.delayed = [m for layer in self.layers for m in layer.modules() if isinstance(m, DelayedScaling)]
-        self.eager_calls = 0  # training forwards run eagerly (delayed scaling not yet started, or suspended)
+        self.eager_calls = 0  # training forwards run eagerly here (delayed scaling not yet started)
         self.replays = 0  # training forwards replayed from graphs
         self._suspended = False
         self._started = not self.delayed

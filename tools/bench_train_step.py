@@ -39,6 +39,9 @@ own peak); steps are timed with CUDA events. Ceilings, measured first in the sam
 matmul in the run's dtype, and the step's GEMMs at the model's shapes. MFU = model FLOPs per step /
 step time / that matmul rate, and also / the datasheet peak (``engine.metrics.peak_tflops``).
 
+``--cuda-graph`` (CUDA only) adds the side ``tessel_graph``: the ``tessel`` side with each layer's training
+forward and backward replayed as CUDA graphs (``model.cuda_graph = "layers"``, docs/cuda_graphs.md).
+
 ``--compare-kernels`` adds the side ``tessel_ref`` — the same Trainer with ``kernels="reference",
 fused_cross_entropy=False`` — so the fused kernels' step speed-up and (on CUDA) peak-memory saving
 are measured in one run. On CPU, ``kernels="auto"`` is the reference, so compare there with
@@ -286,6 +289,8 @@ def _parse(argv):
                    help="the tessel side's model.fused_cross_entropy (auto: on for CUDA, off for CPU)")
     p.add_argument("--compare-kernels", action="store_true",
                    help="add the side tessel_ref (kernels=reference, fused_cross_entropy=off)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="add the side tessel_graph: model.cuda_graph=layers (CUDA only)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per side")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per side first (>= 1)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -305,6 +310,8 @@ def _parse(argv):
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch.cuda.is_available() is False here (no GPU, or a CPU build of "
                 f"torch {torch.__version__}); use --device cpu")
+    if args.cuda_graph and args.device != "cuda":
+        p.error("--cuda-graph adds the side tessel_graph (the layers replayed as CUDA graphs): give --device cuda")
     if args.compare_kernels and _resolved_kernels(args.kernels, args.fused_cross_entropy, args.device) == \
             _resolved_kernels(*REFERENCE, args.device):
         p.error(f"--compare-kernels: --kernels {args.kernels} --fused-cross-entropy {args.fused_cross_entropy} "
@@ -387,7 +394,8 @@ def _make_side(name: str, args, shared: dict, batch: dict) -> dict:
 
     if name.startswith("tessel"):
         kernels, fused_ce = _side_kernels(name, args)
-        trainer, hf, cfg = _tessel_trainer(args, kernels=kernels, fused_ce=fused_ce)
+        trainer, hf, cfg = _tessel_trainer(args, kernels=kernels, fused_ce=fused_ce,
+                                           extra=("model.cuda_graph=layers",) if name == "tessel_graph" else ())
         if "state" not in shared:
             from models import export_hf_state_dict
 
@@ -397,7 +405,8 @@ def _make_side(name: str, args, shared: dict, batch: dict) -> dict:
         k, f = _resolved_kernels(kernels, fused_ce, args.device)
         return {"step": lambda: trainer.train_step(loader).loss, "phases": _tessel_phases(trainer, batch),
                 "flops": trainer.flops_per_step, "kernels": kernels, "fused_cross_entropy": fused_ce,
-                "runs": f"{k} kernels, {'fused' if f else 'unfused'} linear+CE"}
+                "runs": f"{k} kernels, {'fused' if f else 'unfused'} linear+CE"
+                        + (", layers as CUDA graphs" if name == "tessel_graph" else "")}
     if "state" not in shared:
         raise RuntimeError("the hf side takes its weights from a tessel side, and none was built")
     o = shared["cfg"].optim
@@ -409,7 +418,8 @@ def _make_side(name: str, args, shared: dict, batch: dict) -> dict:
 
 
 def _side_names(args) -> list[str]:
-    return ["tessel"] + (["tessel_ref"] if args.compare_kernels else []) + ["hf"]
+    return (["tessel"] + (["tessel_graph"] if args.cuda_graph else []) + (["tessel_ref"] if args.compare_kernels else [])
+            + ["hf"])
 
 
 def measure(args) -> dict:
@@ -565,6 +575,9 @@ def _measure_cuda(args) -> dict:
     res["ratio_tessel_over_hf"] = ratio("tessel", "hf")
     if args.compare_kernels:
         res["ratio_tessel_over_tessel_ref"] = ratio("tessel", "tessel_ref")
+    if args.cuda_graph:
+        res["ratio_tessel_graph_over_hf"] = ratio("tessel_graph", "hf")
+        res["ratio_tessel_graph_over_tessel"] = ratio("tessel_graph", "tessel")
     return res
 
 
@@ -593,7 +606,9 @@ def _print_ratios(res: dict) -> None:
     labels = {"wall_median": "wall median", "wall_min": "wall min", "cpu_median": "cpu median",
               "gpu_median": "GPU median", "gpu_min": "GPU min"}
     for key, label in (("ratio_tessel_over_hf", "tessel / hf"),
-                       ("ratio_tessel_over_tessel_ref", "tessel / tessel_ref")):
+                       ("ratio_tessel_over_tessel_ref", "tessel / tessel_ref"),
+                       ("ratio_tessel_graph_over_hf", "tessel_graph / hf"),
+                       ("ratio_tessel_graph_over_tessel", "tessel_graph / tessel")):
         r = res.get(key)
         if r is None:
             continue

@@ -18,7 +18,7 @@
 #                      status, duration and the tail of its log, and a final summary
 #   build.log          python3 setup.py build_ext --inplace (csrc/ extensions, CUDA parts with nvcc)
 #   pytest_gpu.log     python3 -m pytest -v -m gpu -p no:cacheprovider --tb=short -rfs --durations=10 --continue-on-collection-errors tests/
-#   train_step.log     tools/bench_train_step.py --device cuda --preset gpu-1b --compare-kernels; its JSON
+#   train_step.log     tools/bench_train_step.py --device cuda --preset gpu-1b --compare-kernels --cuda-graph; its JSON
 #                      results at the end of the same file
 #   bench_fp8.log      tools/bench_fp8.py --device cuda: FP8 vs bf16 GEMMs (8B/70B layers), the host time to
 #                      issue one linear per recipe (by function), and the gpu-1b train step per recipe with its
@@ -177,7 +177,7 @@ EOF
     if wanted train; then
         # shellcheck disable=SC2086  # TRAIN_ARGS is a list of words
         run_json_step train 150 "$OUT/train_step.log" "$PY" tools/bench_train_step.py --device cuda --preset gpu-1b \
-            --compare-kernels ${TRAIN_ARGS:-}
+            --compare-kernels --cuda-graph ${TRAIN_ARGS:-}
     fi
     if wanted kernels; then
         local kargs=${KERNELS_ARGS:-}

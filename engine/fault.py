@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 from pathlib import Path
@@ -99,9 +98,7 @@ def check_unfinished(cfg, resumes: str | None, run_dir: str, *, rows_per_sample:
     from engine.checkpoint.format import parse_step
 
     t = cfg.train
-    last = t.steps
-    if t.max_tokens:
-        last = min(last, math.ceil(t.max_tokens / (t.global_batch_size * rows_per_sample * t.seq_length)))
+    last = t.last_step(rows_per_sample)
     step = parse_step(os.path.basename(resumes)) if resumes else None
     if step is not None and step >= last and not cfg.checkpoint.peer_replica:
         ends = f"train.steps={t.steps}" + (f" (train.max_tokens={t.max_tokens} ends it at step {last})"

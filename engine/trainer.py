@@ -507,9 +507,7 @@ class Trainer:
         self.log_start()
         history = []
         tokens_per_step = c.global_batch_size * self.rows_per_sample * c.seq_length
-        max_steps = c.steps
-        if c.max_tokens:
-            max_steps = min(max_steps, math.ceil(c.max_tokens / tokens_per_step))
+        max_steps = c.last_step(self.rows_per_sample)
         from engine.profiling import StepProfiler
 
         profiler = StepProfiler(self.cfg.logging.profile_steps, run_dir=self.run_dir or self.cfg.train.run_dir,

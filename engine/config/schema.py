@@ -275,8 +275,7 @@ class TesselConfig:
                              f"would be plain data parallelism and {method!r} would never start; lower "
                              "outer.start_step or set outer.method='none'")
         m, t = u.momentum_start_step, self.train
-        # the run's last step: train.steps, or earlier where train.max_tokens stops it (the trainer's rule)
-        end = t.steps if not t.max_tokens else min(t.steps, math.ceil(t.max_tokens / (t.global_batch_size * t.seq_length)))
+        end = t.last_step()  # earlier than train.steps where train.max_tokens stops the run (DiLoCo: pretraining)
         ends = f"train.steps={t.steps}" + (f" (train.max_tokens stops it after step {end})" if end < t.steps else "")
         span = apply_steps(method, inner_steps=u.inner_steps, fragments=u.fragments, start_step=u.start_step,
                            steps=t.steps, end=end) if m else None

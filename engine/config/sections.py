@@ -393,6 +393,13 @@ class TrainConfig(Section):
     recompute_num_layers: int | None = None
     run_dir: str = "runs/tessel"
 
+    def last_step(self, rows_per_sample: int = 1) -> int:
+        """The run's last step: ``steps``, or the first step whose tokens reach ``max_tokens`` when that is
+        earlier (``rows_per_sample``: rows a sample trains on, 2 for a DPO pair)."""
+        if not self.max_tokens:
+            return self.steps
+        return min(self.steps, math.ceil(self.max_tokens / (self.global_batch_size * rows_per_sample * self.seq_length)))
+
     def _validate(self) -> None:
         for key in ("steps", "max_tokens", "global_batch_size", "micro_batch_size", "seq_length",
                     "log_interval"):

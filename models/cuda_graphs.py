@@ -36,13 +36,6 @@ from models.ops import RopeTables
 MAX_SIGNATURES = 4
 
 
-class _Rope(RopeTables):
-    """Rope tables rebuilt around the graph's static ``cos``/``sin`` inputs."""
-
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):  # (not super().__init__: it computes the tables)
-        self.cos, self.sin, self._expanded = cos, sin, {}
-
-
 class _Mask:
     """The one mask a graphed layer was given (its window's), in the ``AttentionMasks.get`` interface."""
 
@@ -63,7 +56,7 @@ class _LayerCall(nn.Module):
         self.rope, self.mask = rope, mask
 
     def forward(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
-        rope = _Rope(rest[0], rest[1]) if self.rope else None
+        rope = RopeTables.from_tables(rest[0], rest[1]) if self.rope else None
         mask = rest[-1] if self.mask else None
         return self.layer(x, rope=rope, masks=_Mask(mask))
 

@@ -77,6 +77,13 @@ class RopeTables:
         self.cos, self.sin = rope_cos_sin(positions, inv_freq)  # (s[, b], hd/2) fp32 each
         self._expanded: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @classmethod
+    def from_tables(cls, cos: torch.Tensor, sin: torch.Tensor) -> "RopeTables":
+        """Tables around given compact ``cos``/``sin`` (e.g. a CUDA graph's static inputs, models/cuda_graphs.py)."""
+        tables = cls.__new__(cls)
+        tables.cos, tables.sin, tables._expanded = cos, sin, {}
+        return tables
+
     def expanded(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if dtype not in self._expanded:
             def full(t):

@@ -4,7 +4,10 @@
 // step) updates the lists in place. Every tensor is checked (dtype, device, shape, contiguity)
 // before anything is written; a bad input raises ValueError naming the list, the index and the
 // fix. CUDA tensors go to the CUDA launcher when the module was built with TESSEL_WITH_CUDA.
-#include <torch/extension.h>
+// ATen and torch's pybind11 casters, not <torch/extension.h>: that one also parses the C++ frontend (nn,
+// optim, data), 2x the compile time, none of it used here.
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #ifdef TESSEL_WITH_CUDA
 #include <c10/cuda/CUDAStream.h>

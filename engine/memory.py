@@ -458,6 +458,55 @@ def dp_buffer_numel(cfg, model, *, world: int, pp_rank: int = 0) -> tuple[int, i
                          zero=o.zero_stage if o.distributed else 0, ep=ep)
 
 
+def method_state_bytes(cfg, model, *, world: int, pp_rank: int = 0) -> int:
+    """Bytes of the data-parallel method's own state on each rank of pipeline rank ``pp_rank``
+    (docs/decentralised.md), as the built run holds it (``OuterOptimizer.state_bytes``,
+    ``GradCompressor.state_bytes``), over the N padded elements of the rank's data-parallel buffers:
+
+    * ``outer.method`` diloco / streaming_diloco: the anchor (4 N), the momentum (4 N, ``outer.momentum > 0``),
+      the top-k error feedback (4 N), the norm mask (N) and, with int8 or top-k at tp > 1, the positions of
+      the TP-replicated parameters (8 bytes each);
+    * ``optim.grad_compression = powersgd``: per matrix it compresses (m, n), its error feedback (4 m n) and
+      warm-start factor (4 n r);
+    * ``onebit``: per bucket its error feedback (4 bytes per element, padded to the chunk) and mask (1), and
+      at tp > 1 the TP-replicated positions (8 each).
+
+    The inner optimizer's masters and moments are not included (``RankMemory.optimizer`` holds both)."""
+    from parallel.data_parallel.compression import DEFAULT_ONEBIT_CHUNK, powersgd_compresses
+
+    p, o, u = cfg.parallel, cfg.optim, cfg.outer
+    if u.method == "none" and o.grad_compression == "none":
+        return 0
+    dp = cfg.validate_world(world) * getattr(p, "cp", 1)
+    num_stages = p.pp * p.vp
+    ranges = split_layers(model.num_layers, num_stages, p.pipeline_layout)
+    mine = rank_stages(pp_rank, pp=p.pp, vp=p.vp, placement=placement_of(p.schedule))
+    params = [(c, q) for c, st in enumerate(mine)  # (chunk, models.convert.StageParam), registration order
+              for q in model.stage_params(tp=p.tp, layer_range=ranges[st], pre_process=st == 0,
+                                          post_process=st == num_stages - 1)]
+    replicated = [q.partition is None and not q.shared_embedding for _, q in params]
+    if o.grad_compression == "powersgd":
+        r = o.powersgd_rank
+        return sum(4 * m * n + 4 * n * r for _, q in params if len(q.local_shape) == 2
+                   for m, n in [q.local_shape] if powersgd_compresses(r, m, n))
+    placed = list(reversed(params))  # DataParallel's placement order (parallel/data_parallel/buffers.py)
+    bucket = bucket_size_elements(bucket_size=None, bucket_size_mb=o.bucket_size_mb)
+    offsets, buckets, total = plan_buckets([prod(q.local_shape) for _, q in placed], bucket_size=bucket, dp=dp,
+                                           separate=[q.shared_embedding for _, q in placed],
+                                           groups=[c for c, _ in placed])
+    rep_numel = [prod(q.local_shape) if q.partition is None else 0 for _, q in placed]  # TP-replicated
+    if o.grad_compression == "onebit":
+        out = 0
+        for b in buckets:
+            padded = -(-(b.end - b.start) // DEFAULT_ONEBIT_CHUNK) * DEFAULT_ONEBIT_CHUNK
+            out += 5 * padded + (8 * sum(rep_numel[i] for i in b.members) if p.tp > 1 else 0)
+        return out
+    out = total * (4 + 1) + (4 * total if u.momentum > 0 else 0) + (4 * total if u.compression == "topk" else 0)
+    if u.compression in ("int8", "topk") and p.tp > 1:
+        out += 8 * sum(prod(q.local_shape) for (_, q), rep in zip(params, replicated) if rep)
+    return out
+
+
 def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_sample: int = 1,
                    schedules=build_schedule) -> MemoryPrediction:
     """Bytes per rank of the run ``cfg`` of ``model`` (a models.hook.ModelHook: ``config``,
@@ -499,6 +548,11 @@ def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_samp
                 else "")
         notes.append(what + (" (model.fp8_weight_cache: each FP8 weight's casts held for the step, "
                              "up to 2 bytes per element, 2.25 for mxfp8)" if held else ""))
+    if cfg.outer.method != "none":  # its state is modeled (method_state_bytes), a sync's buffers are not
+        notes.append("the outer sync's buffers (a fragment's pseudo-gradient, 4 bytes per element, and its "
+                     "compression's)")
+    if cfg.optim.grad_compression != "none":
+        notes.append(f"{cfg.optim.grad_compression}'s buffers while it reduces a bucket")
     if cfg.model.cuda_graph != "none":  # models/cuda_graphs.py; the measured (allocated) peak leaves them out too
         notes.append("the layers' CUDA graph pools (model.cuda_graph: per input signature, a micro-batch's "
                      "activations, the layers' gradient buffers and their inputs' static copies)")
@@ -524,7 +578,8 @@ def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_samp
         params = total * elem if zero < 3 else shard * elem
         grads = total * 4 if zero < 2 else shard * 4
         owned = shard if zero >= 1 else total
-        optimizer = owned * (8 + (4 if elem != 4 else 0))
+        # + DiLoCo's outer state or the compressed reduction's buffers (0 without either)
+        optimizer = owned * (8 + (4 if elem != 4 else 0)) + method_state_bytes(cfg, model, world=world, pp_rank=r)
         per_stage = {}
         for st in mine:
             sm = stage_memory(shape, s=s, b=b, layers=ranges[st][1] - ranges[st][0], tp=p.tp, sp=sp,
@@ -561,17 +616,20 @@ def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_samp
 
 # -- measured --------------------------------------------------------------------------------------
 
-def state_bytes(chunks, ddp, optimizer) -> tuple[int, int, int]:
+def state_bytes(chunks, ddp, optimizer, outer=None) -> tuple[int, int, int]:
     """(parameters, gradients, optimizer state) bytes this rank holds, from the tensors themselves: the
     data-parallel parameter buffers (ZeRO-3: the shards) plus frozen parameters outside them, the
-    persistent fp32 gradient buffers or shards, the optimizer's masters and moments."""
+    persistent fp32 gradient buffers or shards, the optimizer's masters and moments, plus the outer
+    optimizer's state (``outer``: DiLoCo's OuterOptimizer, or None) or the gradient compressor's."""
     params = sum(buf.param_data.numel() * buf.param_data.element_size() for buf in ddp.flat_buffers)
     seen = set()
     for q in chunks.parameters():
         if not q.requires_grad and q.untyped_storage().data_ptr() not in seen:
             seen.add(q.untyped_storage().data_ptr())
             params += q.untyped_storage().nbytes()
-    return params, ddp.grad_buffer_bytes(), optimizer.state_bytes()
+    method = (outer.state_bytes() if outer is not None else 0) + (
+        ddp.grad_compressor.state_bytes() if getattr(ddp, "grad_compressor", None) is not None else 0)
+    return params, ddp.grad_buffer_bytes(), optimizer.state_bytes() + method
 
 
 def measured_report(prediction: MemoryPrediction, rows: list[list[float]], *, step: int) -> tuple[str, dict]:

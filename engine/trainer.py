@@ -363,7 +363,8 @@ class Trainer:
         self._memory_measured = True
         with PeakMemory(self.device) as peak:
             st = self.train_step(loader)
-        row = torch.tensor([float(self.pp_rank), *map(float, state_bytes(self.chunks, self.ddp, self.optimizer)),
+        row = torch.tensor([float(self.pp_rank), *map(float, state_bytes(self.chunks, self.ddp, self.optimizer,
+                                                                         self.outer)),
                             float(peak.peak)], dtype=torch.float64, device=self.device)
         rows = comm.all_gather(row, self.mesh.world).view(-1, row.numel()).tolist()
         line, record = measured_report(self.memory, rows, step=self.step)

@@ -416,10 +416,15 @@ def all_reduce(t: torch.Tensor, group: Group, *, op: str = "sum", async_op: bool
     return work
 
 
-def average_at(t: torch.Tensor, idx: torch.Tensor, group: Group) -> None:
+def average_at(t: torch.Tensor, idx: torch.Tensor | slice, group: Group) -> None:
     """Replace ``t[idx]`` by its mean over ``group`` (a sum all-reduce, then a division: the same bits on every
     backend), e.g. elements of parameter copies that must stay equal after a compression that is not
-    elementwise."""
+    elementwise. ``idx``: an index tensor, or a ``slice`` of a 1-D ``t`` (reduced in place, no copy)."""
+    if isinstance(idx, slice):
+        vals = t[idx]  # a contiguous view
+        all_reduce(vals, group)
+        vals.div_(group.size)
+        return
     vals = t[idx]
     all_reduce(vals, group)
     t[idx] = vals.div_(group.size)

@@ -53,6 +53,11 @@ class GradCompressor:
         """Per-rank state (error feedback, warm-start factors) by name, fixed shapes."""
         raise NotImplementedError
 
+    def state_bytes(self) -> int:
+        """Bytes this compressor keeps for the run (what engine.memory.predict_memory predicts as its
+        ``method_state_bytes``): :meth:`state_tensors` plus any fixed layout tensors."""
+        return sum(t.numel() * t.element_size() for t in self.state_tensors().values())
+
     def state_dict(self) -> dict:
         return {"method": self.name}
 
@@ -240,7 +245,7 @@ class OneBit(GradCompressor):
         return -(-n // self.chunk) * self.chunk
 
     def attach(self, ddp) -> None:
-        self.mask: dict[str, torch.Tensor] = {}  # key -> (n_pad,) 1 on parameter elements, 0 on any padding
+        self.mask: dict[str, torch.Tensor] = {}  # key -> (n_pad,) bool: True on parameter elements, not padding
         # key -> positions of parameters replicated over TP: a chunk's scale mixes them with TP-sharded
         # neighbours, so each TP rank would decode them differently; their decoded sums are averaged over tp
         self.replicated: dict[str, torch.Tensor] = {}
@@ -250,10 +255,10 @@ class OneBit(GradCompressor):
             for b in buf.buckets:
                 key = f"b{bi}.{b.index}"
                 self.error[key] = torch.zeros(self.padded(b.numel), dtype=torch.float32, device=buf.device)
-                mask = torch.zeros(self.padded(b.numel), dtype=torch.float32, device=buf.device)
+                mask = torch.zeros(self.padded(b.numel), dtype=torch.bool, device=buf.device)  # 1 byte per element
                 rep = torch.zeros(b.numel, dtype=torch.bool, device=buf.device)
                 for (s, e), p in zip(b.ranges, b.params):
-                    mask[s:e] = 1.0
+                    mask[s:e] = True
                     rep[s:e] = not getattr(p, "tensor_parallel", False)
                 self.mask[key] = mask
                 if self.tp_group is not None and bool(rep.any()):
@@ -270,7 +275,9 @@ class OneBit(GradCompressor):
             bits = pack_signs(x)  # (n_pad / 8,)
             # padding (the bucket's and the chunks') decodes to 0: its sign bit (+) carries nothing
             mask = self.mask[k]
-            decoded = (unpack_signs(bits).view(-1, self.chunk) * scales.unsqueeze(1)).view(-1) * mask  # (n_pad,)
+            # (where, not a multiply by a 0/1 mask: the same values where the scales are finite)
+            decoded = torch.where(mask, (unpack_signs(bits).view(-1, self.chunk) * scales.unsqueeze(1)).view(-1),
+                                  0.0)  # (n_pad,)
             all_bits = comm.all_gather(bits, self.group)  # (p * n_pad / 8,)
             all_scales = comm.all_gather(scales, self.group)  # (p * n_pad / chunk,)
             # a non-finite gradient on any rank makes its scales non-finite: the same verdict on every rank
@@ -278,7 +285,7 @@ class OneBit(GradCompressor):
             self.error[k] = torch.where(ok, x.sub_(decoded), self.error[k])  # what the sign and scale dropped
             p = self.group.size
             signs = unpack_signs(all_bits).view(p, -1, self.chunk)  # (p, n_pad / chunk, chunk)
-            total = (signs * all_scales.view(p, -1, 1)).sum(dim=0).view(-1) * mask  # (n_pad,)
+            total = torch.where(mask, (signs * all_scales.view(p, -1, 1)).sum(dim=0).view(-1), 0.0)  # (n_pad,)
             idx = self.replicated.get(k)
             if idx is not None:  # the same bucket layout on every TP rank: all of them call it
                 comm.average_at(total, idx, self.tp_group)
@@ -291,6 +298,12 @@ class OneBit(GradCompressor):
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {f"error.{k}": v for k, v in self.error.items()}
+
+    def state_bytes(self) -> int:
+        """The error feedback (4 bytes per padded element), the masks (1) and the TP-replicated positions (8
+        per such element, tp > 1)."""
+        return super().state_bytes() + sum(t.numel() * t.element_size()
+                                           for t in (*self.mask.values(), *self.replicated.values()))
 
 
 def check_powersgd_rank(modules, rank: int, world: Group, *, device) -> None:

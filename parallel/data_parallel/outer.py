@@ -157,7 +157,7 @@ class OuterOptimizer:
         # bucket's padding goes with the parameter before it (the first piece starts at the bucket's start).
         pieces, mask_parts, rep_parts, tied_parts, n_tied = [], [], [], [], 0
         for i, (_, b, master, _, _, _) in enumerate(dist_opt.owned):
-            keep = torch.zeros(master.numel(), dtype=torch.float32, device=device)
+            keep = torch.zeros(master.numel(), dtype=torch.bool, device=device)
             # copies that must stay equal: parameters replicated over TP, and a tied embedding's copies
             # (0: neither; 1: replicated over TP; 2: a tied copy, numbered by its order on this rank)
             rep = torch.zeros(master.numel(), dtype=torch.bool, device=device)
@@ -167,7 +167,7 @@ class OuterOptimizer:
                 end = spans[k + 1][0][0] if k + 1 < len(spans) else master.numel()
                 pieces.append((i, 0 if k == 0 else s, end, p))
                 if counts is None or counts(p):
-                    keep[s:e] = 1.0
+                    keep[s:e] = True
                 if getattr(p, "shared_embedding", False):
                     n_tied += 1
                     tied[s:e] = n_tied
@@ -190,13 +190,16 @@ class OuterOptimizer:
             cursor += e - s
             ends.append(cursor)
         assert cursor == self.numel, (cursor, self.numel)  # every master element in exactly one piece
-        self._norm_mask = torch.cat([mask_parts[i][s:e] for _, i, s, e in self._segments])  # (numel,)
+        # the elements NOT counted in the outer-step norm: (numel,) bool, 1 byte per element (a fp32 mask was 4)
+        self._norm_skip = torch.cat([mask_parts[i][s:e] for _, i, s, e in self._segments]).logical_not_()
         # int8 and top-k compress each element depending on its neighbours (a chunk's scale, the top-k
         # selection), so copies that must stay equal would drift apart: after each sync their averaged
         # pseudo-gradients are averaged once more over the copies (_equalise). Elementwise compressions
-        # (none, bf16) give equal copies equal results already.
-        self._rep_mask = torch.cat([rep_parts[i][s:e] for _, i, s, e in self._segments])  # (numel,) bool
-        self._tied_ids = torch.cat([tied_parts[i][s:e] for _, i, s, e in self._segments])  # (numel,) 0 / 1 / 2
+        # (none, bf16) give equal copies equal results already. Which elements those are is found once here
+        # from two masks that are then dropped (they were kept for the run until 2026-11-29: 2 bytes per element).
+        rep_mask = torch.cat([rep_parts[i][s:e] for _, i, s, e in self._segments])  # (numel,) bool
+        tied_ids = torch.cat([tied_parts[i][s:e] for _, i, s, e in self._segments])  # (numel,) 0 / 1 / 2
+        del mask_parts, rep_parts, tied_parts
         self.tp_group = tp_group if tp_group is not None and tp_group.size > 1 else None
         self.embedding_group = embedding_group if embedding_group is not None and embedding_group.size > 1 else None
         self.norm_groups = tuple(g for g in norm_groups if g is not None)
@@ -215,7 +218,7 @@ class OuterOptimizer:
         self.pending: list[_Pending] = []
         self.syncs = 0  # fragment synchronisations applied
         # per fragment, the positions _equalise averages (fixed with the layout: found once, not per sync)
-        self._equal_idx = [self._equal_positions(lo, hi) for lo, hi in self.bounds] \
+        self._equal_idx = [self._equal_positions(rep_mask[lo:hi], tied_ids[lo:hi]) for lo, hi in self.bounds] \
             if self.compression in ("int8", "topk") else None
 
     # -- layout ----------------------------------------------------------------------------------------
@@ -415,7 +418,8 @@ class OuterOptimizer:
             if (step - self.start_step) % self.H != self.phase(f):
                 continue
             lo, hi = self.bounds[f]
-            delta = self.anchor[lo:hi] - self._read(lo, hi)  # (hi - lo,) fp32 pseudo-gradient
+            theta = self._read(lo, hi)  # (hi - lo,) fp32, a new tensor: the pseudo-gradient is written over it
+            delta = torch.sub(self.anchor[lo:hi], theta, out=theta)
             pend = _Pending(fragment=f, due=sync_due(self.method, step, final=final),
                             finish=self._start_average(delta, lo, hi))
             if pend.due <= step:
@@ -430,15 +434,20 @@ class OuterOptimizer:
             comm.all_reduce(applied_sq, g)
         return {"outer_step_norm": float(applied_sq.sqrt()), "outer_syncs": float(self.syncs)}
 
-    def _equal_positions(self, lo: int, hi: int):
-        """``(rep, a, b)`` in the fragment ``[lo, hi)``: the TP-replicated positions (None without tp or
-        none there; the same positions on every TP rank), and the first and second tied copy's (None where
-        this rank holds none)."""
-        def found(mask):
+    def _equal_positions(self, rep_mask: torch.Tensor, tied_ids: torch.Tensor):
+        """``(rep, a, b)`` of one fragment, from its slices of the TP-replicated mask and the tied-copy ids: the
+        TP-replicated positions (an index tensor; None without tp or none there; the same positions on every TP
+        rank), and the first and second tied copy's (each one parameter, so one ``slice``, not an index tensor
+        of 8 bytes per element of the embedding; None where this rank holds none)."""
+        def span(mask):
             idx = mask.nonzero().squeeze(1)
-            return idx if idx.numel() else None
-        ids = self._tied_ids[lo:hi]
-        return (found(self._rep_mask[lo:hi]) if self.tp_group is not None else None, found(ids == 1), found(ids == 2))
+            if not idx.numel():
+                return None
+            lo, hi = int(idx[0]), int(idx[-1]) + 1
+            assert hi - lo == idx.numel(), "a tied copy's elements are one range of the outer vector"
+            return slice(lo, hi)
+        rep = rep_mask.nonzero().squeeze(1) if self.tp_group is not None else None
+        return (rep if rep is not None and rep.numel() else None, span(tied_ids == 1), span(tied_ids == 2))
 
     def _equalise(self, avg: torch.Tensor, fragment: int) -> None:
         """Average, in place, the elements of ``avg`` (fragment ``fragment``'s) that belong to copies which
@@ -458,27 +467,44 @@ class OuterOptimizer:
 
     def _apply(self, pend: _Pending) -> torch.Tensor:
         lo, hi = self.bounds[pend.fragment]
-        avg = pend.result if pend.result is not None else pend.finish()  # (hi - lo,)
+        # (hi - lo,) fp32, a tensor of its own (no reduction keeps it): the update is computed in it, in place,
+        # so a sync holds one fragment-sized buffer beyond the state, two with mix < 1 (until 2026-11-29 up to six
+        # at once: the average, the update, the change, the weights read back, the squares and their masked copy;
+        # the same operations, the same bits)
+        avg = pend.result if pend.result is not None else pend.finish()
         self._equalise(avg, pend.fragment)
         lr = self.lr
         if pend.due <= self.momentum_start_step:  # the plain average (outer lr 1, momentum untouched: zero)
-            update, lr = avg, 1.0
+            lr = 1.0
         elif self.mom is not None:
             m = self.mom[lo:hi]
             m.mul_(self.momentum).add_(avg)
-            update = avg.add(m, alpha=self.momentum) if self.nesterov else m.clone()
-        else:
-            update = avg
-        change = update.mul(lr)  # global - anchor = -change
+            if self.nesterov:
+                avg.add_(m, alpha=self.momentum)
+            else:
+                avg.copy_(m)
+        change = avg.mul_(lr)  # global - anchor = -change
         self.anchor[lo:hi].sub_(change)
-        theta = self._read(lo, hi)
         if self.mix != 1.0:
+            theta = self._read(lo, hi)
             theta.mul_(1.0 - self.mix).add_(self.anchor[lo:hi], alpha=self.mix)
+            self._write(lo, hi, theta)
         else:
-            theta.copy_(self.anchor[lo:hi])
-        self._write(lo, hi, theta)
+            self._write(lo, hi, self.anchor[lo:hi])
         self.syncs += 1
-        return (change.square() * self._norm_mask[lo:hi]).sum().reshape(1)  # (1,)
+        # the counted elements' squares, in place (zeroed where not counted: the same values as a multiply by
+        # a 0/1 mask wherever the change is finite)
+        return change.square_().masked_fill_(self._norm_skip[lo:hi], 0.0).sum().reshape(1)  # (1,)
+
+    def state_bytes(self) -> int:
+        """Bytes of the state this object keeps for the run, beyond the inner optimizer's (what
+        engine.memory.predict_memory predicts as ``outer_state_bytes``): the anchor, the momentum
+        (``momentum > 0``), the top-k error feedback, the norm mask and, with int8 or top-k, the TP-replicated
+        positions. Reductions in flight are not counted (a fragment's result between two steps)."""
+        out = [self.anchor, self.mom, self.error, self._norm_skip]
+        for rep, _, _ in self._equal_idx or ():
+            out.append(rep)
+        return sum(t.numel() * t.element_size() for t in out if t is not None)
 
     # -- state (checkpoints) -----------------------------------------------------------------------------
     def settle(self) -> None:

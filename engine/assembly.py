@@ -132,6 +132,7 @@ class MemoryPlan:
     frozen: bool = False  # LoRA: the base holds weights only
     zero_stage: int = 1  # the stage the fitting layouts of ``fits_instead`` were sized with
     expert_dp: int = 0  # > 0: ZeRO shards the experts' share over this many ranks (edp), so bytes_per_param is a mean
+    method: str = ""  # the data-parallel method's state counted in bytes_per_param ("" for none)
 
     @property
     def need(self) -> float:
@@ -143,14 +144,17 @@ class MemoryPlan:
 
     def line(self) -> str:
         have = "unknown" if self.available is None else f"{self.available / 1e9:.2f} GB ({self.source})"
-        what = "frozen weights under LoRA adapters" if self.frozen else "parameters, fp32 gradients and optimizer state"
+        what = ("frozen weights under LoRA adapters" if self.frozen else "parameters, fp32 gradients and optimizer state"
+                + (f" with {self.method}" if self.method else ""))
         each = (f"{self.bytes_per_param:.3g} bytes each on average: the experts' share sharded over edp = "
                 f"{self.expert_dp}" if self.expert_dp else f"{self.bytes_per_param:g} bytes each")
         return (f"tessel: plan: the largest rank holds {self.numel:,} parameters: {self.need / 1e9:.2f} GB of "
                 f"{what} ({each}); a rank has {have}")
 
     def error(self) -> str:
-        alt = (f"Layouts of the same ranks that would fit (optim.distributed=true, zero_stage={self.zero_stage}): "
+        how = (f"optim.distributed=true, zero_stage={self.zero_stage}" if self.zero_stage else
+               "optim.distributed=false: DiLoCo and gradient compression run without ZeRO")
+        alt = (f"Layouts of the same ranks that would fit ({how}): "
                + "; ".join(self.fits_instead)
                if self.fits_instead else f"No layout of {self.world} ranks fits: launch more ranks or train a smaller model")
         return (f"the run does not fit in memory: {self.line().removeprefix('tessel: plan: ')}; refusing before "
@@ -187,12 +191,25 @@ def _rank_numels(model, *, tp: int, pp: int, vp: int, layout, placement: str = "
     return out
 
 
-def _largest_need(model, *, dtype: str, zero_stage: int, dp: int, ep: int, frozen: bool, **layout) -> tuple[int, float]:
+def _method_bytes_per_param(cfg: TesselConfig) -> int:
+    """Bytes per parameter the data-parallel method keeps beyond AdamW's (docs/decentralised.md; exactly, with
+    the buffers' padding and the TP-replicated positions: engine.memory.method_state_bytes): DiLoCo the anchor
+    (4) and the outer-norm mask (1), + 4 with outer momentum, + 4 with top-k; 1-bit its error feedback and mask
+    (5); PowerSGD its error feedback (4 for the matrices it compresses, nearly all parameters; its warm-start
+    factors are below the plan's resolution)."""
+    u, o = cfg.outer, cfg.optim
+    if u.method != "none":
+        return 5 + (4 if u.momentum > 0 else 0) + (4 if u.compression == "topk" else 0)
+    return {"onebit": 5, "powersgd": 4}.get(o.grad_compression, 0)
+
+
+def _largest_need(model, *, dtype: str, zero_stage: int, dp: int, ep: int, frozen: bool, extra: float = 0.0,
+                  **layout) -> tuple[int, float]:
     """(parameters, bytes per parameter) of the rank needing the most bytes: under ZeRO the experts (ep > 1)
     shard over edp = dp / ep, the rest over dp (``dp``: the ranks ZeRO shards over, dp x cp), so a rank's bytes
-    per parameter is their weighted mean."""
-    dense = _bytes_per_param(dtype, zero_stage=zero_stage, dp=dp, frozen=frozen)
-    expert = _bytes_per_param(dtype, zero_stage=zero_stage, dp=dp // ep, frozen=frozen)
+    per parameter is their weighted mean. ``extra``: bytes per parameter more (:func:`_method_bytes_per_param`)."""
+    dense = _bytes_per_param(dtype, zero_stage=zero_stage, dp=dp, frozen=frozen) + extra
+    expert = _bytes_per_param(dtype, zero_stage=zero_stage, dp=dp // ep, frozen=frozen) + extra
     best = (0.0, 0, dense)
     for n, e in _rank_numels(model, ep=ep, **layout):
         need = (n - e) * dense + e * expert
@@ -220,25 +237,29 @@ def memory_plan(cfg: TesselConfig, model, *, world: int, available: int | None =
     p, o = cfg.parallel, cfg.optim
     dp = cfg.validate_world(world) * p.cp  # DataParallel's group is dp x cp: ZeRO shards over it, experts over /ep
     frozen = bool(cfg.posttrain.lora.rank)
+    extra = 0 if frozen else _method_bytes_per_param(cfg)  # DiLoCo's outer state, a compressor's buffers
+    method = "" if not extra else ("DiLoCo's outer state" if cfg.outer.method != "none"
+                                   else f"{o.grad_compression}'s error feedback")
     numel, bpp = _largest_need(model, dtype=cfg.model.dtype, zero_stage=o.zero_stage if o.distributed else 0, dp=dp,
-                               ep=p.ep, frozen=frozen, tp=p.tp, pp=p.pp, vp=p.vp, layout=p.pipeline_layout,
-                               placement=placement_of(p.schedule), expert_tp=p.expert_tp)
+                               ep=p.ep, frozen=frozen, extra=extra, tp=p.tp, pp=p.pp, vp=p.vp,
+                               layout=p.pipeline_layout, placement=placement_of(p.schedule), expert_tp=p.expert_tp)
     source = "given"
     if available is None:
         available, source = _available_bytes(world)
-    plan = MemoryPlan(world=world, numel=numel, source=source, available=available, frozen=frozen,
+    plan = MemoryPlan(world=world, numel=numel, source=source, available=available, frozen=frozen, method=method,
                       bytes_per_param=bpp, expert_dp=dp // p.ep if p.ep > 1 and o.distributed else 0)
     if plan.fits or available is None:
         return plan
     fits = []
+    zero = 0 if extra else max(1, o.zero_stage)  # DiLoCo and gradient compression are refused with ZeRO
     for tp in (d for d in range(1, world + 1) if world % d == 0):
         for pp in (d for d in range(1, world // tp + 1) if (world // tp) % d == 0):
             dp_alt = world // (tp * pp)
             ep = p.ep if dp_alt % p.ep == 0 else 1  # keep the run's ep where it divides the layout's dp
             try:
                 model.config.check_tensor_parallel(tp)
-                n, alt_bpp = _largest_need(model, dtype=cfg.model.dtype, zero_stage=max(1, o.zero_stage), dp=dp_alt,
-                                           ep=ep, frozen=frozen, tp=tp, pp=pp, vp=1, layout=None,
+                n, alt_bpp = _largest_need(model, dtype=cfg.model.dtype, zero_stage=zero, dp=dp_alt,
+                                           ep=ep, frozen=frozen, extra=extra, tp=tp, pp=pp, vp=1, layout=None,
                                            expert_tp=1 if p.expert_tp == 1 else None)
             except ValueError:
                 continue
@@ -247,7 +268,7 @@ def memory_plan(cfg: TesselConfig, model, *, world: int, available: int | None =
                 fits.append((need, f"tp={tp} pp={pp} dp={dp_alt}{f' ep={ep}' if p.ep > 1 else ''} "
                                    f"({need / 1e9:.2f} GB)"))
     return MemoryPlan(world=world, numel=numel, bytes_per_param=plan.bytes_per_param, available=available,
-                      zero_stage=max(1, o.zero_stage), expert_dp=plan.expert_dp,
+                      zero_stage=zero, expert_dp=plan.expert_dp, method=method,
                       source=source, fits_instead=tuple(text for _, text in sorted(fits)[:4]), frozen=frozen)
 
 

@@ -481,9 +481,11 @@ def method_state_bytes(cfg, model, *, world: int, pp_rank: int = 0) -> int:
     num_stages = p.pp * p.vp
     ranges = split_layers(model.num_layers, num_stages, p.pipeline_layout)
     mine = rank_stages(pp_rank, pp=p.pp, vp=p.vp, placement=placement_of(p.schedule))
+    expert_tp = getattr(p, "expert_tp", None)
+    etp = {} if expert_tp in (None, p.tp) else {"expert_tp": expert_tp}  # as stage_param_sizes: whole experts at 1
     params = [(c, q) for c, st in enumerate(mine)  # (chunk, models.convert.StageParam), registration order
               for q in model.stage_params(tp=p.tp, layer_range=ranges[st], pre_process=st == 0,
-                                          post_process=st == num_stages - 1)]
+                                          post_process=st == num_stages - 1, **etp)]
     replicated = [q.partition is None and not q.shared_embedding for _, q in params]
     if o.grad_compression == "powersgd":
         r = o.powersgd_rank
@@ -510,7 +512,8 @@ def method_state_bytes(cfg, model, *, world: int, pp_rank: int = 0) -> int:
 def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_sample: int = 1,
                    schedules=build_schedule) -> MemoryPrediction:
     """Bytes per rank of the run ``cfg`` of ``model`` (a models.hook.ModelHook: ``config``,
-    ``stage_param_sizes``, ``make_vocab_size_divisible_by``, ``fused_cross_entropy``) over ``world``
+    ``stage_param_sizes``, ``make_vocab_size_divisible_by``, ``fused_cross_entropy``; ``stage_params`` too
+    with ``outer.method`` or ``optim.grad_compression``: :func:`method_state_bytes`) over ``world``
     ranks on ``device`` ("cpu": gloo, SDPA's CPU paths; "cuda": NCCL, fused cross-entropy by default).
     ``schedules``: builds the layout's pipeline schedule, with parallel.pipeline.build_schedule's
     arguments (the planner passes a remembering one: it meets the same schedules in many layouts)."""

@@ -67,7 +67,7 @@ def _rank_main(sets: list[str]) -> dict:
     run = build_run(cfg, model=model, train_data=data, checkpoints=False, world=world,
                     log_stream=open(os.devnull, "w"))
     tr = run.trainer
-    state = state_bytes(tr.chunks, tr.ddp, tr.optimizer)
+    state = state_bytes(tr.chunks, tr.ddp, tr.optimizer, tr.outer)
     with PeakMemory(tr.device) as peak:
         tr.train_step(run.train_loader)
     r = tr.memory.ranks[tr.pp_rank]

@@ -414,6 +414,7 @@ class OuterOptimizer:
             sq = self._apply(pend)
             applied_sq = sq if applied_sq is None else applied_sq + sq
             self.pending.remove(pend)
+        pend = None  # the applied result (a fragment-sized buffer) is freed before the launches below read weights
         for f in range(self.F):
             if (step - self.start_step) % self.H != self.phase(f):
                 continue
@@ -422,6 +423,7 @@ class OuterOptimizer:
             delta = torch.sub(self.anchor[lo:hi], theta, out=theta)
             pend = _Pending(fragment=f, due=sync_due(self.method, step, final=final),
                             finish=self._start_average(delta, lo, hi))
+            del theta, delta  # held by the reduction only (a compressed one keeps its own buffers, not this)
             if pend.due <= step:
                 sq = self._apply(pend)
                 applied_sq = sq if applied_sq is None else applied_sq + sq
@@ -498,9 +500,9 @@ class OuterOptimizer:
 
     def state_bytes(self) -> int:
         """Bytes of the state this object keeps for the run, beyond the inner optimizer's (what
-        engine.memory.predict_memory predicts as ``outer_state_bytes``): the anchor, the momentum
-        (``momentum > 0``), the top-k error feedback, the norm mask and, with int8 or top-k, the TP-replicated
-        positions. Reductions in flight are not counted (a fragment's result between two steps)."""
+        engine.memory.method_state_bytes predicts; the memory report adds it to the optimizer figure): the anchor,
+        the momentum (``momentum > 0``), the top-k error feedback, the norm mask and, with int8 or top-k, the
+        TP-replicated positions. Reductions in flight are not counted (a fragment's result between two steps)."""
         out = [self.anchor, self.mom, self.error, self._norm_skip]
         for rep, _, _ in self._equal_idx or ():
             out.append(rep)

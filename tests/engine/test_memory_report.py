@@ -364,6 +364,28 @@ def test_expert_tp1_counts_whole_experts():
     assert plan.numel == sum(x[1] for x in whole)
 
 
+def test_method_state_formula_lays_out_the_buffers_as_the_report_does():
+    """method_state_bytes sizes DiLoCo's anchor and mask (no momentum: 5 bytes per element) over the same padded
+    buffers as the report's parameters and gradients (dp_buffer_numel), for MoE experts held whole on each tp rank
+    (parallel.expert_tp=1: it sized them split over tp before 2026-11-29, 97,440 bytes for 128,160) and for an
+    interleaved pipeline with tied embeddings; the built runs' bytes are test_decentralised_methods_... above."""
+    from engine.memory import dp_buffer_numel, method_state_bytes
+    from models.hook import ModelHook
+    from tests.parallel.test_moe_training import HF_QWEN2, _config
+
+    diloco = ["outer.method=diloco", "outer.inner_steps=2", "outer.momentum=0.0", "outer.nesterov=false"]
+    moe = ModelHook.from_hf(HF_QWEN2, dtype=torch.float32, expert_tp=1)
+    cfg = _config(["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.expert_tp=1", *diloco])
+    n = dp_buffer_numel(cfg, moe, world=4)[0]
+    assert method_state_bytes(cfg, moe, world=4) == 5 * n, (method_state_bytes(cfg, moe, world=4), n)
+    cfg = _cfg("parallel.tp=1", "parallel.pp=2", "parallel.vp=2", "parallel.schedule=interleaved",
+               "model.tie_word_embeddings=true", "optim.distributed=false", *diloco)
+    model = ModelHook.from_run_config(cfg, tokenizer_vocab=None)
+    for r in range(2):
+        n = dp_buffer_numel(cfg, model, world=4, pp_rank=r)[0]
+        assert method_state_bytes(cfg, model, world=4, pp_rank=r) == 5 * n, r
+
+
 def test_ep2_all_to_all_bytes_near_the_planners_balanced_figure(two_ranks):
     """The planner's dispatch bytes ((ep-1)/ep of top_k * tokens * hidden per all-to-all) assume balanced
     routing; the tiny Mixtral's first step (4 micro-batches of 16 tokens, 2 layers) sends within 25% of it."""

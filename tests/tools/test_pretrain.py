@@ -132,6 +132,29 @@ def test_a_preset_too_big_is_refused_before_allocating(tmp_path, corpus):
     assert time.monotonic() - start < 60
 
 
+def test_the_plan_counts_the_data_parallel_methods_state():
+    """DiLoCo's anchor, norm mask and momentum (+ 9 bytes per parameter; + 4 more with top-k, 4 fewer without
+    momentum), 1-bit's error and mask (+ 5), PowerSGD's error feedback (+ 4), as engine.memory's report counts
+    them; the layouts that would fit are sized without ZeRO, which these methods refuse, and say so."""
+    from engine.assembly import memory_plan
+    from engine.config import load_config
+    from models.hook import ModelHook
+
+    base = ["parallel.tp=2", "model.vocab_size=128256", "parallel.dp=4", "optim.distributed=false",
+            "optim.overlap_param_gather=false"]
+    model = ModelHook.from_run_config(load_config("llama3_8b", base), tokenizer_vocab=None)
+    for sets, extra in (([], 0), (["outer.method=diloco"], 9), (["outer.method=diloco", "outer.compression=topk"], 13),
+                        (["outer.method=diloco", "outer.momentum=0", "outer.nesterov=false"], 5),
+                        (["optim.grad_compression=onebit"], 5), (["optim.grad_compression=powersgd"], 4)):
+        plan = memory_plan(load_config("llama3_8b", base + sets), model, world=8, available=10**12)
+        assert plan.bytes_per_param == 18 + extra, (sets, plan.bytes_per_param)
+        assert ("DiLoCo's outer state" in plan.line()) == ("outer.method=diloco" in sets), plan.line()
+    # tp=2 holds 4.0e9 parameters, 108 GB at 27 bytes each; tp=8 holds 1.0e9: 27.13 GB (18.09 GB without DiLoCo)
+    tight = memory_plan(load_config("llama3_8b", base + ["outer.method=diloco"]), model, world=8, available=60 * 10**9)
+    assert not tight.fits and "optim.distributed=false: DiLoCo and gradient compression run without ZeRO" in \
+        tight.error() and "tp=8 pp=1 dp=1 (27.13 GB)" in tight.error(), tight.error()
+
+
 def test_launch_mistakes_are_named_before_anything_is_written(tmp_path, corpus, capsys):
     """In-process (rank 0, before any process group): a post-training preset, no --config at all, and a
     checkpoint.load that does not exist, each named with its fix; the run directory is not created."""

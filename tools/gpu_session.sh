@@ -157,7 +157,8 @@ EOF
     if wanted graphs; then
         # the host taken off the step: each layer's forward and backward replayed as CUDA graphs
         # (model.cuda_graph = "layers", docs/cuda_graphs.md), against the same sides eager, same run; 16 kernels
-        # per side: the graphed steps' kernels summed 4-6% more than the eager ones' on the H200 (unexplained)
+        # per side: the graphed steps' kernels summed 4-6% more than the eager ones' on the H200 (unexplained); each
+        # graphed side then prints its per-kernel difference from the eager side (kernel_diff_vs_eager in the JSON)
         run_json_step graphs 110 "$OUT/bench_fp8.log" "$PY" tools/bench_fp8.py --device cuda --skip gemms --skip host \
             --recipes tensorwise delayed --cuda-graph --profile-step --profile-top 16
     fi

@@ -84,3 +84,19 @@ def test_bench_fp8_profile_flags_are_checked(argv, match, capsys):
     with pytest.raises(SystemExit):
         bench_fp8.main(argv)
     assert match in capsys.readouterr().err
+
+
+def test_kernel_diff_names_where_the_graphed_steps_kernels_differ(capsys):
+    """--cuda-graph --profile-step (CUDA): per kernel, graphed minus eager device time per step, largest first,
+    kernels seen on one side only included (checked here on made-up tables; the profile itself needs a GPU)."""
+    from tools.bench_fp8 import _kernel_diff
+
+    eager = [{"name": "gemm", "us": 100.0, "calls": 4}, {"name": "copy", "us": 5.0, "calls": 2},
+             {"name": "norm", "us": 10.0, "calls": 2}]
+    graphed = [{"name": "gemm", "us": 101.0, "calls": 4}, {"name": "copy", "us": 12.0, "calls": 6},
+               {"name": "memset", "us": 3.0, "calls": 1}]
+    rows = _kernel_diff(eager, graphed, "delayed/graph", "delayed", top=3)
+    assert [(r["name"], r["diff_us"]) for r in rows] == [("norm", -10.0), ("copy", 7.0), ("memset", 3.0)]
+    assert rows[1]["eager_calls"] == 2 and rows[1]["graphed_calls"] == 6
+    out = capsys.readouterr().out
+    assert "+1.0 us in all" in out and "copy" in out and "gemm" not in out  # gemm's +1 us is 4th: not listed

@@ -550,7 +550,7 @@ def build_run(cfg: TesselConfig, *, model, run_dir: str | None = None, world: in
                                        lr=u.lr, momentum=u.momentum, nesterov=u.nesterov, fragments=u.fragments,
                                        mix=u.mix, compression=u.compression, topk_fraction=u.topk_fraction,
                                        layout=u.fragment_layout, start_step=u.start_step,
-                                       momentum_start_step=u.momentum_start_step,
+                                       momentum_start_step=u.momentum_start_step, overlap_steps=u.overlap_steps,
                                        counts=lambda q: counts_in_norm(q, tp_group=mesh.tp),
                                        norm_groups=(mesh.tp, mesh.pp), tp_group=mesh.tp,
                                        embedding_group=mesh.embedding)

@@ -39,6 +39,9 @@ METHODS = {
     "diloco_h10_int8": ["outer.method=diloco", "outer.inner_steps=10", "outer.compression=int8"],
     "streaming_h10_f4": ["outer.method=streaming_diloco", "outer.inner_steps=10", "outer.fragments=4",
                          "outer.mix=0.5"],
+    # each fragment's reduction overlapping 3 inner steps, not 1 (outer.overlap_steps, tau)
+    "streaming_h10_f4_tau3": ["outer.method=streaming_diloco", "outer.inner_steps=10", "outer.fragments=4",
+                              "outer.mix=0.5", "outer.overlap_steps=3"],
     "powersgd_r4": ["optim.grad_compression=powersgd", "optim.powersgd_rank=4"],
     "onebit": ["optim.grad_compression=onebit"],
 }

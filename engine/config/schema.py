@@ -278,7 +278,7 @@ class TesselConfig:
         end = t.last_step()  # earlier than train.steps where train.max_tokens stops the run (DiLoCo: pretraining)
         ends = f"train.steps={t.steps}" + (f" (train.max_tokens stops it after step {end})" if end < t.steps else "")
         span = apply_steps(method, inner_steps=u.inner_steps, fragments=u.fragments, start_step=u.start_step,
-                           steps=t.steps, end=end) if m else None
+                           steps=t.steps, end=end, overlap=u.overlap_steps) if m else None
         if m and span is None:
             raise ValueError(f"outer.momentum_start_step={m}, but no sync is applied in {ends} "
                              f"(outer.inner_steps={u.inner_steps} after outer.start_step={u.start_step}), so it changes "

@@ -13,10 +13,11 @@ outer SGD step with (Nesterov) momentum moves the shared weights:
 
 Streaming DiLoCo (Douillard et al., 2025) cuts the parameters into ``fragments`` groups synchronised at
 staggered steps: fragment ``f`` sends its pseudo-gradient after step ``t`` when
-``t % H == ((f + 1) * H // F) % H``; its reduction overlaps the next inner step and is applied (outer
-step + ``mix``) after it. With ``F = 1`` and ``method="diloco"`` the reduction is waited for and applied
-at once. ``layout``: ``"strided"`` (the paper's pattern) puts transformer block ``l`` (global index) in
-fragment ``l % F``, the parameters before a chunk's first block (embeddings) with that block and those
+``t % H == ((f + 1) * H // F) % H``; its reduction overlaps the next ``overlap_steps`` inner steps (tau,
+``outer.overlap_steps``, 1 to H; default 1) and is applied (outer step + ``mix``) after the last of them, or
+after the run's final step if that comes first. With ``F = 1`` and ``method="diloco"`` the reduction is
+waited for and applied at once. ``layout``: ``"strided"`` (the paper's pattern) puts transformer block ``l``
+(global index) in fragment ``l % F``, the parameters before a chunk's first block (embeddings) with that block and those
 after its last block (final norm, output layer) with that one; ``"contiguous"`` cuts the flat vector
 into ``F`` ranges of whole parameters of about equal size.
 
@@ -70,23 +71,26 @@ def fragment_phase(fragment: int, inner_steps: int, fragments: int) -> int:
     return ((fragment + 1) * inner_steps // fragments) % inner_steps
 
 
-def sync_due(method: str, step: int, *, final: bool) -> int:
+def sync_due(method: str, step: int, *, final: bool, overlap: int = 1) -> int:
     """The step after which a sync sent after ``step`` is applied: at once (DiLoCo, or the run's ``final``
-    step), else one inner step later (Streaming DiLoCo's overlap)."""
-    return step + (1 if method == "streaming_diloco" and not final else 0)
+    step), else ``overlap`` inner steps later (Streaming DiLoCo's overlap, ``outer.overlap_steps``; the run's
+    final step applies every sync still in flight)."""
+    return step + (overlap if method == "streaming_diloco" and not final else 0)
 
 
 def apply_steps(method: str, *, inner_steps: int, fragments: int, start_step: int, steps: int,
-                end: int | None = None) -> tuple[int, int] | None:
+                end: int | None = None, overlap: int = 1) -> tuple[int, int] | None:
     """The first and last step (1-based) at which a sync is applied in a run of ``train.steps = steps`` that
     stops after step ``end`` (default ``steps``; earlier on ``train.max_tokens``), by
     :meth:`OuterOptimizer.step`'s schedule (:func:`fragment_phase`, :func:`sync_due`); None: none is. A
-    Streaming fragment sent at ``end < steps`` is still in flight when the run stops."""
+    Streaming fragment due after ``end < steps`` is still in flight when the run stops."""
     H, end = inner_steps, steps if end is None else min(end, steps)
     phases = {fragment_phase(f, H, fragments) for f in range(fragments)}
     # the first and the last cycle (and a step) are enough: every cycle of H steps sends at least once
     ts = sorted({*range(start_step + 1, min(start_step + H + 1, end) + 1), *range(max(start_step + 1, end - H - 1), end + 1)})
-    dues = [d for d in (sync_due(method, t, final=t == steps) for t in ts if (t - start_step) % H in phases) if d <= end]
+    dues = [min(sync_due(method, t, final=t == steps, overlap=overlap), steps)  # the final step applies the rest
+            for t in ts if (t - start_step) % H in phases]
+    dues = sorted(d for d in dues if d <= end)
     return (dues[0], dues[-1]) if dues else None
 
 
@@ -116,7 +120,8 @@ class OuterOptimizer:
     def __init__(self, dist_opt, *, dp_group: Group, method: str = "diloco", inner_steps: int = 10,
                  lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True, fragments: int = 1, mix: float = 1.0,
                  compression: str = "none", topk_fraction: float = 0.01, chunk: int = DEFAULT_INT8_CHUNK,
-                 layout: str = "strided", start_step: int = 0, momentum_start_step: int = 0, counts=None,
+                 layout: str = "strided", start_step: int = 0, momentum_start_step: int = 0, overlap_steps: int = 1,
+                 counts=None,
                  norm_groups: tuple[Group | None, ...] = (), tp_group: Group | None = None,
                  embedding_group: Group | None = None):
         if method not in ("diloco", "streaming_diloco"):
@@ -138,6 +143,14 @@ class OuterOptimizer:
         if isinstance(momentum_start_step, bool) or not isinstance(momentum_start_step, int) or momentum_start_step < 0:
             raise ValueError(f"outer.momentum_start_step={momentum_start_step!r} must be an integer >= 0 (the last "
                              "step whose syncs take the plain average; 0: outer lr and momentum from the start)")
+        tau = overlap_steps
+        if isinstance(tau, bool) or not isinstance(tau, int) or not 1 <= tau <= inner_steps:
+            raise ValueError(f"outer.overlap_steps={overlap_steps!r} must be an integer in [1, outer.inner_steps="
+                             f"{inner_steps}]: a fragment's reduction is applied before the fragment sends again")
+        if method == "diloco" and overlap_steps != 1:
+            raise ValueError(f"outer.overlap_steps={overlap_steps} is read by outer.method='streaming_diloco' (DiLoCo "
+                             "applies each sync at once); use streaming_diloco (outer.fragments=1 overlaps one whole "
+                             "sync)")
         ddp = dist_opt.ddp
         if ddp.sharded or ddp.grad_compressor is not None:
             raise ValueError("the outer optimizer needs DataParallel(zero_stage=0) without a grad_compressor: "
@@ -147,6 +160,7 @@ class OuterOptimizer:
         self.group = dp_group
         self.method, self.H, self.lr, self.momentum, self.nesterov = method, inner_steps, lr, momentum, nesterov
         self.start_step, self.momentum_start_step = start_step, momentum_start_step
+        self.overlap = overlap_steps  # Streaming DiLoCo: inner steps a fragment's reduction overlaps (tau)
         self.F, self.mix, self.compression, self.topk_fraction, self.chunk = (fragments, mix, compression,
                                                                              topk_fraction, chunk)
         self.layout = layout if self.F > 1 else "contiguous"  # one fragment: the order does not matter
@@ -304,7 +318,8 @@ class OuterOptimizer:
 
     def describe(self) -> str:
         """One line for the start of the log: the method, its schedule and the warm-up."""
-        frags = f", {self.F} fragments ({self.layout}), mix {self.mix}" if self.method == "streaming_diloco" else ""
+        frags = (f", {self.F} fragments ({self.layout}), mix {self.mix}, each reduction overlapping {self.overlap} "
+                 f"inner step{'s' if self.overlap > 1 else ''}" if self.method == "streaming_diloco" else "")
         line = (f"tessel: outer {self.method}, H={self.H}{frags}, outer lr {self.lr}, momentum {self.momentum}"
                 f"{' (nesterov)' if self.nesterov and self.momentum else ''}, compression {self.compression}")
         if self.start_step:
@@ -410,7 +425,7 @@ class OuterOptimizer:
                 self._restart()
             return {}
         applied_sq = None
-        for pend in [pd for pd in self.pending if pd.due <= step]:
+        for pend in [pd for pd in self.pending if pd.due <= step or final]:  # the final step applies all
             sq = self._apply(pend)
             applied_sq = sq if applied_sq is None else applied_sq + sq
             self.pending.remove(pend)
@@ -421,7 +436,7 @@ class OuterOptimizer:
             lo, hi = self.bounds[f]
             theta = self._read(lo, hi)  # (hi - lo,) fp32, a new tensor: the pseudo-gradient is written over it
             delta = torch.sub(self.anchor[lo:hi], theta, out=theta)
-            pend = _Pending(fragment=f, due=sync_due(self.method, step, final=final),
+            pend = _Pending(fragment=f, due=sync_due(self.method, step, final=final, overlap=self.overlap),
                             finish=self._start_average(delta, lo, hi))
             del theta, delta  # held by the reduction only (a compressed one keeps its own buffers, not this)
             if pend.due <= step:
@@ -520,7 +535,7 @@ class OuterOptimizer:
         self.settle()
         return {"syncs": self.syncs, "pending": [{"fragment": p.fragment, "due": p.due} for p in self.pending],
                 "fragments": self.F, "layout": self.layout, "start_step": self.start_step,
-                "momentum_start_step": self.momentum_start_step}
+                "momentum_start_step": self.momentum_start_step, "overlap_steps": self.overlap}
 
     def _restart(self) -> None:
         """Start the outer loop from the current weights: anchor = masters, no momentum, error or reduction."""
@@ -574,6 +589,11 @@ class OuterOptimizer:
             raise ValueError(f"the checkpoint's outer loop takes the plain average up to outer.momentum_start_step="
                              f"{saved_m}, this run's up to outer.momentum_start_step={self.momentum_start_step}: its "
                              "momentum buffer was kept under the saved value; resume with the saved value")
+        saved_tau = int(state.get("overlap_steps", 1))  # written before the key existed: 1
+        if saved_tau != self.overlap:
+            raise ValueError(f"the checkpoint's fragments are applied outer.overlap_steps={saved_tau} inner steps "
+                             f"after they are sent, this run's after outer.overlap_steps={self.overlap}: its reductions in "
+                             "flight are due at the saved schedule; resume with the saved value")
         self.syncs = int(state["syncs"])
         self.anchor.copy_(tensors["anchor"])
         if self.mom is not None:

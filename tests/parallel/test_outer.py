@@ -293,7 +293,7 @@ def _fragments(pp: int = 1):
     outer = run.trainer.outer
     state = outer.state_dict()
     refused = []
-    for changed in ({"layout": "contiguous"}, {"start_step": 5}, {"momentum_start_step": 1}):
+    for changed in ({"layout": "contiguous"}, {"start_step": 5}, {"momentum_start_step": 1}, {"overlap_steps": 2}):
         try:
             outer.load_state({**state, **changed}, outer.state_tensors())
             refused.append("")
@@ -321,9 +321,40 @@ def test_strided_fragments_sync_whole_blocks(request, layout):
         assert "outer.fragment_layout='strided'" in r["refused"][0] and "resume with the saved" in r["refused"][0]
         assert "outer.start_step=5" in r["refused"][1] and "resume with the saved" in r["refused"][1]
         assert "outer.momentum_start_step=1, this run's up to outer.momentum_start_step=0" in r["refused"][2]
+        assert "outer.overlap_steps=2 inner steps after they are sent, this run's after outer.overlap_steps=1" \
+            in r["refused"][3]
         # the fragments' reductions on a communicator of their own (the same ranks), so on NCCL the inner steps'
         # dp collectives do not queue behind a fragment in flight
         assert r["own_communicator"] and r["gradients_on_dp_cp"], (rank, r)
+
+
+def _overlap():
+    """Streaming DiLoCo with each reduction overlapping tau = 2 inner steps (outer.overlap_steps=2), F = 2, H = 4,
+    plain averaging (outer lr 1, no momentum, mix 1), train.steps = 5: fragment 0 sends after step 2 and is
+    applied after step 4; fragment 1 sends after step 4, due after step 6, and the run's final step (5) applies
+    it. After each step: the names on which the replicas agree (bitwise), the reductions in flight, and after
+    step 4 how far fragment 0's weights are from the mean of the replicas' step-2 weights (what it sent)."""
+    import torch.distributed as dist
+
+    run = _run(_cfg(steps=5, extra=["outer.method=streaming_diloco", "outer.inner_steps=4", "outer.fragments=2",
+                                    "outer.overlap_steps=2", "outer.lr=1.0", "outer.momentum=0.0",
+                                    "outer.nesterov=false"]))
+    peer = next(r for r in run.mesh.dp_cp.ranks if r != run.mesh.rank)
+    agreed, pending, sent = [], [], None
+    for step in range(1, 6):
+        run.trainer.train_step(run.train_loader)
+        mine = _params(run)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        agreed.append(sorted(k for k in mine if torch.equal(mine[k], every[peer][k])))
+        pending.append([(p.fragment, p.due) for p in run.trainer.outer.pending])
+        if step == 2:  # what fragment 0 sends: each replica's weights now; plain averaging applies their mean
+            sent = {k: (every[0][k] + every[1][k]) / 2 for k in mine}
+        if step == 4:
+            err = {k: float((mine[k] - sent[k]).abs().max()) for k in mine}
+            scale = {k: float(sent[k].abs().max()) for k in mine}
+    return {"agreed": agreed, "pending": pending, "names": sorted(mine), "err": err, "scale": scale,
+            "line": run.trainer.outer.describe()}
 
 
 # -- bitwise resume ----------------------------------------------------------------------------------
@@ -332,6 +363,9 @@ RESUME_CASES = {
                     "outer.topk_fraction=0.1"],
     "streaming_int8": ["outer.method=streaming_diloco", "outer.inner_steps=2", "outer.fragments=2",
                        "outer.compression=int8", "outer.mix=0.5"],
+    # each reduction overlapping 2 inner steps: both fragments in flight at the save (sent after steps 1 and 2)
+    "streaming_tau2": ["outer.method=streaming_diloco", "outer.inner_steps=2", "outer.fragments=2",
+                       "outer.overlap_steps=2"],
     # resumed in the middle of the plain warm-up (steps 1-3), crossing into compression at step 4
     "powersgd": ["optim.grad_compression=powersgd", "optim.powersgd_rank=2", "optim.powersgd_start_step=3"],
     "onebit": ["optim.grad_compression=onebit"],
@@ -500,6 +534,21 @@ def _momentum_start():
             "line": line}
 
 
+def test_streaming_overlap_steps_apply_each_fragment_tau_steps_after_it_is_sent(dp2):
+    """outer.overlap_steps=2 (_overlap): fragment 0, sent after step 2, is applied after step 4 (its weights then
+    the replicas' step-2 mean, within fp32 rounding: the reduction's value, 2 local steps stale, with one step
+    fewer the weights would be a local step away); fragment 1, sent after step 4 and due after step 6, is
+    applied by the final step 5. Nothing is left in flight."""
+    for rank, r in enumerate(x["overlap"] for x in dp2):
+        frag = {f: sorted(k for k in r["names"] if k.startswith(pre)) for f, pre in FRAGMENT_NAMES.items()}
+        assert r["agreed"] == [[], [], [], frag[0], frag[1]], (rank, r["agreed"])
+        assert r["pending"] == [[], [(0, 4)], [(0, 4)], [(1, 6)], []], (rank, r["pending"])
+        for k in frag[0]:
+            assert r["err"][k] <= 1e-6 * r["scale"][k], (rank, k, r["err"][k], r["scale"][k])
+        assert max(r["err"][k] / r["scale"][k] for k in frag[1]) > 1e-4, rank  # fragment 1 was not averaged then
+        assert "each reduction overlapping 2 inner steps" in r["line"], r["line"]
+
+
 def test_outer_momentum_starts_after_momentum_start_step(dp2):
     for rank, r in enumerate(x["momentum_start"] for x in dp2):
         (s1, s2, s3), (a1, a2, a3) = r["norms"]
@@ -531,7 +580,7 @@ def _all_dp2(tmp: str):
     return {"sanity": _sanity(1), "bytes": _bytes(), "fragments": _fragments(), "resume": _resume(tmp, list(RESUME_CASES)),
             "compressed": _compressed(), "exact_rank1": _exact_rank1(), "warmup": _warmup(),
             "rank_check": _rank_check(), "small_whole": _small_matrix_whole(), "local_norm": _local_normalisation(),
-            "fp8_inner": _fp8_inner_steps(), "momentum_start": _momentum_start()}
+            "fp8_inner": _fp8_inner_steps(), "momentum_start": _momentum_start(), "overlap": _overlap()}
 
 
 _LAUNCHED: dict[str, list] = {}  # one launch per pytest process, whichever of the two files asks first
@@ -594,6 +643,14 @@ def test_resume_is_bitwise(dp2, name):
     (["outer.method=diloco", "outer.inner_steps=1", "train.max_tokens=128", "outer.momentum_start_step=2"],
      "applied at step 2 of train.steps=3 (train.max_tokens stops it after step 2)"),
     (["outer.momentum_start_step=1"], "outer.method='none'"),
+    (["outer.method=streaming_diloco", "outer.inner_steps=2", "outer.fragments=2", "outer.overlap_steps=3"],
+     "outer.overlap_steps=3 must be an integer in [1, outer.inner_steps=2]"),
+    (["outer.method=streaming_diloco", "outer.overlap_steps=0"], "must be an integer in [1, outer.inner_steps=10]"),
+    (["outer.method=diloco", "outer.overlap_steps=2"], "is read by outer.method='streaming_diloco'"),
+    (["outer.overlap_steps=2"], "outer.method='none'"),
+    # the first sync is applied tau = 2 steps after fragment 0 sends at step 2: at step 4 (tau = 1: at step 3)
+    (["train.steps=8", "outer.method=streaming_diloco", "outer.inner_steps=4", "outer.fragments=2",
+      "outer.overlap_steps=2", "outer.momentum_start_step=3"], "before the first sync (applied at step 4)"),
 ])
 def test_bad_inputs_are_refused(extra, needle):
     with pytest.raises(ValueError, match=None) as err:

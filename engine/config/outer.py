@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from engine.config._fields import Section
 from engine.config.sections import check_choice, check_min, check_positive
-from parallel.data_parallel.outer import FRAGMENT_LAYOUTS, OUTER_COMPRESSIONS, OUTER_METHODS
+from parallel.data_parallel.outer import FRAGMENT_LAYOUTS, OUTER_COMPRESSIONS, OUTER_METHODS, overlap_at_h_message
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -16,8 +16,9 @@ class OuterConfig(Section):
     """``method``: none | diloco | streaming_diloco. Every replica runs ``inner_steps`` (H) local AdamW
     steps (no dp traffic), then the averaged pseudo-gradient takes an outer SGD step of ``lr`` with
     ``momentum`` (Nesterov when ``nesterov``). Streaming DiLoCo syncs ``fragments`` parameter groups at
-    staggered steps, each reduction overlapping the next ``overlap_steps`` inner steps (tau, 1 to H; the run's
-    final step applies what is still in flight), mixing the arriving weights in with
+    staggered steps, each reduction overlapping the next ``overlap_steps`` inner steps (tau, 1 to H, below H
+    with ``mix = 1``; the run's final step, ``train.steps``, applies what is still in flight: an earlier stop on
+    ``train.max_tokens`` keeps it in flight in the checkpoint), mixing the arriving weights in with
     weight ``mix`` (1: replace the local ones); ``fragment_layout``: ``strided`` (block l in fragment l % F,
     the paper's pattern) or ``contiguous`` (F ranges of whole parameters of about equal size).
     ``compression`` of the pseudo-gradient: none | bf16 | int8 | topk (``topk_fraction`` of the entries,
@@ -92,14 +93,17 @@ class OuterConfig(Section):
                              "(outer.method='streaming_diloco', outer.fragments > 1); remove it or raise "
                              "outer.fragments")
         tau = self.overlap_steps
-        if isinstance(tau, bool) or not isinstance(tau, int) or not 1 <= tau <= self.inner_steps:
-            raise ValueError(f"outer.overlap_steps={tau} must be an integer in [1, outer.inner_steps="
-                             f"{self.inner_steps}]: the inner steps a fragment's reduction overlaps before it is "
-                             "applied, which must happen before the fragment sends again")
         if self.method == "diloco" and tau != 1:
             raise ValueError(f"outer.overlap_steps={tau} is read by outer.method='streaming_diloco' (DiLoCo applies "
                              "each sync at once); set outer.method='streaming_diloco' (outer.fragments=1 overlaps one "
                              "whole sync) or remove outer.overlap_steps")
+        if isinstance(tau, bool) or not isinstance(tau, int) or not 1 <= tau <= self.inner_steps:
+            raise ValueError(f"outer.overlap_steps={tau} must be an integer in [1, outer.inner_steps="
+                             f"{self.inner_steps}]: the inner steps a fragment's reduction overlaps before it is "
+                             "applied, which must happen before the fragment sends again; lower outer.overlap_steps "
+                             "or raise outer.inner_steps")
+        if self.method == "streaming_diloco" and tau == self.inner_steps and self.mix == 1.0:
+            raise ValueError(overlap_at_h_message(tau, self.inner_steps))
         if not 0.0 < self.mix <= 1.0:
             raise ValueError(f"outer.mix={self.mix} must be in (0, 1]: the weight of the arriving outer weights "
                              "(1 replaces the local ones; Streaming DiLoCo uses 0.5)")

@@ -86,12 +86,23 @@ def apply_steps(method: str, *, inner_steps: int, fragments: int, start_step: in
     Streaming fragment due after ``end < steps`` is still in flight when the run stops."""
     H, end = inner_steps, steps if end is None else min(end, steps)
     phases = {fragment_phase(f, H, fragments) for f in range(fragments)}
-    # the first and the last cycle (and a step) are enough: every cycle of H steps sends at least once
-    ts = sorted({*range(start_step + 1, min(start_step + H + 1, end) + 1), *range(max(start_step + 1, end - H - 1), end + 1)})
+    # the first cycle and the last H + overlap steps are enough: every cycle of H steps sends at least once, and a
+    # sync applied by ``end`` was sent at most ``overlap`` steps before it (a window of H + 1 missed the last
+    # applied one for overlap >= 3 when ``end < steps``, until 2026-11-29: a brute force over small H, F, tau found it)
+    ts = sorted({*range(start_step + 1, min(start_step + H + 1, end) + 1),
+                 *range(max(start_step + 1, end - H - overlap), end + 1)})
     dues = [min(sync_due(method, t, final=t == steps, overlap=overlap), steps)  # the final step applies the rest
             for t in ts if (t - start_step) % H in phases]
     dues = sorted(d for d in dues if d <= end)
     return (dues[0], dues[-1]) if dues else None
+
+
+def overlap_at_h_message(tau: int, inner_steps: int) -> str:
+    """Why Streaming DiLoCo refuses ``overlap_steps == inner_steps`` with ``mix = 1``, and the fix."""
+    return (f"outer.overlap_steps={tau} equals outer.inner_steps={inner_steps} with outer.mix=1: each reduction "
+            "would be applied at the step its fragment sends again, replacing the fragment's weights by the anchor "
+            "just before they are read, so every later pseudo-gradient would be 0 and the fragment would stop "
+            "training; lower outer.overlap_steps below outer.inner_steps or set outer.mix below 1 (e.g. 0.5)")
 
 
 def _pad_to(n: int, q: int) -> int:
@@ -100,7 +111,7 @@ def _pad_to(n: int, q: int) -> int:
 
 @dataclass
 class _Pending:
-    """A fragment's reduction in flight: started after step ``sent``, applied after step ``due``."""
+    """A fragment's reduction in flight, applied after step ``due`` (or the run's final step, if earlier)."""
 
     fragment: int
     due: int
@@ -146,11 +157,14 @@ class OuterOptimizer:
         tau = overlap_steps
         if isinstance(tau, bool) or not isinstance(tau, int) or not 1 <= tau <= inner_steps:
             raise ValueError(f"outer.overlap_steps={overlap_steps!r} must be an integer in [1, outer.inner_steps="
-                             f"{inner_steps}]: a fragment's reduction is applied before the fragment sends again")
+                             f"{inner_steps}]: a fragment's reduction is applied before the fragment sends again; "
+                             "lower outer.overlap_steps or raise outer.inner_steps")
         if method == "diloco" and overlap_steps != 1:
             raise ValueError(f"outer.overlap_steps={overlap_steps} is read by outer.method='streaming_diloco' (DiLoCo "
                              "applies each sync at once); use streaming_diloco (outer.fragments=1 overlaps one whole "
                              "sync)")
+        if method == "streaming_diloco" and overlap_steps == inner_steps and mix == 1.0:
+            raise ValueError(overlap_at_h_message(overlap_steps, inner_steps))
         ddp = dist_opt.ddp
         if ddp.sharded or ddp.grad_compressor is not None:
             raise ValueError("the outer optimizer needs DataParallel(zero_stage=0) without a grad_compressor: "
@@ -517,7 +531,8 @@ class OuterOptimizer:
         """Bytes of the state this object keeps for the run, beyond the inner optimizer's (what
         engine.memory.method_state_bytes predicts; the memory report adds it to the optimizer figure): the anchor,
         the momentum (``momentum > 0``), the top-k error feedback, the norm mask and, with int8 or top-k, the
-        TP-replicated positions. Reductions in flight are not counted (a fragment's result between two steps)."""
+        TP-replicated positions. Reductions in flight are not counted (each a fragment-sized result held
+        between steps: one at a time with ``overlap_steps`` 1, up to every fragment's with more)."""
         out = [self.anchor, self.mom, self.error, self._norm_skip]
         for rep, _, _ in self._equal_idx or ():
             out.append(rep)
@@ -535,7 +550,8 @@ class OuterOptimizer:
         self.settle()
         return {"syncs": self.syncs, "pending": [{"fragment": p.fragment, "due": p.due} for p in self.pending],
                 "fragments": self.F, "layout": self.layout, "start_step": self.start_step,
-                "momentum_start_step": self.momentum_start_step, "overlap_steps": self.overlap}
+                "momentum_start_step": self.momentum_start_step, "overlap_steps": self.overlap,
+                "inner_steps": self.H}
 
     def _restart(self) -> None:
         """Start the outer loop from the current weights: anchor = masters, no momentum, error or reduction."""
@@ -589,6 +605,11 @@ class OuterOptimizer:
             raise ValueError(f"the checkpoint's outer loop takes the plain average up to outer.momentum_start_step="
                              f"{saved_m}, this run's up to outer.momentum_start_step={self.momentum_start_step}: its "
                              "momentum buffer was kept under the saved value; resume with the saved value")
+        saved_h = state.get("inner_steps")  # written before the key existed: not checked
+        if saved_h is not None and int(saved_h) != self.H:
+            raise ValueError(f"the checkpoint's outer loop syncs every outer.inner_steps={int(saved_h)} steps, this "
+                             f"run's every outer.inner_steps={self.H}: its reductions in flight and its fragments' "
+                             "turns follow the saved cycle; resume with the saved value")
         saved_tau = int(state.get("overlap_steps", 1))  # written before the key existed: 1
         if saved_tau != self.overlap:
             raise ValueError(f"the checkpoint's fragments are applied outer.overlap_steps={saved_tau} inner steps "

@@ -293,7 +293,8 @@ def _fragments(pp: int = 1):
     outer = run.trainer.outer
     state = outer.state_dict()
     refused = []
-    for changed in ({"layout": "contiguous"}, {"start_step": 5}, {"momentum_start_step": 1}, {"overlap_steps": 2}):
+    for changed in ({"layout": "contiguous"}, {"start_step": 5}, {"momentum_start_step": 1}, {"overlap_steps": 2},
+                    {"inner_steps": 3}):
         try:
             outer.load_state({**state, **changed}, outer.state_tensors())
             refused.append("")
@@ -323,6 +324,7 @@ def test_strided_fragments_sync_whole_blocks(request, layout):
         assert "outer.momentum_start_step=1, this run's up to outer.momentum_start_step=0" in r["refused"][2]
         assert "outer.overlap_steps=2 inner steps after they are sent, this run's after outer.overlap_steps=1" \
             in r["refused"][3]
+        assert "every outer.inner_steps=3 steps, this run's every outer.inner_steps=2" in r["refused"][4]
         # the fragments' reductions on a communicator of their own (the same ranks), so on NCCL the inner steps'
         # dp collectives do not queue behind a fragment in flight
         assert r["own_communicator"] and r["gradients_on_dp_cp"], (rank, r)
@@ -363,9 +365,10 @@ RESUME_CASES = {
                     "outer.topk_fraction=0.1"],
     "streaming_int8": ["outer.method=streaming_diloco", "outer.inner_steps=2", "outer.fragments=2",
                        "outer.compression=int8", "outer.mix=0.5"],
-    # each reduction overlapping 2 inner steps: both fragments in flight at the save (sent after steps 1 and 2)
+    # each reduction overlapping 2 inner steps: both fragments in flight at the save (sent after steps 1 and 2);
+    # tau = H needs mix < 1 (with mix 1 the fragment would stop training)
     "streaming_tau2": ["outer.method=streaming_diloco", "outer.inner_steps=2", "outer.fragments=2",
-                       "outer.overlap_steps=2"],
+                       "outer.overlap_steps=2", "outer.mix=0.5"],
     # resumed in the middle of the plain warm-up (steps 1-3), crossing into compression at step 4
     "powersgd": ["optim.grad_compression=powersgd", "optim.powersgd_rank=2", "optim.powersgd_start_step=3"],
     "onebit": ["optim.grad_compression=onebit"],
@@ -647,6 +650,15 @@ def test_resume_is_bitwise(dp2, name):
      "outer.overlap_steps=3 must be an integer in [1, outer.inner_steps=2]"),
     (["outer.method=streaming_diloco", "outer.overlap_steps=0"], "must be an integer in [1, outer.inner_steps=10]"),
     (["outer.method=diloco", "outer.overlap_steps=2"], "is read by outer.method='streaming_diloco'"),
+    (["outer.method=diloco", "outer.inner_steps=1", "outer.overlap_steps=2"], "is read by outer.method='stream"),
+    (["outer.method=streaming_diloco", "outer.inner_steps=2", "outer.fragments=2", "outer.overlap_steps=2"],
+     "the fragment would stop training; lower outer.overlap_steps below outer.inner_steps or set outer.mix below 1"),
+    (["outer.method=streaming_diloco", "outer.inner_steps=1"], "equals outer.inner_steps=1 with outer.mix=1"),
+    # stopped by train.max_tokens after step 14 (64 tokens a step), H = 4, tau = 3: the syncs sent after steps
+    # 4 and 8 are applied after 7 and 11, the one sent after 12 not before the stop (it said 7 until 2026-11-29)
+    (["train.steps=20", "train.max_tokens=896", "outer.method=streaming_diloco", "outer.inner_steps=4",
+      "outer.overlap_steps=3", "outer.momentum_start_step=11"],
+     "not below the run's last sync (applied at step 11 of train.steps=20 (train.max_tokens stops it after step 14))"),
     (["outer.overlap_steps=2"], "outer.method='none'"),
     # the first sync is applied tau = 2 steps after fragment 0 sends at step 2: at step 4 (tau = 1: at step 3)
     (["train.steps=8", "outer.method=streaming_diloco", "outer.inner_steps=4", "outer.fragments=2",
@@ -656,6 +668,14 @@ def test_bad_inputs_are_refused(extra, needle):
     with pytest.raises(ValueError, match=None) as err:
         _cfg(extra=extra)
     assert needle in str(err.value), str(err.value)
+
+
+def test_a_momentum_switch_before_the_last_overlapped_sync_is_accepted():
+    """The refusal just above, one step earlier: momentum_start_step=10 is before the sync applied after step 11
+    (refused until 2026-11-29, whose check saw the last sync at step 7)."""
+    cfg = _cfg(extra=["train.steps=20", "train.max_tokens=896", "outer.method=streaming_diloco", "outer.inner_steps=4",
+                      "outer.overlap_steps=3", "outer.momentum_start_step=10"])
+    assert cfg.outer.momentum_start_step == 10
 
 
 def test_contiguous_fragments_with_tied_copies_on_two_stages_are_refused():

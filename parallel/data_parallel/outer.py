@@ -595,26 +595,16 @@ class OuterOptimizer:
                              f"outer.fragment_layout={self.layout!r}: its "
                              "anchor, momentum and reductions in flight are per fragment; resume with the saved "
                              "values")
-        saved_start = int(state.get("start_step", 0))  # written before the warm-up existed: 0
-        if saved_start != self.start_step:
-            raise ValueError(f"the checkpoint's outer loop starts after outer.start_step={saved_start}, this run's "
-                             f"after outer.start_step={self.start_step}: the anchor and the sync steps count from "
-                             "there; resume with the saved value")
-        saved_m = int(state.get("momentum_start_step", 0))  # written before the key existed: 0
-        if saved_m != self.momentum_start_step:
-            raise ValueError(f"the checkpoint's outer loop takes the plain average up to outer.momentum_start_step="
-                             f"{saved_m}, this run's up to outer.momentum_start_step={self.momentum_start_step}: its "
-                             "momentum buffer was kept under the saved value; resume with the saved value")
-        saved_h = state.get("inner_steps")  # written before the key existed: not checked
-        if saved_h is not None and int(saved_h) != self.H:
-            raise ValueError(f"the checkpoint's outer loop syncs every outer.inner_steps={int(saved_h)} steps, this "
-                             f"run's every outer.inner_steps={self.H}: its reductions in flight and its fragments' "
-                             "turns follow the saved cycle; resume with the saved value")
-        saved_tau = int(state.get("overlap_steps", 1))  # written before the key existed: 1
-        if saved_tau != self.overlap:
-            raise ValueError(f"the checkpoint's fragments are applied outer.overlap_steps={saved_tau} inner steps "
-                             f"after they are sent, this run's after outer.overlap_steps={self.overlap}: its reductions in "
-                             "flight are due at the saved schedule; resume with the saved value")
+        # (key, the value a checkpoint written before the key was saved has (None: not checked), this run's, why)
+        for key, older, mine, why in (
+                ("start_step", 0, self.start_step, "the anchor and the sync steps count from there"),
+                ("momentum_start_step", 0, self.momentum_start_step, "the momentum buffer was kept under it"),
+                ("inner_steps", None, self.H, "the reductions in flight and the fragments' turns follow its cycle"),
+                ("overlap_steps", 1, self.overlap, "the reductions in flight are due at its schedule")):
+            saved_value = state.get(key, older)
+            if saved_value is not None and int(saved_value) != mine:
+                raise ValueError(f"the checkpoint's outer state was saved with outer.{key}={int(saved_value)}, this "
+                                 f"run has outer.{key}={mine}: {why}; resume with the saved value")
         self.syncs = int(state["syncs"])
         self.anchor.copy_(tensors["anchor"])
         if self.mom is not None:

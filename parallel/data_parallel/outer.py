@@ -88,7 +88,7 @@ def apply_steps(method: str, *, inner_steps: int, fragments: int, start_step: in
     phases = {fragment_phase(f, H, fragments) for f in range(fragments)}
     # the first cycle and the last H + overlap steps are enough: every cycle of H steps sends at least once, and a
     # sync applied by ``end`` was sent at most ``overlap`` steps before it (a window of H + 1 missed the last
-    # applied one for overlap >= 3 when ``end < steps``, until 2026-11-29: a brute force over small H, F, tau found it)
+    # applied one for overlap >= 3 when ``end < steps``, until 2026-11-28: a brute force over small H, F, tau found it)
     ts = sorted({*range(start_step + 1, min(start_step + H + 1, end) + 1),
                  *range(max(start_step + 1, end - H - overlap), end + 1)})
     dues = [min(sync_due(method, t, final=t == steps, overlap=overlap), steps)  # the final step applies the rest
@@ -224,7 +224,7 @@ class OuterOptimizer:
         # selection), so copies that must stay equal would drift apart: after each sync their averaged
         # pseudo-gradients are averaged once more over the copies (_equalise). Elementwise compressions
         # (none, bf16) give equal copies equal results already. Which elements those are is found once here
-        # from two masks that are then dropped (they were kept for the run until 2026-11-29: 2 bytes per element).
+        # from two masks that are then dropped (they were kept for the run until 2026-11-28: 2 bytes per element).
         rep_mask = torch.cat([rep_parts[i][s:e] for _, i, s, e in self._segments])  # (numel,) bool
         tied_ids = torch.cat([tied_parts[i][s:e] for _, i, s, e in self._segments])  # (numel,) 0 / 1 / 2
         del mask_parts, rep_parts, tied_parts
@@ -499,7 +499,7 @@ class OuterOptimizer:
     def _apply(self, pend: _Pending) -> torch.Tensor:
         lo, hi = self.bounds[pend.fragment]
         # (hi - lo,) fp32, a tensor of its own (no reduction keeps it): the update is computed in it, in place,
-        # so a sync holds one fragment-sized buffer beyond the state, two with mix < 1 (until 2026-11-29 up to six
+        # so a sync holds one fragment-sized buffer beyond the state, two with mix < 1 (until 2026-11-28 up to six
         # at once: the average, the update, the change, the weights read back, the squares and their masked copy;
         # the same operations, the same bits)
         avg = pend.result if pend.result is not None else pend.finish()

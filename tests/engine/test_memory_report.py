@@ -240,7 +240,7 @@ def test_decentralised_methods_state_bytes_equal_the_allocated_tensors(two_ranks
     """DiLoCo (top-k at tp2: anchor, momentum, error feedback, norm mask and the TP-replicated positions),
     Streaming DiLoCo (int8, no momentum), PowerSGD and 1-bit: parameters, gradients and optimizer state with the
     method's own state predicted byte for byte, and the method's share is what its object holds. Since
-    2026-11-29; before, the report left it out (DiLoCo held 14 bytes per parameter there; now 9, 13 with top-k)."""
+    2026-11-28; before, the report left it out (DiLoCo held 14 bytes per parameter there; now 9, 13 with top-k)."""
     for rank, out in enumerate(two_ranks):
         got, predicted, own, formula, n = out[name]
         assert got == predicted, (rank, name, got, predicted)
@@ -367,7 +367,7 @@ def test_expert_tp1_counts_whole_experts():
 def test_method_state_formula_lays_out_the_buffers_as_the_report_does():
     """method_state_bytes sizes DiLoCo's anchor and mask (no momentum: 5 bytes per element) over the same padded
     buffers as the report's parameters and gradients (dp_buffer_numel), for MoE experts held whole on each tp rank
-    (parallel.expert_tp=1: it sized them split over tp before 2026-11-29, 97,440 bytes for 128,160) and for an
+    (parallel.expert_tp=1: it sized them split over tp before 2026-11-28, 97,440 bytes for 128,160) and for an
     interleaved pipeline with tied embeddings; the built runs' bytes are test_decentralised_methods_... above."""
     from engine.memory import dp_buffer_numel, method_state_bytes
     from models.hook import ModelHook

@@ -654,7 +654,7 @@ def test_resume_is_bitwise(dp2, name):
      "the fragment would stop training; lower outer.overlap_steps below outer.inner_steps or set outer.mix below 1"),
     (["outer.method=streaming_diloco", "outer.inner_steps=1"], "equals outer.inner_steps=1 with outer.mix=1"),
     # stopped by train.max_tokens after step 14 (64 tokens a step), H = 4, tau = 3: the syncs sent after steps
-    # 4 and 8 are applied after 7 and 11, the one sent after 12 not before the stop (it said 7 until 2026-11-29)
+    # 4 and 8 are applied after 7 and 11, the one sent after 12 not before the stop (it said 7 until 2026-11-28)
     (["train.steps=20", "train.max_tokens=896", "outer.method=streaming_diloco", "outer.inner_steps=4",
       "outer.overlap_steps=3", "outer.momentum_start_step=11"],
      "not below the run's last sync (applied at step 11 of train.steps=20 (train.max_tokens stops it after step 14))"),
@@ -671,7 +671,7 @@ def test_bad_inputs_are_refused(extra, needle):
 
 def test_a_momentum_switch_before_the_last_overlapped_sync_is_accepted():
     """The refusal just above, one step earlier: momentum_start_step=10 is before the sync applied after step 11
-    (refused until 2026-11-29, whose check saw the last sync at step 7)."""
+    (refused until 2026-11-28, whose check saw the last sync at step 7)."""
     cfg = _cfg(extra=["train.steps=20", "train.max_tokens=896", "outer.method=streaming_diloco", "outer.inner_steps=4",
                       "outer.overlap_steps=3", "outer.momentum_start_step=10"])
     assert cfg.outer.momentum_start_step == 10

@@ -143,7 +143,7 @@ def test_kill_9_one_of_4_ranks_under_max_restarts_1(corpus, uninterrupted, tmp_p
     """pp=2 x dp=2 on 4 ranks, a checkpoint every 3 steps; rank 2 (a first-stage rank of the second replica) is
     SIGKILLed after step 4 under ``--max-restarts 1``: torchrun restarts the group, every rank resumes from step 3
     under a fresh store prefix, and the job ends with exit 0 and the uninterrupted dp=2 run's losses, bitwise, each
-    step logged once. (Until 2026-11-29 this was tp=2 x dp=2 against a 4-rank uninterrupted run of its own, 15 s
+    step logged once. (Until 2026-11-28 this was tp=2 x dp=2 against a 4-rank uninterrupted run of its own, 15 s
     more; pp=2 x dp=2 equals dp=2 bitwise without clipping, so the shared run serves. TP's resume is exact in
     tests/engine/checkpoint/test_trainer_resume.py.)"""
     extra = (f"train.steps={STEPS}", "checkpoint.interval=3", "parallel.pp=2", UNCLIPPED)

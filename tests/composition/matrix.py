@@ -148,6 +148,12 @@ DEFAULT_ROWS: tuple[Row, ...] = (
         extra=("parallel.expert_tp=1",)),
     # FP8 ring collective matmuls (docs/fp8.md): the delayed recipe's state resumes into the non-ring FP8 path.
     Row(L(tp=2, pp=2, sp=True, tp_overlap="ring"), "plain", fp8="delayed", reshard=L(dp=2, tp=2, sp=True)),
+    # Streaming DiLoCo (docs/decentralised.md) at dp2 x pp2 with tied embeddings (both copies in fragment 0), 3
+    # fragments (H = 3), each reduction overlapping 2 inner steps: the step-2 checkpoint holds two fragments in
+    # flight (sent after steps 1 and 2); the final step 4 applies the one due after it and sends the last at once,
+    # so with mix 1 the export sees the shared weights.
+    Row(L(dp=2, pp=2), "plain", tied=True, reshard=None,
+        extra=("outer.method=streaming_diloco", "outer.inner_steps=3", "outer.fragments=3", "outer.overlap_steps=2")),
 )
 METHODS = ("pretrain", "sft", "dpo", "grpo")
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8")

@@ -486,27 +486,22 @@ def method_state_bytes(cfg, model, *, world: int, pp_rank: int = 0) -> int:
     params = [(c, q) for c, st in enumerate(mine)  # (chunk, models.convert.StageParam), registration order
               for q in model.stage_params(tp=p.tp, layer_range=ranges[st], pre_process=st == 0,
                                           post_process=st == num_stages - 1, **etp)]
-    replicated = [q.partition is None and not q.shared_embedding for _, q in params]
     if o.grad_compression == "powersgd":
         r = o.powersgd_rank
         return sum(4 * m * n + 4 * n * r for _, q in params if len(q.local_shape) == 2
                    for m, n in [q.local_shape] if powersgd_compresses(r, m, n))
     placed = list(reversed(params))  # DataParallel's placement order (parallel/data_parallel/buffers.py)
     bucket = bucket_size_elements(bucket_size=None, bucket_size_mb=o.bucket_size_mb)
-    offsets, buckets, total = plan_buckets([prod(q.local_shape) for _, q in placed], bucket_size=bucket, dp=dp,
-                                           separate=[q.shared_embedding for _, q in placed],
-                                           groups=[c for c, _ in placed])
-    rep_numel = [prod(q.local_shape) if q.partition is None else 0 for _, q in placed]  # TP-replicated
+    _, buckets, total = plan_buckets([prod(q.local_shape) for _, q in placed], bucket_size=bucket, dp=dp,
+                                     separate=[q.shared_embedding for _, q in placed], groups=[c for c, _ in placed])
+    # elements of the TP-replicated parameters (a tied embedding is split over tp, so never one of them), whose
+    # positions the methods keep as int64 indices at tp > 1
+    rep_numel = [prod(q.local_shape) if q.partition is None and p.tp > 1 else 0 for _, q in placed]
     if o.grad_compression == "onebit":
-        out = 0
-        for b in buckets:
-            padded = -(-(b.end - b.start) // DEFAULT_ONEBIT_CHUNK) * DEFAULT_ONEBIT_CHUNK
-            out += 5 * padded + (8 * sum(rep_numel[i] for i in b.members) if p.tp > 1 else 0)
-        return out
+        return sum(5 * (-(-(b.end - b.start) // DEFAULT_ONEBIT_CHUNK) * DEFAULT_ONEBIT_CHUNK)
+                   + 8 * sum(rep_numel[i] for i in b.members) for b in buckets)
     out = total * (4 + 1) + (4 * total if u.momentum > 0 else 0) + (4 * total if u.compression == "topk" else 0)
-    if u.compression in ("int8", "topk") and p.tp > 1:
-        out += 8 * sum(prod(q.local_shape) for (_, q), rep in zip(params, replicated) if rep)
-    return out
+    return out + (8 * sum(rep_numel) if u.compression in ("int8", "topk") else 0)
 
 
 def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_sample: int = 1,

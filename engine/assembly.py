@@ -357,9 +357,10 @@ class Run:
             self.checkpointer.close()
         self.mesh.destroy()
 
-    def train(self, *, on_step=None) -> list[StepStats]:
+    def train(self, *, on_step=None, keep_history: bool = True) -> list[StepStats]:
         """The loop, saving every ``checkpoint.interval`` steps, at the end and on SIGTERM/SIGINT;
-        ``on_step(trainer, stats)`` runs after each step (collective calls allowed: every rank runs it)."""
+        ``on_step(trainer, stats)`` runs after each step (collective calls allowed: every rank runs it).
+        ``keep_history=False``: return ``[]``, keeping no per-step stats (:meth:`Trainer.train`)."""
         ck = self.checkpointer
 
         def after_step(tr, st):
@@ -374,7 +375,8 @@ class Run:
         try:
             with watchdog:
                 history = self.trainer.train(self.train_loader, self.valid_loader,
-                                             save=self.save if ck is not None else None, on_step=after_step)
+                                             save=self.save if ck is not None else None, on_step=after_step,
+                                             keep_history=keep_history)
         except (RunStopped, NonFiniteGradError):
             # Every rank stops at the same step (the skip limit, or optim.nonfinite="stop" on the all-reduced
             # norm): a save started before the divergence holds healthy weights and still commits.

@@ -217,15 +217,16 @@ def prepare(cfg, *, world: int) -> Prepared:
                     grpo=grpo)
 
 
-def run_posttrain(cfg, prep: Prepared, run_dir: str | None, *, world: int):
-    """Build, (DPO: score the reference once), resume, train. Returns the step stats."""
+def run_posttrain(cfg, prep: Prepared, run_dir: str | None, *, world: int, keep_history: bool = True):
+    """Build, (DPO: score the reference once), resume, train. Returns the step stats (``[]`` with
+    ``keep_history=False``, as the job runs: no per-step record grows over a long run)."""
     from engine.assembly import build_run
     from engine.posttrain.datasets import collate_pairs
     from engine.posttrain.objectives import DPOObjective, attach_reference_logps
 
     pt = cfg.posttrain
     if pt.method == "grpo":
-        return _run_grpo(cfg, prep, run_dir, world=world)
+        return _run_grpo(cfg, prep, run_dir, world=world, keep_history=keep_history)
     objective = None
     if pt.method == "dpo":
         objective = DPOObjective(beta=pt.dpo.beta, label_smoothing=pt.dpo.label_smoothing, loss_type=pt.dpo.loss_type)
@@ -241,7 +242,7 @@ def run_posttrain(cfg, prep: Prepared, run_dir: str | None, *, world: int):
         run.trainer.logger.info(f"tessel: reference log-probabilities of {prep.train_data.num_records} preference "
                                 "pairs computed with the base weights")
     run.resume()
-    return _train_and_close(run)
+    return _train_and_close(run, keep_history=keep_history)
 
 
 def _train_and_close(run, **kw):
@@ -251,7 +252,7 @@ def _train_and_close(run, **kw):
     return history
 
 
-def _run_grpo(cfg, prep: Prepared, run_dir: str | None, *, world: int):
+def _run_grpo(cfg, prep: Prepared, run_dir: str | None, *, world: int, keep_history: bool = True):
     """Rollouts as the loader, GRPO as the step loss; held-out greedy reward as the evaluation (logged
     before the first step and every ``train.eval_interval`` steps)."""
     from engine.assembly import build_run
@@ -271,7 +272,7 @@ def _run_grpo(cfg, prep: Prepared, run_dir: str | None, *, world: int):
                                      micro_batch_size=t.micro_batch_size, seed=t.seed, reference=reference)
     run.resume()
     if "valid_records" not in d:
-        return _train_and_close(run)
+        return _train_and_close(run, keep_history=keep_history)
 
     def evaluate(step: int):
         r = heldout_reward(tr, d["valid_records"], d["valid_prompts"], tokenizer=prep.tokenizer,
@@ -282,7 +283,7 @@ def _run_grpo(cfg, prep: Prepared, run_dir: str | None, *, world: int):
         if t.eval_interval and trainer.step % t.eval_interval == 0:
             evaluate(trainer.step)
     evaluate(tr.step)  # before this run's first step
-    return _train_and_close(run, on_step=on_step)
+    return _train_and_close(run, on_step=on_step, keep_history=keep_history)
 
 
 def posttrain_from_config(cfg, run_dir: str | None, *, world: int):
@@ -309,7 +310,7 @@ def main(argv=None) -> int:
                                             keys=POSTTRAIN_RESUME_KEYS), run_dir,
                          rows_per_sample=2 if cfg.posttrain.method == "dpo" else 1)
         return cfg, prep
-    return launch("posttrain.py", checked, lambda p, world: run_posttrain(p[0], p[1], args.run_dir, world=world),
+    return launch("posttrain.py", checked, lambda p, world: run_posttrain(p[0], p[1], args.run_dir, world=world, keep_history=False),
                   timeout_s=lambda p: p[0].fault.collective_timeout_s)
 
 

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
 
     def run(prepared, world):
         cfg, model, plan, tok = prepared
-        run_training(cfg, model, plan, args.run_dir, world=world, tokenizer=tok)
+        run_training(cfg, model, plan, args.run_dir, world=world, tokenizer=tok, keep_history=False)
     return launch("pretrain.py", prepare, run, timeout_s=lambda prepared: prepared[0].fault.collective_timeout_s)
 
 
@@ -149,14 +149,15 @@ def plan_run(cfg, *, world: int):
     return model, plan, tok
 
 
-def run_training(cfg, model, plan, run_dir: str | None, *, world: int, tokenizer=None):
-    """Build, resume, train. Returns the step stats."""
+def run_training(cfg, model, plan, run_dir: str | None, *, world: int, tokenizer=None, keep_history: bool = True):
+    """Build, resume, train. Returns the step stats (``[]`` with ``keep_history=False``, as the job runs: no
+    per-step record grows over a long run)."""
     from engine.assembly import build_run
 
     run = build_run(cfg, model=model, run_dir=run_dir or cfg.train.run_dir, world=world, plan=plan,
                     tokenizer=tokenizer)
     run.resume()
-    history = run.train()
+    history = run.train(keep_history=keep_history)
     run.close()  # a clean exit: the peer replicas in /dev/shm go (checkpoint.peer_replica), and the mesh's groups
     return history
 

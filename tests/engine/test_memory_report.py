@@ -3,7 +3,9 @@
 * Parameters, gradients and optimizer state predicted from the formulas (DataParallel's padded
   buffer layout, the ZeRO stage) equal, byte for byte, the tensors the built run holds: one process,
   and on 2 gloo ranks dp2 at ZeRO 0, 1 and 2 and pp2 (each pipeline rank); with DiLoCo's outer state
-  (top-k at tp2), Streaming DiLoCo's (int8) and PowerSGD's and 1-bit's buffers in the optimizer figure.
+  (uncompressed, and top-k at tp2), Streaming DiLoCo's (int8) and PowerSGD's and 1-bit's buffers in the
+  optimizer figure; a sync's transient buffers, which the report does not model, measured against the
+  figures docs/decentralised.md gives.
 * Activations: the per-layer formula equals the bytes saved for backward (saved-tensor hooks) on the
   paths not covered by tests/models/test_recompute.py (dropout on, the math path) and test_parity.py
   (Llama without dropout at TP 2/4): both families without dropout (SDPA's flash path) at TP 1.
@@ -111,6 +113,29 @@ def test_one_process_report_state_exact_and_peak_within_10_percent(tmp_path):
     assert off.trainer.memory is None
 
 
+def _sync_peaks(run, steps: int) -> list[tuple]:
+    """``steps`` training steps with each ``OuterOptimizer.step`` measured: per step ``(step, final, elements
+    sent on this rank, the allocator's peak above the call's start, what it still holds at its end: the
+    reductions left in flight)``."""
+    from engine.memory import PeakMemory
+
+    outer, rows = run.trainer.outer, []
+    step = outer.step
+
+    def measured(i, *, final=False):
+        with PeakMemory() as peak:
+            metrics = step(i, final=final)
+        sent = sum(hi - lo for f, (lo, hi) in enumerate(outer.bounds)
+                   if (i - outer.start_step) % outer.H == outer.phase(f))
+        rows.append((i, final, sent, peak.peak, peak.end))
+        return metrics
+    outer.step = measured
+    for _ in range(steps):
+        run.trainer.train_step(run.train_loader)
+    outer.step = step
+    return rows
+
+
 def _worker():
     import gc
 
@@ -130,7 +155,8 @@ def _worker():
     # beside the total, the method's own bytes as the objects count them, which the formula must also equal
     from engine.memory import method_state_bytes
 
-    for name, sets in (("diloco-topk-tp2", ["parallel.tp=2", "outer.method=diloco", "outer.inner_steps=2",
+    for name, sets in (("diloco-dp2", ["parallel.tp=1", "outer.method=diloco", "outer.inner_steps=2"]),
+                       ("diloco-topk-tp2", ["parallel.tp=2", "outer.method=diloco", "outer.inner_steps=2",
                                             "outer.compression=topk"]),
                        ("streaming-int8-dp2", ["parallel.tp=1", "outer.method=streaming_diloco", "outer.inner_steps=2",
                                                "outer.fragments=2",
@@ -144,6 +170,8 @@ def _worker():
         out[name] = (_state(run), _predicted_state(run), own,
                      method_state_bytes(run.cfg, run.model, world=2, pp_rank=tr.pp_rank),
                      sum(q.numel() for q in tr.chunks.parameters()))
+        if tr.outer is not None:
+            out[name + "-sync"] = _sync_peaks(run, 2)
         del run, tr
     run = _build(_cfg("parallel.tp=1", "parallel.pp=2"), world=2)
     out["pp2"] = (_state(run), _predicted_state(run))
@@ -235,7 +263,7 @@ def test_state_bytes_equal_the_allocated_tensors(two_ranks, name):
         assert got == predicted, (rank, name, got, predicted)
 
 
-@pytest.mark.parametrize("name", ["diloco-topk-tp2", "streaming-int8-dp2", "powersgd-dp2", "onebit-dp2"])
+@pytest.mark.parametrize("name", ["diloco-dp2", "diloco-topk-tp2", "streaming-int8-dp2", "powersgd-dp2", "onebit-dp2"])
 def test_decentralised_methods_state_bytes_equal_the_allocated_tensors(two_ranks, name):
     """DiLoCo (top-k at tp2: anchor, momentum, error feedback, norm mask and the TP-replicated positions),
     Streaming DiLoCo (int8, no momentum), PowerSGD and 1-bit: parameters, gradients and optimizer state with the
@@ -249,6 +277,29 @@ def test_decentralised_methods_state_bytes_equal_the_allocated_tensors(two_ranks
             assert 13 * n <= own < 14 * n, (rank, own, n)
         if name == "streaming-int8-dp2":  # no momentum: the anchor and the mask
             assert 5 * n <= own < 5 * n + 5 * 1024, (rank, own, n)
+        if name == "diloco-dp2":  # anchor, momentum (4 each) and the mask (1)
+            assert 9 * n <= own < 9 * n + 1024, (rank, own, n)
+
+
+def test_a_sync_holds_what_docs_decentralised_md_says(two_ranks):
+    """The sync's transient buffers, which the report names as not modeled: measured around
+    ``OuterOptimizer.step`` (dp2, CPU allocator) per element the sync sends, against the figures
+    docs/decentralised.md gives (Limits): uncompressed 4 bytes (the pseudo-gradient, reduced and applied in
+    place: one fragment-sized buffer, since 2026-11-28; six before), top-k (tp2) about 8, int8 about 16 (its
+    encoding's temporaries); a Streaming fragment's int8 reduction left in flight holds about 2 (the payload
+    sent and received). Each row: (step, final, elements sent, peak, held at the end)."""
+    for rank, out in enumerate(two_ranks):
+        (_, _, _, idle, _), (_, _, n, peak, held) = out["diloco-dp2-sync"]  # H = 2: step 2 syncs
+        assert idle <= 64 and held == 0 and n > 0, out["diloco-dp2-sync"]
+        assert 4 * n <= peak <= 4 * n + 256, (rank, peak, n)
+        (_, _, _, _, _), (_, _, n, peak, held) = out["diloco-topk-tp2-sync"]
+        assert 8 * n <= peak <= 8.5 * n and held == 0, (rank, peak, n)
+        # train.steps = 1: step 1 is the run's final step (sent and applied at once), step 2 sends and keeps
+        (_, final, n1, peak1, held1), (_, _, n2, peak2, held2) = out["streaming-int8-dp2-sync"]
+        assert final and held1 == 0 and n1 > 0 and n2 > 0, out["streaming-int8-dp2-sync"]
+        for n, peak in ((n1, peak1), (n2, peak2)):
+            assert 15.5 * n <= peak <= 16.5 * n, (rank, peak, n)
+        assert 2 * n2 <= held2 <= 2.1 * n2, (rank, held2, n2)
 
 
 def test_pp2_peak_within_10_percent(two_ranks):
@@ -422,3 +473,4 @@ def test_peak_memory_window_runs_without_the_garbage_collector():
             assert gc.isenabled() == was_on
         finally:
             gc.enable()
+

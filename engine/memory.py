@@ -547,8 +547,8 @@ def predict_memory(cfg, model, *, world: int, device: str = "cpu", rows_per_samp
         notes.append(what + (" (model.fp8_weight_cache: each FP8 weight's casts held for the step, "
                              "up to 2 bytes per element, 2.25 for mxfp8)" if held else ""))
     if cfg.outer.method != "none":  # its state is modeled (method_state_bytes), a sync's buffers are not
-        notes.append("a sync's buffers (measured per element it sends: 4 bytes, about 8 with top-k, 14-16 with bf16 "
-                     "or int8; docs/decentralised.md) and the outer reductions in flight (a fragment's "
+        notes.append("a sync's buffers (measured per element it sends: 4 bytes, about 8 with top-k, 6-7 with int8, "
+                     "8-11 with bf16; docs/decentralised.md) and the outer reductions in flight (a fragment's "
                      "pseudo-gradient each, 4 bytes per element, about 2 with int8; up to every fragment's with "
                      "outer.overlap_steps > 1)")
     if cfg.optim.grad_compression != "none":

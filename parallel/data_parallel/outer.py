@@ -314,6 +314,20 @@ class OuterOptimizer:
                  for a, z in [(max(lo, o), min(hi, o + e - s))] if a < z]
         return torch.cat(parts) if parts else self.masters[0].new_zeros(0)
 
+    def _read_padded(self, lo: int, hi: int) -> torch.Tensor:
+        """:meth:`_read` into a new fp32 tensor padded with zeros to the compression's unit (bf16: the dp size;
+        int8: dp size x chunk; else none): ``(pad(hi - lo),)``, the weights in its head. The compressed reduction
+        encodes it in place, so a sync needs no padded copy of the pseudo-gradient."""
+        n, p = hi - lo, self.group.size
+        unit = {"bf16": p, "int8": p * self.chunk}.get(self.compression, 1) if p > 1 else 1
+        out = self.masters[0].new_empty(_pad_to(n, unit))
+        out[n:].zero_()
+        for o, i, s, e in self._segments:
+            a, z = max(lo, o), min(hi, o + e - s)
+            if a < z:
+                out[a - lo:z - lo].copy_(self.masters[i][s + a - o:s + z - o])
+        return out
+
     def _write(self, lo: int, hi: int, values: torch.Tensor) -> None:
         for o, i, s, e in self._segments:
             a, z = max(lo, o), min(hi, o + e - s)
@@ -345,9 +359,11 @@ class OuterOptimizer:
         return line
 
     # -- compressed averaging ----------------------------------------------------------------------------
-    def _start_average(self, delta: torch.Tensor, lo: int, hi: int):
-        """Launch the dp average of ``delta`` (the fragment ``[lo, hi)``); returns ``finish() -> mean``."""
-        p, g, n = self.group.size, self.group, delta.numel()
+    def _start_average(self, buf: torch.Tensor, lo: int, hi: int):
+        """Launch the dp average of the pseudo-gradient of the fragment ``[lo, hi)``, ``buf[:hi - lo]`` (``buf``:
+        :meth:`_read_padded`'s, zeros after it; bf16 and int8 encode it in place); returns ``finish() -> mean``."""
+        p, g, n = self.group.size, self.group, hi - lo
+        delta = buf[:n]
         if n == 0:  # a fragment with no parameters on this rank (strided layout under pp): nothing to send
             return lambda: delta
         if p == 1:
@@ -358,28 +374,44 @@ class OuterOptimizer:
             work = comm.all_reduce(delta, g, async_op=True)
             return lambda: (comm.wait(work, g), delta.div_(p))[1]
         if self.compression in ("bf16", "int8"):
-            q = p if self.compression == "bf16" else p * self.chunk
-            x = torch.zeros(_pad_to(n, q), dtype=torch.float32, device=delta.device)
-            x[:n] = delta
-            payload = self._encode(x)  # tensors, each dim 0 divisible by p
+            # buf: (n_pad,), n_pad divisible by p (bf16) or p x chunk (int8); encoded in place, then dropped: a
+            # sync holds the pseudo-gradient once, plus the payload (until 2026-11-29 a padded copy of it, the
+            # encoding's fp32 temporaries and the decoded shards' concatenation too: 16 bytes per element
+            # with int8 at dp 2-4, now about 9; the same operations, the same bits)
+            n_pad = buf.numel()
+            payload = self._encode(buf)  # tensors, each dim 0 divisible by p
+            del buf, delta
             started = [comm.all_to_all(t, g, async_op=True) for t in payload]
+            del payload
 
             def finish():
                 comm.wait([w for _, w in started], g)
-                pieces = [out.view(p, -1) for out, _ in started]  # each (p, shard) from every rank
-                shard = sum(self._decode([pc[r] for pc in pieces]) for r in range(p))  # fp32 (n_pad / p,)
-                gathered = [comm.all_gather(t, g) for t in self._encode(shard)]
-                full = torch.cat([self._decode([t.view(p, -1)[r] for t in gathered]) for r in range(p)])
+                pieces = [out.view(p, -1) for out, _ in started]  # each (p, n_pad / p) from every rank
+                started.clear()
+                shard = None
+                for r in range(p):  # rank order from 0, as sum() over the decoded pieces did (0 + -0.0 = 0.0)
+                    d = self._decode([pc[r] for pc in pieces])  # fp32 (n_pad / p,), new
+                    shard = d.add_(0.0) if shard is None else shard.add_(d)
+                    del d
+                del pieces
+                gathered = [comm.all_gather(t, g) for t in self._encode(shard)]  # each (p * n_pad / p,)
+                del shard
+                full = torch.empty(n_pad, dtype=torch.float32, device=gathered[0].device)
+                for r, dst in enumerate(full.view(p, -1)):  # rank r's shard decoded into its place
+                    self._decode_into(dst, [t.view(p, -1)[r] for t in gathered])
                 return full[:n].div_(p)
             return finish
         return self._topk(delta, lo, hi)
 
     def _encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The payload of ``x`` (fp32, dim 0 divisible by the chunk for int8), which int8 overwrites: the
+        scaling, rounding and clamping run in place (the values of the out-of-place expression, bit for bit)."""
         if self.compression == "bf16":
             return [x.to(torch.bfloat16)]
         chunks = x.view(-1, self.chunk)  # (n / chunk, chunk)
-        scale = chunks.abs().amax(dim=1).clamp(min=1e-30) / 127.0  # (n / chunk,)
-        q = torch.round(chunks / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8).view(-1)  # (n,)
+        # max |x| per chunk, as max(max x, -min x): no fp32 copy of |x|; (n / chunk,)
+        scale = torch.maximum(chunks.amax(dim=1), chunks.amin(dim=1).neg_()).clamp_(min=1e-30).div_(127.0)
+        q = chunks.div_(scale.unsqueeze(1)).round_().clamp_(-127, 127).to(torch.int8).view(-1)  # (n,)
         return [q, scale]
 
     def _decode(self, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -387,6 +419,14 @@ class OuterOptimizer:
             return parts[0].to(torch.float32)
         q, scale = parts
         return (q.view(-1, self.chunk).to(torch.float32) * scale.unsqueeze(1)).view(-1)  # (n,)
+
+    def _decode_into(self, out: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        """:meth:`_decode` written into ``out`` (fp32, the parts' length): the same values, no new tensor."""
+        if self.compression == "bf16":
+            out.copy_(parts[0])
+            return
+        q, scale = parts
+        out.view(-1, self.chunk).copy_(q.view(-1, self.chunk)).mul_(scale.unsqueeze(1))  # (n / chunk, chunk)
 
     def _topk_select(self, delta: torch.Tensor, lo: int, hi: int):
         err = self.error[lo:hi]
@@ -448,11 +488,11 @@ class OuterOptimizer:
             if (step - self.start_step) % self.H != self.phase(f):
                 continue
             lo, hi = self.bounds[f]
-            theta = self._read(lo, hi)  # (hi - lo,) fp32, a new tensor: the pseudo-gradient is written over it
-            delta = torch.sub(self.anchor[lo:hi], theta, out=theta)
+            buf = self._read_padded(lo, hi)  # (pad(hi - lo),) fp32, new: the pseudo-gradient is written over it
+            torch.sub(self.anchor[lo:hi], buf[:hi - lo], out=buf[:hi - lo])
             pend = _Pending(fragment=f, due=sync_due(self.method, step, final=final, overlap=self.overlap),
-                            finish=self._start_average(delta, lo, hi))
-            del theta, delta  # held by the reduction only (a compressed one keeps its own buffers, not this)
+                            finish=self._start_average(buf, lo, hi))
+            del buf  # held by the reduction only (a compressed one encodes it in place and keeps its own buffers)
             if pend.due <= step:
                 sq = self._apply(pend)
                 applied_sq = sq if applied_sq is None else applied_sq + sq

@@ -322,10 +322,13 @@ class OuterOptimizer:
         unit = {"bf16": p, "int8": p * self.chunk}.get(self.compression, 1) if p > 1 else 1
         out = self.masters[0].new_empty(_pad_to(n, unit))
         out[n:].zero_()
+        copied = 0
         for o, i, s, e in self._segments:
             a, z = max(lo, o), min(hi, o + e - s)
             if a < z:
                 out[a - lo:z - lo].copy_(self.masters[i][s + a - o:s + z - o])
+                copied += z - a
+        assert copied == n, f"the outer vector's segments cover {copied} of [{lo}, {hi}): none may stay unread"
         return out
 
     def _write(self, lo: int, hi: int, values: torch.Tensor) -> None:

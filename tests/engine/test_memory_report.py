@@ -290,13 +290,14 @@ def test_a_sync_holds_what_docs_decentralised_md_says(two_ranks):
     about 2 (the payload sent and received). Each row: (step, final, elements sent, peak, held at the end)."""
     for rank, out in enumerate(two_ranks):
         (_, _, _, idle, _), (_, _, n, peak, held) = out["diloco-dp2-sync"]  # H = 2: step 2 syncs
-        assert idle <= 64 and held == 0 and n > 0, out["diloco-dp2-sync"]
+        # held: a few bytes of scalars may outlive the call (4 bytes in some runs: a review saw it flake at == 0)
+        assert idle <= 64 and held <= 64 and n > 0, out["diloco-dp2-sync"]
         assert 4 * n <= peak <= 4 * n + 256, (rank, peak, n)
         (_, _, _, _, _), (_, _, n, peak, held) = out["diloco-topk-tp2-sync"]
-        assert 8 * n <= peak <= 8.5 * n and held == 0, (rank, peak, n)
+        assert 8 * n <= peak <= 8.5 * n and held <= 64, (rank, peak, n, held)
         # train.steps = 1: step 1 is the run's final step (sent and applied at once), step 2 sends and keeps
         (_, final, n1, peak1, held1), (_, _, n2, peak2, held2) = out["streaming-int8-dp2-sync"]
-        assert final and held1 == 0 and n1 > 0 and n2 > 0, out["streaming-int8-dp2-sync"]
+        assert final and held1 <= 64 and n1 > 0 and n2 > 0, out["streaming-int8-dp2-sync"]
         # int8, sent and applied at once: 7 bytes per element (16 until 2026-11-29: a padded copy of the
         # pseudo-gradient, the encoding's fp32 temporaries, the decoded shards concatenated); sent only: 6
         assert 6.5 * n1 <= peak1 <= 7.5 * n1, (rank, peak1, n1)

@@ -55,12 +55,12 @@ def _cfg(*sets):
                                           "optim.warmup_steps=0", *sets])
 
 
-def _build(cfg, *, world: int, run_dir=None, device: str | None = None):
+def _build(cfg, *, world: int, run_dir=None, device: str | None = None, samples: int = 32):
     from engine.assembly import build_run
     from models.hook import ModelHook
 
     model = ModelHook.from_run_config(cfg, tokenizer_vocab=None)
-    return build_run(cfg, model=model, train_data=_Tokens(32), checkpoints=False, world=world, run_dir=run_dir,
+    return build_run(cfg, model=model, train_data=_Tokens(samples), checkpoints=False, world=world, run_dir=run_dir,
                      log_stream=open("/dev/null", "w"), device=device)
 
 
@@ -164,14 +164,14 @@ def _worker():
                                                "outer.nesterov=false"]),
                        ("powersgd-dp2", ["parallel.tp=1", "optim.grad_compression=powersgd"]),
                        ("onebit-dp2", ["parallel.tp=1", "optim.grad_compression=onebit"])):
-        run = _build(_cfg("parallel.pp=1", "optim.distributed=false", *sets), world=2)
+        run = _build(_cfg("parallel.pp=1", "optim.distributed=false", *sets), world=2, samples=64)  # 4 steps
         tr = run.trainer
         own = tr.outer.state_bytes() if tr.outer is not None else tr.ddp.grad_compressor.state_bytes()
         out[name] = (_state(run), _predicted_state(run), own,
                      method_state_bytes(run.cfg, run.model, world=2, pp_rank=tr.pp_rank),
                      sum(q.numel() for q in tr.chunks.parameters()))
         if tr.outer is not None:
-            out[name + "-sync"] = _sync_peaks(run, 2)
+            out[name + "-sync"] = _sync_peaks(run, 4 if "outer.method=diloco" in sets else 2)
         del run, tr
     run = _build(_cfg("parallel.tp=1", "parallel.pp=2"), world=2)
     out["pp2"] = (_state(run), _predicted_state(run))
@@ -288,21 +288,31 @@ def test_a_sync_holds_what_docs_decentralised_md_says(two_ranks):
     place: one fragment-sized buffer, since 2026-11-28; six before), top-k (tp2) about 8, int8 about 7 sent
     and applied, 6 sent (16 before 2026-11-29); a Streaming fragment's int8 reduction left in flight holds
     about 2 (the payload sent and received). Each row: (step, final, elements sent, peak, held at the end)."""
+    def measured(row):  # a sync allocates at least its buffer: a window with no allocation event at all (the
+        # CPU profiler recorded none once in a CI run, 2026-11-29) measured nothing and is left out
+        _, _, sent, peak, held = row
+        return not (sent > 0 and peak == 0 and held == 0)
+
     for rank, out in enumerate(two_ranks):
-        (_, _, _, idle, _), (_, _, n, peak, held) = out["diloco-dp2-sync"]  # H = 2: step 2 syncs
-        # held: a few bytes of scalars may outlive the call (4 bytes in some runs: a review saw it flake at == 0)
-        assert idle <= 64 and held <= 64 and n > 0, out["diloco-dp2-sync"]
-        assert 4 * n <= peak <= 4 * n + 256, (rank, peak, n)
-        (_, _, _, _, _), (_, _, n, peak, held) = out["diloco-topk-tp2-sync"]
-        assert 8 * n <= peak <= 8.5 * n and held <= 64, (rank, peak, n, held)
+        for name, low, high in (("diloco-dp2", 4, 4), ("diloco-topk-tp2", 8, 8.5)):  # H = 2: steps 2 and 4 sync
+            rows = out[name + "-sync"]
+            syncs = [r for r in rows if r[2] > 0]
+            assert [r[0] for r in syncs] == [2, 4] and any(map(measured, syncs)), (rank, name, rows)
+            # held: a few bytes of scalars may outlive the call (4 in some runs; == 0 flaked)
+            assert all(r[3] <= 64 and r[4] <= 64 for r in rows if r[2] == 0), (rank, name, rows)
+            for _, _, n, peak, held in filter(measured, syncs):
+                assert low * n <= peak <= high * n + 256 and held <= 64, (rank, name, peak, n, held)
         # train.steps = 1: step 1 is the run's final step (sent and applied at once), step 2 sends and keeps
-        (_, final, n1, peak1, held1), (_, _, n2, peak2, held2) = out["streaming-int8-dp2-sync"]
-        assert final and held1 <= 64 and n1 > 0 and n2 > 0, out["streaming-int8-dp2-sync"]
+        rows = out["streaming-int8-dp2-sync"]
+        (_, final, n1, peak1, held1), (_, _, n2, peak2, held2) = rows
+        assert final and n1 > 0 and n2 > 0 and any(map(measured, rows)), (rank, rows)
         # int8, sent and applied at once: 7 bytes per element (16 until 2026-11-29: a padded copy of the
         # pseudo-gradient, the encoding's fp32 temporaries, the decoded shards concatenated); sent only: 6
-        assert 6.5 * n1 <= peak1 <= 7.5 * n1, (rank, peak1, n1)
-        assert 5.5 * n2 <= peak2 <= 6.5 * n2, (rank, peak2, n2)
-        assert 2 * n2 <= held2 <= 2.1 * n2, (rank, held2, n2)
+        if measured(rows[0]):
+            assert 6.5 * n1 <= peak1 <= 7.5 * n1 and held1 <= 64, (rank, peak1, n1, held1)
+        if measured(rows[1]):
+            assert 5.5 * n2 <= peak2 <= 6.5 * n2, (rank, peak2, n2)
+            assert 2 * n2 <= held2 <= 2.1 * n2, (rank, held2, n2)
 
 
 def test_pp2_peak_within_10_percent(two_ranks):

@@ -310,7 +310,8 @@ def main(argv=None) -> int:
                                             keys=POSTTRAIN_RESUME_KEYS), run_dir,
                          rows_per_sample=2 if cfg.posttrain.method == "dpo" else 1)
         return cfg, prep
-    return launch("posttrain.py", checked, lambda p, world: run_posttrain(p[0], p[1], args.run_dir, world=world, keep_history=False),
+    return launch("posttrain.py", checked,
+                  lambda p, world: run_posttrain(p[0], p[1], args.run_dir, world=world, keep_history=False),
                   timeout_s=lambda p: p[0].fault.collective_timeout_s)
 
 

@@ -240,7 +240,7 @@ class OuterOptimizer:
                 sizes[frag[k]] += pieces[k][2] - pieces[k][1]
             edges = [sum(sizes[:f]) for f in range(self.F + 1)]
             self.bounds = [(edges[f], edges[f + 1]) for f in range(self.F)]
-        self.anchor = self._read(0, self.numel).clone()  # (numel,) fp32
+        self.anchor = self._read(0, self.numel)  # (numel,) fp32, a tensor of its own
         self.mom = torch.zeros_like(self.anchor) if momentum > 0 else None
         self.error = torch.zeros_like(self.anchor) if compression == "topk" else None
         self.pending: list[_Pending] = []
@@ -308,34 +308,37 @@ class OuterOptimizer:
         edges = [0, *cuts, self.numel]
         return [(edges[i], edges[i + 1]) for i in range(self.F)]
 
-    def _read(self, lo: int, hi: int) -> torch.Tensor:
-        """The masters' elements ``[lo, hi)`` of the outer vector, as a new fp32 tensor."""
-        parts = [self.masters[i][s + a - o:s + z - o] for o, i, s, e in self._segments
-                 for a, z in [(max(lo, o), min(hi, o + e - s))] if a < z]
-        return torch.cat(parts) if parts else self.masters[0].new_zeros(0)
+    def _spans(self, lo: int, hi: int):
+        """``(masters' slice, start, stop)`` for each piece of the outer vector's elements ``[lo, hi)``, in order;
+        ``start``/``stop`` relative to ``lo``."""
+        for o, i, s, e in self._segments:
+            a, z = max(lo, o), min(hi, o + e - s)
+            if a < z:
+                yield self.masters[i][s + a - o:s + z - o], a - lo, z - lo
 
-    def _read_padded(self, lo: int, hi: int) -> torch.Tensor:
-        """:meth:`_read` into a new fp32 tensor padded with zeros to the compression's unit (bf16: the dp size;
-        int8: dp size x chunk; else none): ``(pad(hi - lo),)``, the weights in its head. The compressed reduction
-        encodes it in place, so a sync needs no padded copy of the pseudo-gradient."""
-        n, p = hi - lo, self.group.size
-        unit = {"bf16": p, "int8": p * self.chunk}.get(self.compression, 1) if p > 1 else 1
+    def _read(self, lo: int, hi: int, *, unit: int = 1) -> torch.Tensor:
+        """The masters' elements ``[lo, hi)`` of the outer vector, as a new fp32 tensor padded with zeros to a
+        multiple of ``unit`` (the compressed reduction's: see :meth:`_unit`; it encodes the tensor in place, so a
+        sync needs no padded copy of the pseudo-gradient): ``(pad(hi - lo, unit),)``, the weights in its head."""
+        n = hi - lo
         out = self.masters[0].new_empty(_pad_to(n, unit))
         out[n:].zero_()
         copied = 0
-        for o, i, s, e in self._segments:
-            a, z = max(lo, o), min(hi, o + e - s)
-            if a < z:
-                out[a - lo:z - lo].copy_(self.masters[i][s + a - o:s + z - o])
-                copied += z - a
+        for src, a, z in self._spans(lo, hi):
+            out[a:z].copy_(src)
+            copied += z - a
         assert copied == n, f"the outer vector's segments cover {copied} of [{lo}, {hi}): none may stay unread"
         return out
 
+    def _unit(self) -> int:
+        """What a sync pads its pseudo-gradient to: bf16 the dp size, int8 dp size x chunk (each rank reduces one
+        equal share), else nothing."""
+        p = self.group.size
+        return {"bf16": p, "int8": p * self.chunk}.get(self.compression, 1) if p > 1 else 1
+
     def _write(self, lo: int, hi: int, values: torch.Tensor) -> None:
-        for o, i, s, e in self._segments:
-            a, z = max(lo, o), min(hi, o + e - s)
-            if a < z:
-                self.masters[i][s + a - o:s + z - o].copy_(values[a - lo:z - lo])
+        for dst, a, z in self._spans(lo, hi):
+            dst.copy_(values[a:z])
 
     def phase(self, fragment: int) -> int:
         """The residue (mod H) of the steps counted from ``start_step`` after which ``fragment`` sends its
@@ -364,7 +367,8 @@ class OuterOptimizer:
     # -- compressed averaging ----------------------------------------------------------------------------
     def _start_average(self, buf: torch.Tensor, lo: int, hi: int):
         """Launch the dp average of the pseudo-gradient of the fragment ``[lo, hi)``, ``buf[:hi - lo]`` (``buf``:
-        :meth:`_read_padded`'s, zeros after it; bf16 and int8 encode it in place); returns ``finish() -> mean``."""
+        :meth:`_read`'s, padded to :meth:`_unit` with zeros; bf16 and int8 encode it in place); returns
+        ``finish() -> mean``."""
         p, g, n = self.group.size, self.group, hi - lo
         delta = buf[:n]
         if n == 0:  # a fragment with no parameters on this rank (strided layout under pp): nothing to send
@@ -380,7 +384,7 @@ class OuterOptimizer:
             # buf: (n_pad,), n_pad divisible by p (bf16) or p x chunk (int8); encoded in place, then dropped: a
             # sync holds the pseudo-gradient once, plus the payload (until 2026-11-29 a padded copy of it, the
             # encoding's fp32 temporaries and the decoded shards' concatenation too: 16 bytes per element
-            # with int8 at dp 2-4, now about 9; the same operations, the same bits)
+            # with int8 at dp 2-4, now 6-7; the same operations, the same bits)
             n_pad = buf.numel()
             payload = self._encode(buf)  # tensors, each dim 0 divisible by p
             del buf, delta
@@ -491,7 +495,7 @@ class OuterOptimizer:
             if (step - self.start_step) % self.H != self.phase(f):
                 continue
             lo, hi = self.bounds[f]
-            buf = self._read_padded(lo, hi)  # (pad(hi - lo),) fp32, new: the pseudo-gradient is written over it
+            buf = self._read(lo, hi, unit=self._unit())  # (pad(hi - lo),) fp32, new: the pseudo-gradient over it
             torch.sub(self.anchor[lo:hi], buf[:hi - lo], out=buf[:hi - lo])
             pend = _Pending(fragment=f, due=sync_due(self.method, step, final=final, overlap=self.overlap),
                             finish=self._start_average(buf, lo, hi))
